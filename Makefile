@@ -1,0 +1,71 @@
+# kvmesh developer entry points. `make run` and `make test` work on a fresh Debian machine as root;
+# both call `make setup`, which is idempotent (stamp files skip work already done).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+DISTS := libs/kvmesh services/worker services/router services/frontend bench cli
+STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
+APT_PACKAGES := etcd-server etcd-client bazel-bootstrap
+PYTEST_ARGS ?=
+
+.PHONY: help setup system-deps protos lint test test-python test-bazel run bench clean
+
+help:
+	@echo "make run    - set up everything and start the local mesh (kvmesh up)"
+	@echo "make test   - set up everything and run every check and test"
+	@echo "make setup  - install system packages, node tools and the Python venv (idempotent)"
+
+setup: system-deps $(STAMP) node_modules/.stamp protos
+
+system-deps:
+	@missing=""; \
+	command -v etcd >/dev/null || missing="$$missing etcd-server etcd-client"; \
+	command -v bazel >/dev/null || missing="$$missing bazel-bootstrap"; \
+	if [ -n "$$missing" ]; then \
+	  echo "setup: installing$$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "setup: need root to apt-get install$$missing" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@command -v python3 >/dev/null && python3 -c 'import venv, ensurepip' 2>/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null)
+
+$(STAMP): constraints.txt $(addsuffix /pyproject.toml,$(DISTS))
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip 'setuptools>=68' wheel
+	$(PIP) install -q -r constraints.txt
+	$(PY) libs/kvmesh/gen_protos.py >/dev/null
+	$(PIP) install -q --no-deps --no-build-isolation $(addprefix -e ,$(DISTS))
+	@rm -f $(VENV)/.kvmesh-setup-*; touch $@
+
+node_modules/.stamp: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+# Stubs are build outputs: regenerate whenever a contract changes.
+protos: $(STAMP)
+	@$(PY) libs/kvmesh/gen_protos.py >/dev/null
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
+	node_modules/.bin/buf lint
+	scripts/buf-breaking.sh
+
+test-python: setup
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+test-bazel: setup
+	@if command -v bazel >/dev/null; then \
+	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel test //... ; \
+	else echo "bazel not installed: skipping bazel test //..."; fi
+
+test: lint test-python test-bazel
+
+run: setup
+	$(VENV)/bin/kvmesh up
+
+clean:
+	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache
+	-command -v bazel >/dev/null && bazel clean --expunge

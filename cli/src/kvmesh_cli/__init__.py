@@ -1,0 +1,1 @@
+"""The umbrella ``kvmesh`` command: user-facing tools that sit outside the daemons."""

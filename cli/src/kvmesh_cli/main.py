@@ -1,0 +1,42 @@
+"""``kvmesh up | bench ... | datagen ...``.
+
+Each command lives in its own module and registers its own sub-parser, so this file only wires
+them together; importing a command's heavy dependencies happens when it runs, not at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# (module, attribute): each exposes register(subparsers) adding one command with func=...
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("kvmesh_cli.up", "register"),
+    ("kvmesh_bench.cli", "register"),
+    ("kvmesh_bench.datagen.cli", "register"),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvmesh", description="kvmesh: a KV-aware LLM serving mesh (tools and local runs)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for module, attr in COMMANDS:
+        getattr(importlib.import_module(module), attr)(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Channel and server options every kvmesh gRPC endpoint uses.
+
+Keepalive pings detect a dead peer (a kill -9'd worker, a cut cable) in seconds instead of the
+kernel's TCP timeout, which is what makes mid-stream migration and router failover fast. Message
+limits are generous because snapshots of a 16k-block cache and long prompts are legitimately large.
+"""
+
+from __future__ import annotations
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+CLIENT_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+]
+
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    # Two daemons must never silently share a port.
+    ("grpc.so_reuseport", 0),
+]

@@ -1,0 +1,49 @@
+"""The KV event vocabulary engines publish and routers ingest, independent of any transport.
+
+An engine's events are its cache journal: ``event_id`` is contiguous per engine from 0, so a
+subscriber that sees a jump knows it lost events. Protobuf conversion lives with the transport
+(``kvmesh.kv_events_pb``); engine and router cores only see these types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """One newly cached full block: its sequence hash (identity) and its tokens hash (content)."""
+
+    block_hash: int
+    tokens_hash: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """Consecutive full blocks newly cached after ``parent_hash`` (None: they start a sequence)."""
+
+    parent_hash: int | None
+    blocks: tuple[StoredBlock, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksRemoved:
+    """Cached blocks evicted or destroyed; removal never implies anything about descendants."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllCleared:
+    """The engine dropped its whole cache (a barrier: nothing before it still holds)."""
+
+
+EventData = BlocksStored | BlocksRemoved | AllCleared
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    """One journal entry of one engine."""
+
+    event_id: int
+    data: EventData

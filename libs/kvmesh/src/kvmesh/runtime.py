@@ -1,0 +1,219 @@
+"""The lifecycle every kvmesh daemon shares: lease, gRPC server, health, reflection, drain.
+
+Invariants (the reasons this module exists):
+- **No zombie.** A daemon serves only while its discovery lease is alive. The moment the lease
+  keeper cannot prove the lease, health flips to NOT_SERVING and new calls (other than health and
+  reflection) are refused with UNAVAILABLE; when discovery is back the keeper re-registers under a
+  new lease and serving resumes, without a restart. Instance ids stay stable across re-grants
+  (they are minted from the first lease), so caches and in-flight streams keyed by them survive.
+- **Graceful exit.** SIGTERM/SIGINT: the lease is revoked first (every record vanishes at once, so
+  nobody routes new work here), health goes NOT_SERVING, in-flight calls get ``--drain-timeout``
+  seconds to finish, then the process exits 0.
+- **Bad config or unreachable discovery** exits 2 with one line (``kvmesh.config.fail``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvmesh import telemetry
+from kvmesh.config import Config, fail
+from kvmesh.discovery import Discovery, DiscoveryUnavailable, Lease, instance_key, open_discovery
+from kvmesh.grpc_options import SERVER_OPTIONS
+from kvmesh.v1 import discovery_pb2
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+_ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class _ServingGate(grpc.aio.ServerInterceptor):
+    """Refuses new calls while the daemon must not serve (lease lost, draining)."""
+
+    def __init__(self, is_serving: Callable[[], bool], reason: Callable[[], str]) -> None:
+        self._is_serving = is_serving
+        self._reason = reason
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        if self._is_serving() or handler_call_details.method.startswith(_ALWAYS_ALLOWED):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        reason = self._reason()
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+
+        async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+            yield  # pragma: no cover - makes this an async generator
+
+        if handler.response_streaming:
+            factory = grpc.unary_stream_rpc_method_handler if not handler.request_streaming \
+                else grpc.stream_stream_rpc_method_handler
+            return factory(refuse_stream, request_deserializer=handler.request_deserializer,
+                           response_serializer=handler.response_serializer)
+        factory = grpc.unary_unary_rpc_method_handler if not handler.request_streaming \
+            else grpc.stream_unary_rpc_method_handler
+        return factory(refuse, request_deserializer=handler.request_deserializer,
+                       response_serializer=handler.response_serializer)
+
+
+class DaemonRuntime:
+    """Owns discovery, the lease, the gRPC server and the signal handling of one daemon process."""
+
+    def __init__(self, name: str, config: Config) -> None:
+        self.name = name
+        self.config = config
+        self.discovery: Discovery | None = None
+        self.lease: Lease | None = None
+        self.instance_id = 0
+        self.address = ""
+        self.metrics_address = ""
+        self.server = grpc.aio.server(interceptors=[_ServingGate(self.is_serving, self._refusal_reason),
+                                                    *telemetry.server_interceptors()],
+                                      options=SERVER_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                          reflection.SERVICE_NAME]
+        self._records: dict[str, discovery_pb2.InstanceRecord] = {}
+        self._draining = False
+        self._stop = asyncio.Event()
+        self._lost_hooks: list[Callable[[], None]] = []
+        self._renewed_hooks: list[Callable[[], Awaitable[None]]] = []
+        self.started_unix_ms = int(time.time() * 1000)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def connect(self) -> None:
+        """Open discovery and take the lease; unreachable discovery exits 2 with one line."""
+        try:
+            self.discovery = await open_discovery(self.config.discovery, ttl=self.config.lease_ttl)
+            self.lease = await self.discovery.grant_lease(on_lost=self._on_lease_lost,
+                                                          on_renewed=self._on_lease_renewed)
+        except DiscoveryUnavailable as exc:
+            fail(self.name, f"--discovery {self.config.discovery}: {exc}")
+        self.instance_id = self.lease.id
+        port = telemetry.start_metrics_server(self.config.metrics_port)
+        if port is not None:
+            self.metrics_address = f"{self.config.host}:{port}"
+
+    def add_service(self, full_name: str, add_to_server: Callable[[Any, grpc.aio.Server], None],
+                    servicer: Any) -> None:
+        add_to_server(servicer, self.server)
+        self._service_names.append(full_name)
+
+    async def start(self, port: int, bind_host: str = "0.0.0.0") -> int:
+        """Bind and start serving; returns the bound port (``port`` 0 picks a free one)."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(self._service_names, self.server)
+        try:
+            bound = self.server.add_insecure_port(f"{bind_host}:{port}")
+        except RuntimeError as exc:
+            fail(self.name, f"--grpc-port {port}: cannot bind ({exc})")
+        if bound == 0:
+            fail(self.name, f"--grpc-port {port}: cannot bind (address in use?)")
+        await self.server.start()
+        self.address = f"{self.config.host}:{bound}"
+        await self._set_health(True)
+        return bound
+
+    def instance_record(self, component: str, endpoint: str, instance_id: int | None = None,
+                        **fields: Any) -> discovery_pb2.InstanceRecord:
+        assert self.lease is not None, "connect() first"
+        return discovery_pb2.InstanceRecord(
+            namespace=self.config.namespace, component=component, endpoint=endpoint,
+            instance_id=instance_id if instance_id is not None else self.instance_id,
+            lease_id=self.lease.id, address=self.address, hostname=socket.gethostname(), pid=os.getpid(),
+            version=VERSION, started_unix_ms=self.started_unix_ms, metrics_address=self.metrics_address,
+            **fields)
+
+    async def register(self, record: discovery_pb2.InstanceRecord) -> str:
+        """Publish an instance record under the lease; it lives exactly as long as the lease."""
+        assert self.lease is not None, "connect() first"
+        key = instance_key(record.namespace, record.component, record.endpoint, record.instance_id)
+        self._records[key] = record
+        await self.lease.put(key, record.SerializeToString())
+        return key
+
+    async def put(self, key: str, value: bytes) -> None:
+        """Publish any other record (e.g. a model card) under the lease."""
+        assert self.lease is not None, "connect() first"
+        await self.lease.put(key, value)
+
+    def on_lease_lost(self, hook: Callable[[], None]) -> None:
+        self._lost_hooks.append(hook)
+
+    def on_lease_renewed(self, hook: Callable[[], Awaitable[None]]) -> None:
+        self._renewed_hooks.append(hook)
+
+    def is_serving(self) -> bool:
+        return not self._draining and self.lease is not None and self.lease.alive
+
+    def _refusal_reason(self) -> str:
+        if self._draining:
+            return f"{self.name} is shutting down; retry on another instance"
+        return f"{self.name} lost its discovery lease and is not serving; retry on another instance"
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def wait_for_stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        await self._stop.wait()
+
+    async def shutdown(self) -> None:
+        """Deregister at once, drain in-flight calls up to --drain-timeout, release everything."""
+        self._draining = True
+        if self.lease is not None:
+            try:
+                await self.lease.revoke()
+            except Exception:  # discovery may be down; the lease then expires by itself
+                log.warning("could not revoke the lease; records expire within the TTL", exc_info=True)
+        await self._set_health(False)
+        await self.server.stop(grace=self.config.drain_timeout)
+        if self.discovery is not None:
+            await self.discovery.close()
+        telemetry.shutdown_tracing()
+
+    # -- lease callbacks ------------------------------------------------------------------------
+    def _on_lease_lost(self) -> None:
+        log.error("discovery lease lost: not serving until it is re-established")
+        for hook in self._lost_hooks:
+            hook()
+        asyncio.get_running_loop().create_task(self._set_health(False))
+
+    async def _on_lease_renewed(self, new_lease_id: int) -> None:
+        log.warning("discovery lease re-established as %x: serving again", new_lease_id)
+        assert self.lease is not None
+        for key, record in self._records.items():  # refresh the lease id the records carry
+            record.lease_id = new_lease_id
+            await self.lease.put(key, record.SerializeToString())
+        for hook in self._renewed_hooks:
+            await hook()
+        await self._set_health(True)
+
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving and self.is_serving() \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self._service_names):
+            await self.health.set(name, status)
+
+
+def service_names(*descriptors: Any) -> Iterable[str]:
+    return [d.full_name for d in descriptors]
