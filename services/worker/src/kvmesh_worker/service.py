@@ -1,0 +1,200 @@
+"""WorkerService: the gRPC face of the engines one worker process hosts.
+
+Every RPC names its engine by id; the servicer only translates between protobuf and the engine
+runner — scheduling, caching and KV events are the engine core's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+from kvmesh import kv_events_pb
+from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+
+from kvmesh_worker.engine import (
+    CacheDump,
+    EngineRequest,
+    EventIdTooNew,
+    ForwardPassMetrics,
+    InvalidRequest,
+    QueueFull,
+    RequestOutput,
+)
+from kvmesh_worker.engine_runner import EngineRunner, SubscriberTooSlow
+from kvmesh_worker.model_files import ModelFiles
+
+FILE_CHUNK_BYTES = 1 << 20
+LOAD_COALESCE_S = 0.05
+_FINISH = {"length": worker_pb2.FINISH_REASON_LENGTH, "stop": worker_pb2.FINISH_REASON_STOP,
+           "abort": worker_pb2.FINISH_REASON_CANCELLED}
+
+
+class _LoadWatcher:
+    """Engines whose load changed and passes completed since this watcher's last message."""
+
+    def __init__(self, engine_ids: set[int] | None, want_passes: bool) -> None:
+        self.engine_ids = engine_ids
+        self.want_passes = want_passes
+        self.dirty: set[int] = set()
+        self.passes: list[worker_pb2.ForwardPassMetrics] = []
+        self.changed = asyncio.Event()
+
+    def on_pass(self, engine_id: int, metrics: ForwardPassMetrics, wall_s: float) -> None:
+        if self.engine_ids is not None and engine_id not in self.engine_ids:
+            return
+        self.dirty.add(engine_id)
+        if self.want_passes:
+            self.passes.append(worker_pb2.ForwardPassMetrics(
+                engine_id=engine_id, prefill_tokens=metrics.prefill_tokens, decode_tokens=metrics.decode_tokens,
+                batch_size=metrics.batch_size, num_prefill_requests=metrics.num_prefill_requests,
+                num_decode_requests=metrics.num_decode_requests, modelled_ms=metrics.duration_ms,
+                wall_ms=wall_s * 1000.0, end_unix_s=time.time()))
+        self.changed.set()
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, runners: Iterable[EngineRunner], cards: dict[int, discovery_pb2.ModelCard],
+                 model: ModelFiles) -> None:
+        self.runners = {runner.engine_id: runner for runner in runners}
+        self.cards = cards
+        self.model = model
+        self._watchers: set[_LoadWatcher] = set()
+        for runner in self.runners.values():
+            runner.add_observer(self._on_pass)
+
+    def _on_pass(self, engine_id: int, metrics: ForwardPassMetrics, wall_s: float) -> None:
+        for watcher in self._watchers:
+            watcher.on_pass(engine_id, metrics, wall_s)
+
+    async def _runner(self, engine_id: int, context: grpc.aio.ServicerContext) -> EngineRunner:
+        runner = self.runners.get(engine_id)
+        if runner is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"engine {engine_id:x} is not hosted by this worker (it hosts "
+                                f"{', '.join(f'{e:x}' for e in self.runners)})")
+        return runner  # type: ignore[return-value]
+
+    # -- generation -----------------------------------------------------------------------------
+    async def Generate(self, request: worker_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        runner = await self._runner(request.engine_id, context)
+        sampling = request.sampling
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            queue = runner.submit(EngineRequest(
+                request_id=request_id, prompt=list(request.token_ids), max_tokens=sampling.max_tokens,
+                ignore_eos=sampling.ignore_eos, stop_token_ids=tuple(sampling.stop_token_ids),
+                seed=sampling.seed if sampling.HasField("seed") else 0))
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        finished = False
+        try:
+            while not finished:
+                outputs: list[RequestOutput] = [await queue.get()]
+                while not queue.empty():  # a slow reader gets one message for several passes
+                    outputs.append(queue.get_nowait())
+                response = worker_pb2.GenerateResponse()
+                for output in outputs:
+                    response.token_ids.extend(output.token_ids)
+                    if output.num_cached_prompt_tokens is not None:
+                        response.num_cached_tokens = output.num_cached_prompt_tokens
+                        response.num_prompt_tokens = len(request.token_ids)
+                    if output.finished:
+                        finished = True
+                        response.finish_reason = _FINISH.get(output.finish_reason or "stop",
+                                                             worker_pb2.FINISH_REASON_STOP)
+                yield response
+        finally:
+            if not finished:  # the caller cancelled or went away: free the blocks now
+                runner.abort(request_id)
+
+    # -- KV journal -----------------------------------------------------------------------------
+    async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
+        runner = await self._runner(request.engine_id, context)
+        start = request.start_event_id if request.HasField("start_event_id") else None
+        try:
+            initial, subscription = runner.subscribe(start)
+        except EventIdTooNew as exc:
+            await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        try:
+            if isinstance(initial, CacheDump):
+                yield worker_pb2.SubscribeKvEventsResponse(
+                    snapshot=kv_events_pb.snapshot_to_proto(initial.stored, initial.next_event_id))
+            elif initial:
+                yield worker_pb2.SubscribeKvEventsResponse(events=kv_events_pb.batch_to_proto(initial))
+            while True:
+                events = await subscription.next()
+                yield worker_pb2.SubscribeKvEventsResponse(events=kv_events_pb.batch_to_proto(events))
+        except SubscriberTooSlow:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                "KV event subscriber fell too far behind; resubscribe from your next event id")
+        finally:
+            runner.unsubscribe(subscription)
+
+    async def DumpKvIndex(self, request: worker_pb2.DumpKvIndexRequest,
+                          context: grpc.aio.ServicerContext) -> worker_pb2.DumpKvIndexResponse:
+        runner = await self._runner(request.engine_id, context)
+        dump = runner.core.dump_cache()
+        return worker_pb2.DumpKvIndexResponse(snapshot=kv_events_pb.snapshot_to_proto(dump.stored,
+                                                                                       dump.next_event_id))
+
+    # -- load -----------------------------------------------------------------------------------
+    def _load(self, engine_id: int) -> worker_pb2.EngineLoad:
+        load = self.runners[engine_id].core.load()
+        return worker_pb2.EngineLoad(
+            engine_id=engine_id, active_blocks=load.active_blocks, cached_blocks=load.cached_blocks,
+            total_blocks=load.total_blocks, waiting=load.num_waiting, running=load.num_running,
+            queued_prefill_tokens=load.queued_prefill_tokens)
+
+    async def WatchLoad(self, request: worker_pb2.WatchLoadRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.WatchLoadResponse]:
+        wanted = set(request.engine_ids) or None
+        unknown = (wanted or set()) - set(self.runners)
+        if unknown:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"engines not hosted here: {', '.join(f'{e:x}' for e in sorted(unknown))}")
+        watcher = _LoadWatcher(wanted, request.forward_pass_metrics)
+        self._watchers.add(watcher)
+        try:
+            yield worker_pb2.WatchLoadResponse(loads=[self._load(e) for e in (wanted or self.runners)])
+            while True:
+                await watcher.changed.wait()
+                await asyncio.sleep(LOAD_COALESCE_S)  # one message per burst of passes
+                watcher.changed.clear()
+                dirty, watcher.dirty = watcher.dirty, set()
+                passes, watcher.passes = watcher.passes, []
+                yield worker_pb2.WatchLoadResponse(loads=[self._load(e) for e in sorted(dirty)], passes=passes)
+        finally:
+            self._watchers.discard(watcher)
+
+    # -- model ----------------------------------------------------------------------------------
+    async def GetModelCard(self, request: worker_pb2.GetModelCardRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.GetModelCardResponse:
+        await self._runner(request.engine_id, context)
+        return worker_pb2.GetModelCardResponse(card=self.cards[request.engine_id])
+
+    async def GetModelFile(self, request: worker_pb2.GetModelFileRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GetModelFileResponse]:
+        await self._runner(request.engine_id, context)
+        data = self.model.files.get(request.name)
+        if data is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"model file {request.name!r} not served; available: {', '.join(self.model.files)}")
+        yield worker_pb2.GetModelFileResponse(data=data[:FILE_CHUNK_BYTES], total_size=len(data))
+        for offset in range(FILE_CHUNK_BYTES, len(data), FILE_CHUNK_BYTES):
+            yield worker_pb2.GetModelFileResponse(data=data[offset:offset + FILE_CHUNK_BYTES])
+
+    async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest,
+                        context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKvResponse:
+        await self._runner(request.engine_id, context)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"engine {request.engine_id:x} is aggregated: it holds no KV for transfers")
+        return worker_pb2.ReleaseKvResponse()  # pragma: no cover

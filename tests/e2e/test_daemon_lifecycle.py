@@ -1,0 +1,179 @@
+"""Every daemon's lifecycle contract, with real processes, real gRPC and real discovery backends.
+
+- ``--help`` documents every flag; a bad flag or unreachable discovery exits 2 with one line.
+- A started daemon answers grpc.health.v1 SERVING and lists its services through reflection.
+- SIGTERM: the discovery record disappears at once, in-flight calls finish, exit code 0.
+- kill -9: the record is gone within TTL + 1 s.
+- etcd down for 2×TTL: the daemon stops serving while it has no lease and re-registers without a
+  restart when etcd is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from kvmesh.discovery import instance_prefix, open_discovery
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.daemons import Daemon, run_cli
+from tests.support.etcd import EtcdServer, free_port
+
+pytestmark = pytest.mark.e2e
+
+DAEMONS = ["kvmesh-worker", "kvmesh-router", "kvmesh-frontend"]
+COMMON_FLAGS = ["--discovery", "--namespace", "--lease-ttl", "--metrics-port", "--otel-exporter", "--log-level",
+                "--drain-timeout", "--config", "KVMESH_DISCOVERY", "KVMESH_NAMESPACE"]
+
+
+@pytest.mark.parametrize("daemon", DAEMONS)
+def test_help_documents_every_flag(daemon):
+    result = run_cli(daemon, "--help")
+    assert result.returncode == 0, result.stderr
+    for flag in COMMON_FLAGS:
+        assert flag in result.stdout, f"{daemon} --help does not mention {flag}"
+
+
+@pytest.mark.parametrize("daemon", DAEMONS)
+def test_bad_flag_exits_2_with_one_line(daemon):
+    result = run_cli(daemon, "--definitely-not-a-flag")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"{daemon}: error: unrecognized arguments: --definitely-not-a-flag"]
+
+
+@pytest.mark.parametrize("daemon", DAEMONS)
+def test_unreachable_discovery_exits_2_with_one_line(daemon):
+    url = f"etcd://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    result = run_cli(daemon, "--discovery", url, "--grpc-port", "0", timeout=30)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{daemon}: error: --discovery {url}"), result.stderr
+    assert time.monotonic() - started < 15
+
+
+# -- a worker as the representative daemon, on both discovery backends ---------------------------
+@pytest.fixture(params=["file", "etcd"])
+def discovery_url(request, tmp_path):
+    if request.param == "file":
+        yield f"file://{tmp_path / 'discovery'}"
+        return
+    with EtcdServer(tmp_path / "etcd") as etcd:
+        yield etcd.url
+
+
+def start_worker(tmp_path, url, *extra: str, ttl: float = 2.0) -> Daemon:
+    port = free_port()
+    return Daemon("kvmesh-worker", ["--discovery", url, "--grpc-port", str(port), "--lease-ttl", str(ttl),
+                                    "--namespace", "lifecycle", "--num-gpu-blocks", "256", "--block-size", "16",
+                                    *extra], tmp_path, port)
+
+
+def worker_records(url: str) -> dict[str, bytes]:
+    async def read() -> dict[str, bytes]:
+        discovery = await open_discovery(url, ttl=2.0)
+        try:
+            return await discovery.get_prefix(instance_prefix("lifecycle", "worker"))
+        finally:
+            await discovery.close()
+
+    return asyncio.run(read())
+
+
+def wait_records(url: str, present: bool, timeout: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if bool(worker_records(url)) == present:
+            return time.monotonic() - started
+        time.sleep(0.05)
+    raise AssertionError(f"worker records {'never appeared' if present else 'still present'} after {timeout} s")
+
+
+def generate(address: str, max_tokens: int, timeout: float = 30.0) -> list[int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        engine_id = engine_ids(channel)[0]
+        request = worker_pb2.GenerateRequest(
+            request_id=f"r{time.monotonic_ns()}", engine_id=engine_id, token_ids=list(range(1, 40)),
+            sampling=worker_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True))
+        return [t for response in stub.Generate(request, timeout=timeout) for t in response.token_ids]
+
+
+def engine_ids(channel: grpc.Channel) -> list[int]:
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    first = next(stub.WatchLoad(worker_pb2.WatchLoadRequest(), timeout=5))
+    return [load.engine_id for load in first.loads]
+
+
+def test_worker_serves_health_and_reflection(tmp_path, discovery_url):
+    worker = start_worker(tmp_path, discovery_url).wait_serving()
+    try:
+        assert worker.health("kvmesh.v1.WorkerService") == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(worker.address) as channel:
+            services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert {"kvmesh.v1.WorkerService", "grpc.health.v1.Health",
+                "grpc.reflection.v1alpha.ServerReflection"} <= services
+        assert len(worker_records(discovery_url)) == 1
+    finally:
+        worker.close()
+
+
+def test_sigterm_deregisters_at_once_and_drains_in_flight_calls(tmp_path, discovery_url):
+    # speedup 0.5 makes 40 decode passes take ~0.5 s: long enough to be in flight at SIGTERM
+    worker = start_worker(tmp_path, discovery_url, "--speedup-ratio", "0.5").wait_serving()
+    try:
+        result: dict[str, object] = {}
+        call = threading.Thread(target=lambda: result.update(tokens=generate(worker.address, 40)))
+        call.start()
+        time.sleep(0.2)
+        worker.signal(signal.SIGTERM)
+        gone_after = wait_records(discovery_url, present=False, timeout=1.0)
+        call.join(15)
+        assert result.get("tokens") is not None and len(result["tokens"]) == 40, "in-flight call did not finish"
+        assert worker.wait(15) == 0
+        assert gone_after < 1.0
+    finally:
+        worker.close()
+
+
+def test_kill_9_removes_the_record_within_ttl_plus_one_second(tmp_path, discovery_url):
+    worker = start_worker(tmp_path, discovery_url, ttl=2.0).wait_serving()
+    try:
+        wait_records(discovery_url, present=True, timeout=5)
+        worker.signal(signal.SIGKILL)
+        worker.wait(5)
+        assert wait_records(discovery_url, present=False, timeout=3.0 + 1.0) <= 3.0
+    finally:
+        worker.close()
+
+
+def test_etcd_outage_stops_serving_and_re_registers_without_restart(tmp_path):
+    with EtcdServer(tmp_path / "etcd") as etcd:
+        worker = start_worker(tmp_path, etcd.url, ttl=2.0).wait_serving()
+        try:
+            pid = worker.proc.pid
+            etcd.stop()
+            # never served while it had no lease: NOT_SERVING within the TTL and refusing new work
+            deadline = time.monotonic() + 4.0
+            while worker.health() == health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "still SERVING long after the lease could be proven"
+                time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as refused:
+                generate(worker.address, 1, timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "lease" in refused.value.details()
+            time.sleep(max(0.0, deadline - time.monotonic()))  # etcd down for ~2x TTL in total
+            etcd.start()
+            worker.wait_serving(timeout=15)
+            wait_records(etcd.url, present=True, timeout=5)
+            assert worker.proc.pid == pid and worker.proc.poll() is None
+            assert len(generate(worker.address, 3)) == 3
+        finally:
+            worker.close()

@@ -1,0 +1,111 @@
+"""Real kvmesh daemons as subprocesses for end-to-end tests.
+
+A ``Daemon`` is started with its console script (exactly what a systemd unit runs), its output
+captured to a log file, and waited on through grpc.health.v1 — the same signal operators use.
+Only our own child processes are ever signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+BIN = Path(sys.executable).parent
+
+
+def script(name: str) -> str:
+    path = BIN / name
+    return str(path) if path.exists() else (shutil.which(name) or name)
+
+
+class Daemon:
+    """One daemon process; ``port`` is the gRPC port it was told to bind."""
+
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path, port: int, env: dict[str, str] | None = None):
+        self.name = name
+        self.args = list(args)
+        self.port = port
+        self.log_path = log_dir / f"{name}-{port}.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen([script(name), *self.args], stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=full_env, start_new_session=True)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self, service: str = "", timeout: float = 1.0) -> int | None:
+        """The health status enum, or None if the daemon does not answer."""
+        with grpc.insecure_channel(self.address) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                  timeout=timeout)
+            except grpc.RpcError:
+                return None
+        return reply.status
+
+    def wait_serving(self, timeout: float = 20.0) -> Daemon:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_text()}")
+            if self.health() == health_pb2.HealthCheckResponse.SERVING:
+                return self
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name} not SERVING within {timeout} s:\n{self.log_text()}")
+
+    def wait_log(self, pattern: str, timeout: float = 10.0) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.log_text())
+            if match:
+                return match
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not in {self.name}'s log within {timeout} s:\n{self.log_text()}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@contextlib.contextmanager
+def running(*daemons: Daemon) -> Iterator[tuple[Daemon, ...]]:
+    try:
+        yield daemons
+    finally:
+        for daemon in reversed(daemons):
+            daemon.close()
+
+
+def run_cli(name: str, *args: str, timeout: float = 30.0, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([script(name), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
