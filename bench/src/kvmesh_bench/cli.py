@@ -1,0 +1,28 @@
+"""``kvmesh bench NAME ...``: each benchmark is a module with ``main(argv) -> int`` and its own flags.
+
+Every benchmark prints a table and writes its figures with ``--json PATH``; numbers are reported as
+ratios against a baseline measured in the same run, because the machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "mocker-scale": ("kvmesh_bench.mocker_scale", "N mocker engines in one process: timing drift and passes/s"),
+    "router": ("kvmesh_bench.router_bench", "indexer and decision throughput/latency on the Mooncake trace"),
+    "indexer": ("kvmesh_bench.indexer_microbench", "indexer alone: events/s and find_matches latency"),
+    "frontend": ("kvmesh_bench.frontend_bench", "latency the frontend + router add, streams/s"),
+    "replay": ("kvmesh_bench.replay.cli", "replay a Mooncake trace offline (simulated) or live (KServe)"),
+    "compare": ("kvmesh_bench.replay.compare", "the same replay per router mode, with ratios to round_robin"),
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmarks (each prints a table; --json PATH writes figures)")
+    names = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module, help_text) in BENCHMARKS.items():
+        p = names.add_parser(name, help=help_text, add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER)
+        p.set_defaults(func=lambda args, module=module: int(importlib.import_module(module).main(args.args) or 0))

@@ -1,0 +1,177 @@
+"""Trace statistics (``kvmesh datagen analyze``) and the synthesized-vs-source comparison (``--compare``)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from itertools import pairwise
+from typing import Any
+
+from kvmesh_bench.datagen.prefix_tree import TreePropertyError, extract_core_tree, summarize
+from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceRequest
+
+__all__ = ["analyze", "arrival_stats", "compare", "format_analysis", "format_comparison", "prefix_hit_rate"]
+
+
+def prefix_hit_rate(requests: Sequence[TraceRequest]) -> dict[str, float]:
+    """Infinite-cache block hit rate, in trace order.
+
+    Block ``i`` of a request hits when an earlier request (or an earlier part of the same one) had the same
+    prefix path ``hash_ids[: i + 1]``. Paths are keyed in a trie, so a hash id reused under another parent
+    does not count as a hit.
+    """
+    trie: dict[int, dict] = {}
+    hits = 0
+    blocks = 0
+    for request in requests:
+        level = trie
+        for block in request.hash_ids:
+            blocks += 1
+            child = level.get(block)
+            if child is None:
+                child = level[block] = {}
+            else:
+                hits += 1
+            level = child
+    return {"hit_blocks": hits, "blocks": blocks, "hit_rate": hits / blocks if blocks else 0.0}
+
+
+def arrival_stats(requests: Sequence[TraceRequest]) -> dict[str, Any]:
+    """Span, request rate, requests per timestamp and inter-arrival gaps (in time order)."""
+    timestamps = sorted(request.timestamp_ms for request in requests)
+    span_ms = timestamps[-1] - timestamps[0]
+    per_timestamp = Counter(timestamps)
+    distinct = list(per_timestamp)
+    return {
+        "span_s": span_ms / 1000.0,
+        "request_rate_rps": (len(timestamps) - 1) / (span_ms / 1000.0) if span_ms > 0 else None,
+        "distinct_timestamps": len(distinct),
+        "requests_per_timestamp": summarize(list(per_timestamp.values())),
+        "inter_arrival_ms": summarize([b - a for a, b in pairwise(timestamps)]),
+        "timestamp_gap_ms": summarize([b - a for a, b in pairwise(distinct)]),
+    }
+
+
+def analyze(requests: Sequence[TraceRequest], block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, Any]:
+    """All the figures of ``kvmesh datagen analyze`` as a JSON-ready dict."""
+    if not requests:
+        raise ValueError("cannot analyze an empty trace")
+    mismatched = sum(1 for r in requests if len(r.hash_ids) != -(-r.input_length // block_size))
+    report: dict[str, Any] = {
+        "requests": len(requests),
+        "block_size": block_size,
+        "rows_with_block_count_mismatch": mismatched,
+        "isl": summarize([request.input_length for request in requests]),
+        "osl": summarize([request.output_length for request in requests]),
+        "cache": prefix_hit_rate(requests),
+        "arrivals": arrival_stats(requests),
+    }
+    try:
+        report["prefix_tree"] = extract_core_tree(requests).stats()
+    except TreePropertyError as exc:
+        report["prefix_tree"] = {"error": str(exc)}
+    return report
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) < 1e15):
+        return f"{int(value):,}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return f"{value:,.2f}" if abs(value) >= 10 else f"{value:.4g}"
+
+
+def _dist_line(label: str, stats: dict[str, float], unit: str = "") -> str:
+    keys = ("mean", "p50", "p99", "min", "max")
+    values = "  ".join(f"{key} {_fmt(stats[key])}" for key in keys)
+    return f"  {label:<24}{values}{unit}"
+
+
+def format_analysis(report: dict[str, Any], title: str = "") -> str:
+    """Human-readable text of :func:`analyze`'s figures."""
+    arrivals = report["arrivals"]
+    cache = report["cache"]
+    lines = [
+        f"{title or 'trace'}: {report['requests']:,} requests over {arrivals['span_s']:,.1f} s "
+        f"({_fmt(arrivals['request_rate_rps'])} req/s), block size {report['block_size']}",
+        _dist_line("ISL (tokens)", report["isl"]),
+        _dist_line("OSL (tokens)", report["osl"]),
+        f"  {'prefix hit rate':<24}{cache['hit_rate']:.2%} "
+        f"({cache['hit_blocks']:,} of {cache['blocks']:,} blocks seen before, infinite cache)",
+        _dist_line("inter-arrival (ms)", arrivals["inter_arrival_ms"]),
+        _dist_line("gap between stamps (ms)", arrivals["timestamp_gap_ms"]),
+        _dist_line("requests per timestamp", arrivals["requests_per_timestamp"]),
+    ]
+    if report["rows_with_block_count_mismatch"]:
+        lines.append(
+            f"  note: {report['rows_with_block_count_mismatch']:,} rows have len(hash_ids) != "
+            f"ceil(input_length / {report['block_size']})"
+        )
+    tree = report["prefix_tree"]
+    if "error" in tree:
+        lines.append(f"  prefix tree: {tree['error']}")
+    else:
+        lines += [
+            f"  {'prefix tree':<24}{tree['distinct_blocks']:,} distinct blocks; core radix tree "
+            f"{tree['core_nodes']:,} nodes / {tree['core_blocks']:,} blocks, depth {tree['core_depth_nodes']} nodes "
+            f"/ {tree['core_depth_blocks']} blocks",
+            f"  {'branching':<24}root children {tree['root_children']:,}; {tree['internal_nodes']:,} internal "
+            f"nodes, mean {tree['branching_mean']:.2f} / max {tree['branching_max']:,} children",
+            _dist_line("core node len (blocks)", tree["node_length_blocks"]),
+            _dist_line("leaf len (blocks)", tree["leaf_length_blocks"]),
+            f"  {'unique leaves':<24}{tree['unique_leaves']:,} ({tree['requests_with_unique_leaf']:.1%} of "
+            f"requests; {tree['requests_ending_in_core']:.1%} end inside the core tree)",
+        ]
+    return "\n".join(lines)
+
+
+_COMPARED: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("requests", ("requests",)),
+    ("ISL mean", ("isl", "mean")),
+    ("ISL p50", ("isl", "p50")),
+    ("ISL p99", ("isl", "p99")),
+    ("OSL mean", ("osl", "mean")),
+    ("OSL p50", ("osl", "p50")),
+    ("OSL p99", ("osl", "p99")),
+    ("hit rate", ("cache", "hit_rate")),
+    ("request rate (req/s)", ("arrivals", "request_rate_rps")),
+    ("inter-arrival mean (ms)", ("arrivals", "inter_arrival_ms", "mean")),
+    ("inter-arrival p50 (ms)", ("arrivals", "inter_arrival_ms", "p50")),
+    ("inter-arrival p99 (ms)", ("arrivals", "inter_arrival_ms", "p99")),
+    ("stamp gap mean (ms)", ("arrivals", "timestamp_gap_ms", "mean")),
+    ("requests/stamp mean", ("arrivals", "requests_per_timestamp", "mean")),
+)
+
+
+def compare(trace: dict[str, Any], source: dict[str, Any]) -> list[dict[str, Any]]:
+    """Side by side: each metric of two :func:`analyze` reports with ``(trace - source) / source``."""
+    rows = []
+    for label, path in _COMPARED:
+        value: Any = trace
+        reference: Any = source
+        for key in path:
+            value = value[key]
+            reference = reference[key]
+        relative = (value - reference) / reference if value is not None and reference else None
+        rows.append({"metric": label, "trace": value, "source": reference, "relative_diff": relative})
+    return rows
+
+
+def format_comparison(rows: list[dict[str, Any]], trace_name: str = "trace", source_name: str = "source") -> str:
+    """The comparison as a text table (``trace_name`` and ``source_name`` head the lines above it)."""
+
+    def cell(metric: str, value: float | None) -> str:
+        return f"{value:.2%}" if metric == "hit rate" and value is not None else _fmt(value)
+
+    header = f"{'metric':<26}{'trace':>14}{'source':>14}{'rel. diff':>11}"
+    lines = [f"trace:  {trace_name}", f"source: {source_name}", header, "-" * len(header)]
+    for row in rows:
+        relative = "n/a" if row["relative_diff"] is None else f"{row['relative_diff']:+.1%}"
+        lines.append(
+            f"{row['metric']:<26}{cell(row['metric'], row['trace']):>14}"
+            f"{cell(row['metric'], row['source']):>14}{relative:>11}"
+        )
+    return "\n".join(lines)

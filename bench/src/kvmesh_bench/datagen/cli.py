@@ -1,0 +1,235 @@
+"""``kvmesh datagen analyze|synthesize``: argparse wiring (:func:`register`) and the command handlers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace, write_trace
+
+__all__ = ["main", "register"]
+
+EXIT_OK = 0
+EXIT_ERROR = 2
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn the expected failures into one line on stderr and exit code 2."""
+
+    def run(args: argparse.Namespace) -> int:
+        # imported here: numpy and networkx load only when a datagen command runs
+        from kvmesh_bench.datagen.prefix_tree import TreePropertyError
+        from kvmesh_bench.datagen.synthesize import DatagenError
+
+        try:
+            return handler(args)
+        except BrokenPipeError:  # e.g. piped into `head`
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - keeps the interpreter's final flush quiet
+            return EXIT_OK
+        except (TraceError, TreePropertyError, DatagenError, OSError) as exc:
+            message = str(exc)
+            if isinstance(exc, OSError) and exc.filename:
+                message = f"{exc.filename}: {exc.strerror}"
+            print(f"kvmesh datagen {args.datagen_command}: error: {message}", file=sys.stderr)
+            return EXIT_ERROR
+
+    run.__name__ = handler.__name__
+    run.__doc__ = handler.__doc__
+    return run
+
+
+def _write_json(path: str, data: Any) -> None:
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from kvmesh_bench.datagen.analyze import analyze, compare, format_analysis, format_comparison
+
+    requests = load_trace(args.trace, max_requests=args.max_requests)
+    report = analyze(requests, block_size=args.block_size)
+    if args.compare is None:
+        print(format_analysis(report, title=args.trace))
+        if args.json:
+            _write_json(args.json, report)
+        return EXIT_OK
+    source = load_trace(args.compare, max_requests=args.max_requests)
+    source_report = analyze(source, block_size=args.block_size)
+    rows = compare(report, source_report)
+    print(format_comparison(rows, trace_name=args.trace, source_name=args.compare))
+    if args.json:
+        _write_json(args.json, {"trace": report, "source": source_report, "comparison": rows})
+    return EXIT_OK
+
+
+def _synthesize(args: argparse.Namespace) -> int:
+    from kvmesh_bench.datagen.synthesize import DatagenError, SynthesisConfig, Synthesizer
+
+    if args.min_isl is not None and args.max_isl is not None and args.min_isl > args.max_isl:
+        raise DatagenError(f"--min-isl ({args.min_isl}) is larger than --max-isl ({args.max_isl})")
+    started = time.perf_counter()
+    source = load_trace(args.trace, max_requests=args.max_requests)
+    config = SynthesisConfig(
+        prefix_len_multiplier=args.prefix_len_multiplier,
+        prefix_root_multiplier=args.prefix_root_multiplier,
+        prompt_len_multiplier=args.prompt_len_multiplier,
+        osl_multiplier=args.osl_multiplier,
+        speedup_ratio=args.speedup_ratio,
+        min_isl=args.min_isl,
+        max_isl=args.max_isl,
+        block_size=args.block_size,
+        seed=args.seed,
+        sampling=args.sampling,
+    )
+    synthesizer = Synthesizer(source, config)
+    requests = synthesizer.generate(args.num_requests)
+    write_trace(args.output, requests)
+    tree = synthesizer.tree
+    core_blocks = sum(length for _, length in tree.graph.nodes(data="length"))
+    print(
+        f"wrote {len(requests):,} requests to {args.output} (learned from {len(source):,} requests: core radix "
+        f"tree {tree.graph.number_of_nodes() - 1:,} nodes / {core_blocks:,} blocks, {len(tree.leaf_lengths):,} "
+        f"unique leaves) in {time.perf_counter() - started:.2f} s"
+    )
+    return EXIT_OK
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``datagen`` command (sub-commands ``analyze`` and ``synthesize``) to a CLI."""
+    datagen = subparsers.add_parser(
+        "datagen",
+        help="analyze a Mooncake trace or synthesize a new one from it",
+        description="Analyze Mooncake-format request traces and synthesize new ones with the same prefix structure.",
+    )
+    commands = datagen.add_subparsers(dest="datagen_command", metavar="{analyze,synthesize}", required=True)
+
+    analyze_parser = commands.add_parser(
+        "analyze",
+        help="ISL/OSL, arrival and prefix-cache statistics of a trace",
+        description="ISL/OSL statistics, arrival rate, infinite-cache prefix hit rate and prefix-tree statistics. "
+        "With --compare SOURCE: this trace (e.g. a synthesized one) next to SOURCE, with relative differences.",
+    )
+    analyze_parser.add_argument("trace", help="Mooncake JSONL trace")
+    analyze_parser.add_argument("--compare", metavar="SOURCE", help="compare against this trace")
+    analyze_parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    analyze_parser.add_argument(
+        "--block-size",
+        metavar="TOKENS",
+        type=_positive_int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per hash id (default: 512)",
+    )
+    analyze_parser.add_argument(
+        "--max-requests", metavar="N", type=_positive_int, help="read only the first N requests (of each trace)"
+    )
+    analyze_parser.set_defaults(func=_guarded(_analyze))
+
+    synth = commands.add_parser(
+        "synthesize",
+        help="synthesize a trace with the prefix structure of TRACE",
+        description="Learn TRACE's core radix tree of shared prefixes, unique-prompt lengths, ISL/OSL and arrival "
+        "statistics, and sample a new Mooncake-format trace from them (same seed: byte-identical output).",
+    )
+    synth.add_argument("trace", help="source Mooncake JSONL trace")
+    synth.add_argument("-o", "--output", required=True, metavar="OUT", help="output JSONL path")
+    synth.add_argument(
+        "--num-requests",
+        metavar="N",
+        type=_positive_int,
+        help="requests to synthesize (default: as many as the source)",
+    )
+    synth.add_argument(
+        "--prefix-len-multiplier",
+        metavar="X",
+        type=_positive_float,
+        default=1.0,
+        help="stretch shared-prefix nodes (default: 1)",
+    )
+    synth.add_argument(
+        "--prefix-root-multiplier",
+        metavar="K",
+        type=_positive_int,
+        default=1,
+        help="k disjoint copies of the prefix tree, one picked at random per request (default: 1)",
+    )
+    synth.add_argument(
+        "--prompt-len-multiplier",
+        metavar="X",
+        type=_positive_float,
+        default=1.0,
+        help="scale unique-prompt lengths (default: 1)",
+    )
+    synth.add_argument(
+        "--osl-multiplier", metavar="X", type=_positive_float, default=1.0, help="scale output lengths (default: 1)"
+    )
+    synth.add_argument(
+        "--speedup-ratio",
+        metavar="X",
+        type=_positive_float,
+        default=1.0,
+        help="divide inter-arrival gaps by this (default: 1)",
+    )
+    synth.add_argument("--min-isl", metavar="TOKENS", type=_non_negative_int, help="drop requests with a shorter input")
+    synth.add_argument("--max-isl", metavar="TOKENS", type=_non_negative_int, help="drop requests with a longer input")
+    synth.add_argument(
+        "--block-size",
+        metavar="TOKENS",
+        type=_positive_int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per hash id (default: 512)",
+    )
+    synth.add_argument("--seed", metavar="SEED", type=int, default=0, help="random seed (default: 0)")
+    synth.add_argument(
+        "--sampling",
+        choices=("stratified", "iid"),
+        default="stratified",
+        help="stratified (default): draw every empirical distribution (tree transitions, lengths, arrivals) from "
+        "a shuffled deck of the source's values, reshuffled when used up; iid: independent draws",
+    )
+    synth.add_argument(
+        "--max-requests", metavar="N", type=_positive_int, help="learn from the first N source requests only"
+    )
+    synth.set_defaults(func=_guarded(_synthesize))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry point (``python -m kvmesh_bench.datagen``): ``datagen`` as the only command."""
+    parser = argparse.ArgumentParser(prog="kvmesh")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))

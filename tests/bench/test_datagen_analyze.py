@@ -1,0 +1,124 @@
+"""``kvmesh datagen analyze``: hand-computed statistics, --json, --compare and the CLI's error handling."""
+
+import argparse
+import json
+
+import pytest
+from kvmesh_bench.datagen.analyze import analyze, compare, prefix_hit_rate
+from kvmesh_bench.datagen.cli import main, register
+from kvmesh_bench.trace import TraceRequest, write_trace
+
+
+def req(ts, isl, osl, ids):
+    return TraceRequest(ts, isl, osl, tuple(ids))
+
+
+HAND_MADE = [
+    req(0, 1500, 10, [1, 2, 3]),  # 3 misses
+    req(0, 1400, 20, [1, 2, 4]),  # 1, 2 hit; 4 misses
+    req(1000, 600, 30, [1, 5]),  # 1 hits
+    req(3000, 100, 40, [6]),  # miss
+]
+
+
+def test_hit_rate_equals_the_hand_computed_value():
+    assert prefix_hit_rate(HAND_MADE) == {"hit_blocks": 3, "blocks": 9, "hit_rate": pytest.approx(3 / 9)}
+
+
+def test_hit_rate_counts_prefix_paths_not_bare_ids():
+    # 2 under 3 is a different prefix than 2 under 1 (a trace that is not a tree still analyzes)
+    assert prefix_hit_rate([req(0, 1024, 1, [1, 2]), req(0, 1024, 1, [3, 2])])["hit_rate"] == 0
+    # a repeat of the whole prompt hits on every block
+    assert prefix_hit_rate([req(0, 1024, 1, [1, 2]), req(0, 1024, 1, [1, 2])])["hit_rate"] == 0.5
+
+
+def test_analyze_figures_on_a_hand_made_trace():
+    report = analyze(HAND_MADE)
+    assert report["requests"] == 4
+    assert report["isl"]["mean"] == 900 and report["isl"]["min"] == 100 and report["isl"]["max"] == 1500
+    assert report["isl"]["p50"] == 1000  # between 600 and 1400
+    assert report["osl"]["mean"] == 25
+    arrivals = report["arrivals"]
+    assert arrivals["span_s"] == 3.0 and arrivals["request_rate_rps"] == 1.0  # 3 gaps over 3 s
+    assert arrivals["distinct_timestamps"] == 3
+    assert arrivals["inter_arrival_ms"]["mean"] == 1000  # gaps 0, 1000, 2000
+    assert arrivals["timestamp_gap_ms"]["mean"] == 1500  # gaps 1000, 2000
+    assert arrivals["requests_per_timestamp"]["max"] == 2
+    assert report["rows_with_block_count_mismatch"] == 0
+    tree = report["prefix_tree"]
+    assert tree["core_nodes"] == 2 and tree["core_blocks"] == 2  # 1 and 2 (not merged: 1 also leads to 5)
+    assert tree["unique_leaves"] == 4
+
+
+def test_analyze_reports_a_tree_violation_instead_of_failing():
+    report = analyze([req(0, 1024, 1, [1, 2]), req(0, 1024, 1, [3, 2])])
+    assert "hash id 2 has 2 parents" in report["prefix_tree"]["error"]
+
+
+def test_compare_gives_relative_differences():
+    base = analyze(HAND_MADE)
+    doubled = analyze([req(r.timestamp_ms, r.input_length * 2, r.output_length, r.hash_ids) for r in HAND_MADE])
+    rows = {row["metric"]: row for row in compare(doubled, base)}
+    assert rows["ISL mean"]["relative_diff"] == pytest.approx(1.0)
+    assert rows["OSL mean"]["relative_diff"] == 0
+    assert rows["hit rate"]["trace"] == rows["hit rate"]["source"]
+    # a source value of 0 (or none: a single timestamp has no rate) gives no relative difference
+    burst = analyze([req(0, r.input_length, r.output_length, r.hash_ids) for r in HAND_MADE])
+    rows = {row["metric"]: row for row in compare(base, burst)}
+    assert burst["arrivals"]["request_rate_rps"] is None
+    assert rows["request rate (req/s)"]["relative_diff"] is None
+    assert rows["inter-arrival mean (ms)"]["relative_diff"] is None
+
+
+def test_register_adds_datagen_to_an_umbrella_cli(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, HAND_MADE)
+    parser = argparse.ArgumentParser(prog="kvmesh")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["datagen", "analyze", str(trace)])
+    assert args.func(args) == 0
+    assert "prefix hit rate         33.33%" in capsys.readouterr().out
+
+
+def test_cli_analyze_json_and_compare(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, HAND_MADE)
+    figures = tmp_path / "figures.json"
+    assert main(["datagen", "analyze", str(trace), "--json", str(figures)]) == 0
+    data = json.loads(figures.read_text())
+    assert data["cache"]["hit_rate"] == pytest.approx(1 / 3)
+    assert data["isl"]["p99"] == pytest.approx(1497.0)
+
+    other = tmp_path / "other.jsonl"
+    write_trace(other, HAND_MADE[:3])
+    out_json = tmp_path / "cmp.json"
+    capsys.readouterr()
+    assert main(["datagen", "analyze", str(other), "--compare", str(trace), "--json", str(out_json)]) == 0
+    table = capsys.readouterr().out
+    assert "ISL mean" in table and "rel. diff" in table and "hit rate" in table
+    comparison = json.loads(out_json.read_text())["comparison"]
+    requests = next(row for row in comparison if row["metric"] == "requests")
+    assert requests == {"metric": "requests", "trace": 3, "source": 4, "relative_diff": -0.25}
+
+
+def test_cli_empty_trace_is_one_line_and_exit_2(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["datagen", "analyze", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err == f"kvmesh datagen analyze: error: {empty}: the trace is empty (no requests)\n"
+
+
+def test_cli_malformed_line_names_the_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n{"timestamp": 0}\n')
+    assert main(["datagen", "analyze", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvmesh datagen analyze: error: {bad}:2: missing fields 'input_length'")
+    assert err.count("\n") == 1
+
+
+def test_cli_missing_file_exit_2(tmp_path, capsys):
+    assert main(["datagen", "analyze", str(tmp_path / "nope.jsonl")]) == 2
+    assert "cannot read trace" in capsys.readouterr().err
