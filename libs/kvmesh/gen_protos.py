@@ -23,8 +23,13 @@ def main() -> int:
         print(f"gen_protos: no .proto files under {PROTOS}", file=sys.stderr)
         return 2
     bindir = str(Path(sys.executable).parent)
-    args = ["protoc", f"-I{PROTOS}", f"-I{Path(protoc.__file__).parent / '_proto'}",
-            f"--python_out={OUT}", f"--grpc_python_out={OUT}"]
+    args = [
+        "protoc",
+        f"-I{PROTOS}",
+        f"-I{Path(protoc.__file__).parent / '_proto'}",
+        f"--python_out={OUT}",
+        f"--grpc_python_out={OUT}",
+    ]
     for plugin, flag in (("protoc-gen-mypy", "--mypy_out"), ("protoc-gen-mypy_grpc", "--mypy_grpc_out")):
         exe = shutil.which(plugin, path=bindir)
         if exe:  # typing stubs are a convenience: generate them where mypy-protobuf is installed

@@ -19,17 +19,27 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-
 from kvmesh.discovery import instance_prefix, open_discovery
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
 from tests.support.daemons import Daemon, run_cli
 from tests.support.etcd import EtcdServer, free_port
 
 pytestmark = pytest.mark.e2e
 
 DAEMONS = ["kvmesh-worker", "kvmesh-router", "kvmesh-frontend"]
-COMMON_FLAGS = ["--discovery", "--namespace", "--lease-ttl", "--metrics-port", "--otel-exporter", "--log-level",
-                "--drain-timeout", "--config", "KVMESH_DISCOVERY", "KVMESH_NAMESPACE"]
+COMMON_FLAGS = [
+    "--discovery",
+    "--namespace",
+    "--lease-ttl",
+    "--metrics-port",
+    "--otel-exporter",
+    "--log-level",
+    "--drain-timeout",
+    "--config",
+    "KVMESH_DISCOVERY",
+    "KVMESH_NAMESPACE",
+]
 
 
 @pytest.mark.parametrize("daemon", DAEMONS)
@@ -44,8 +54,7 @@ def test_help_documents_every_flag(daemon):
 def test_bad_flag_exits_2_with_one_line(daemon):
     result = run_cli(daemon, "--definitely-not-a-flag")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        f"{daemon}: error: unrecognized arguments: --definitely-not-a-flag"]
+    assert result.stderr.strip().splitlines() == [f"{daemon}: error: unrecognized arguments: --definitely-not-a-flag"]
 
 
 @pytest.mark.parametrize("daemon", DAEMONS)
@@ -71,9 +80,26 @@ def discovery_url(request, tmp_path):
 
 def start_worker(tmp_path, url, *extra: str, ttl: float = 2.0) -> Daemon:
     port = free_port()
-    return Daemon("kvmesh-worker", ["--discovery", url, "--grpc-port", str(port), "--lease-ttl", str(ttl),
-                                    "--namespace", "lifecycle", "--num-gpu-blocks", "256", "--block-size", "16",
-                                    *extra], tmp_path, port)
+    return Daemon(
+        "kvmesh-worker",
+        [
+            "--discovery",
+            url,
+            "--grpc-port",
+            str(port),
+            "--lease-ttl",
+            str(ttl),
+            "--namespace",
+            "lifecycle",
+            "--num-gpu-blocks",
+            "256",
+            "--block-size",
+            "16",
+            *extra,
+        ],
+        tmp_path,
+        port,
+    )
 
 
 def worker_records(url: str) -> dict[str, bytes]:
@@ -101,8 +127,11 @@ def generate(address: str, max_tokens: int, timeout: float = 30.0) -> list[int]:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         engine_id = engine_ids(channel)[0]
         request = worker_pb2.GenerateRequest(
-            request_id=f"r{time.monotonic_ns()}", engine_id=engine_id, token_ids=list(range(1, 40)),
-            sampling=worker_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True))
+            request_id=f"r{time.monotonic_ns()}",
+            engine_id=engine_id,
+            token_ids=list(range(1, 40)),
+            sampling=worker_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True),
+        )
         return [t for response in stub.Generate(request, timeout=timeout) for t in response.token_ids]
 
 
@@ -118,8 +147,11 @@ def test_worker_serves_health_and_reflection(tmp_path, discovery_url):
         assert worker.health("kvmesh.v1.WorkerService") == health_pb2.HealthCheckResponse.SERVING
         with grpc.insecure_channel(worker.address) as channel:
             services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
-        assert {"kvmesh.v1.WorkerService", "grpc.health.v1.Health",
-                "grpc.reflection.v1alpha.ServerReflection"} <= services
+        assert {
+            "kvmesh.v1.WorkerService",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        } <= services
         assert len(worker_records(discovery_url)) == 1
     finally:
         worker.close()

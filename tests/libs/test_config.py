@@ -1,7 +1,6 @@
 """Settings come from flags, KVMESH_* variables and a TOML file, in that order of precedence."""
 
 import pytest
-
 from kvmesh.config import Flag, parse_config, positive_int
 
 FLAGS = [

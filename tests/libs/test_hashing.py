@@ -4,7 +4,6 @@ import struct
 
 import numpy as np
 import xxhash
-
 from kvmesh.hashing import (
     XXH3_SEED,
     block_hashes,

@@ -39,8 +39,9 @@ class Daemon:
         self.log_path = log_dir / f"{name}-{port}.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen([script(name), *self.args], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=full_env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [script(name), *self.args], stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
 
     @property
     def address(self) -> str:
@@ -53,8 +54,9 @@ class Daemon:
         """The health status enum, or None if the daemon does not answer."""
         with grpc.insecure_channel(self.address) as channel:
             try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                                  timeout=timeout)
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=timeout
+                )
             except grpc.RpcError:
                 return None
         return reply.status
@@ -105,7 +107,9 @@ def running(*daemons: Daemon) -> Iterator[tuple[Daemon, ...]]:
             daemon.close()
 
 
-def run_cli(name: str, *args: str, timeout: float = 30.0, env: dict[str, str] | None = None
-            ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([script(name), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+def run_cli(
+    name: str, *args: str, timeout: float = 30.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [script(name), *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )

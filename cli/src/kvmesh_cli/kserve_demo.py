@@ -19,8 +19,11 @@ DEMO_PROMPT = "Tell me about KV caches"
 def server_ready(address: str, timeout: float = 1.0) -> bool:
     with grpc.insecure_channel(address) as channel:
         try:
-            return kserve_grpc.GRPCInferenceServiceStub(channel).ServerReady(
-                kserve.ServerReadyRequest(), timeout=timeout).ready
+            return (
+                kserve_grpc.GRPCInferenceServiceStub(channel)
+                .ServerReady(kserve.ServerReadyRequest(), timeout=timeout)
+                .ready
+            )
         except grpc.RpcError:
             return False
 
@@ -34,8 +37,10 @@ def demo_request(address: str, model: str, prompt: str = DEMO_PROMPT, max_tokens
     """Stream one request and describe what came back (text, timing, routing parameters)."""
     request = kserve.ModelInferRequest(model_name=model, id="kvmesh-up-demo")
     raw: list[bytes] = []
-    for name, value in (("text_input", prompt.encode()),
-                        ("sampling_parameters", json.dumps({"max_tokens": max_tokens}).encode())):
+    for name, value in (
+        ("text_input", prompt.encode()),
+        ("sampling_parameters", json.dumps({"max_tokens": max_tokens}).encode()),
+    ):
         tensor, data = _bytes_tensor(name, value)
         request.inputs.append(tensor)
         raw.append(data)
@@ -62,11 +67,15 @@ def demo_request(address: str, model: str, prompt: str = DEMO_PROMPT, max_tokens
                 first = time.perf_counter() - started
             for key, value in response.parameters.items():
                 params[key] = getattr(value, value.WhichOneof("parameter_choice"))
-            if response.parameters.get("triton_final_response") and \
-                    response.parameters["triton_final_response"].bool_param:
+            if (
+                response.parameters.get("triton_final_response")
+                and response.parameters["triton_final_response"].bool_param
+            ):
                 break
     total = time.perf_counter() - started
     routing = {k: v for k, v in params.items() if k.startswith("kvmesh.")}
-    return (f"demo request: {prompt!r} -> {''.join(pieces)!r}\n"
-            f"  {len(pieces)} streamed responses, first after {1000 * (first or total):.1f} ms, "
-            f"done in {1000 * total:.1f} ms; routing: {routing}")
+    return (
+        f"demo request: {prompt!r} -> {''.join(pieces)!r}\n"
+        f"  {len(pieces)} streamed responses, first after {1000 * (first or total):.1f} ms, "
+        f"done in {1000 * total:.1f} ms; routing: {routing}"
+    )

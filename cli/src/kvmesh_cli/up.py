@@ -35,8 +35,9 @@ client.stop_stream()"""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("up", help="run a local mesh: frontend + router + worker (mocker engines)",
-                              description=__doc__)
+    p = subparsers.add_parser(
+        "up", help="run a local mesh: frontend + router + worker (mocker engines)", description=__doc__
+    )
     p.add_argument("--grpc-port", type=int, default=8001, help="frontend KServe gRPC port")
     p.add_argument("--num-engines", type=int, default=2, help="mocker engines in the worker process")
     p.add_argument("--router-mode", default="kv", choices=("kv", "round_robin", "random", "power_of_two"))
@@ -56,8 +57,13 @@ def _spawn(name: str, args: list[str], log_dir: Path) -> subprocess.Popen[bytes]
     if exe is None:
         raise FileNotFoundError(f"{name} is not installed (run `make setup`)")
     log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
-    return subprocess.Popen([exe, *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [exe, *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -77,8 +83,15 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvmesh-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     common = ["--discovery", args.discovery or default_discovery_url(), "--namespace", args.namespace]
-    worker_args = [*common, "--num-engines", str(args.num_engines), "--block-size", str(args.block_size),
-                   "--speedup-ratio", str(args.speedup_ratio)]
+    worker_args = [
+        *common,
+        "--num-engines",
+        str(args.num_engines),
+        "--block-size",
+        str(args.block_size),
+        "--speedup-ratio",
+        str(args.speedup_ratio),
+    ]
     if args.model_path:
         worker_args += ["--model-path", args.model_path]
     procs: list[subprocess.Popen[bytes]] = []
@@ -98,9 +111,12 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             time.sleep(0.2)
         model = "kvmesh-mock" if not args.model_path else Path(args.model_path).name
-        print(f"kvmesh is up: KServe gRPC on localhost:{args.grpc_port}, model {model!r}, "
-              f"{args.num_engines} mocker engine(s), router mode {args.router_mode}; logs in {log_dir}; "
-              f"Ctrl-C stops it.", flush=True)
+        print(
+            f"kvmesh is up: KServe gRPC on localhost:{args.grpc_port}, model {model!r}, "
+            f"{args.num_engines} mocker engine(s), router mode {args.router_mode}; logs in {log_dir}; "
+            f"Ctrl-C stops it.",
+            flush=True,
+        )
         print("\nTry it with tritonclient:\n" + EXAMPLE.format(port=args.grpc_port, model=model) + "\n", flush=True)
         if not args.no_demo:
             print(demo_request(address, model), flush=True)
@@ -108,8 +124,10 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         dead = [p for p in procs if p.poll() is not None]
         if dead and not stop["now"]:
-            print(f"kvmesh up: {Path(dead[0].args[0]).name} exited with {dead[0].returncode}; logs in {log_dir}",
-                  file=sys.stderr)
+            print(
+                f"kvmesh up: {Path(dead[0].args[0]).name} exited with {dead[0].returncode}; logs in {log_dir}",
+                file=sys.stderr,
+            )
             return 1
         return 0
     except KeyboardInterrupt:

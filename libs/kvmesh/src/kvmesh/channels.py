@@ -23,8 +23,9 @@ class ChannelPool:
         entry = self._channels.get(instance_id)
         if entry is not None and entry[0] == address:
             return entry[1]
-        channel = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS,
-                                            interceptors=telemetry.client_interceptors() or None)
+        channel = grpc.aio.insecure_channel(
+            address, options=CLIENT_OPTIONS, interceptors=telemetry.client_interceptors() or None
+        )
         if entry is not None:
             self._stale.append(entry[1])
         self._channels[instance_id] = (address, channel)

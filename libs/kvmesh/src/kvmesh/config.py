@@ -109,19 +109,34 @@ def discovery_url(text: str) -> str:
 
 
 COMMON_FLAGS: tuple[Flag, ...] = (
-    Flag("discovery", "discovery backend: etcd://host:port[,host:port] or file:///dir (one machine, no server)",
-         default=None, type=discovery_url, metavar="URL"),
+    Flag(
+        "discovery",
+        "discovery backend: etcd://host:port[,host:port] or file:///dir (one machine, no server)",
+        default=None,
+        type=discovery_url,
+        metavar="URL",
+    ),
     Flag("namespace", "deployment namespace; daemons only see their own", default="kvmesh"),
-    Flag("lease-ttl", "discovery lease TTL in seconds; keepalive runs every TTL/3", default=10.0,
-         type=non_negative_float, metavar="SECONDS"),
+    Flag(
+        "lease-ttl",
+        "discovery lease TTL in seconds; keepalive runs every TTL/3",
+        default=10.0,
+        type=non_negative_float,
+        metavar="SECONDS",
+    ),
     Flag("host", "address other daemons use to reach this one", default="127.0.0.1"),
     Flag("metrics-port", "Prometheus /metrics port (0 = any free port, -1 = disabled)", default=-1, type=int),
     Flag("otel-exporter", "OpenTelemetry trace exporter", default="none", choices=("none", "console", "otlp")),
     Flag("otel-endpoint", "OTLP gRPC endpoint for --otel-exporter otlp", default="http://127.0.0.1:4317"),
     Flag("log-level", "log level", default="info", choices=("debug", "info", "warning", "error")),
     Flag("log-format", "log format", default="text", choices=("text", "json")),
-    Flag("drain-timeout", "seconds in-flight calls may take to finish after SIGTERM", default=30.0,
-         type=non_negative_float, metavar="SECONDS"),
+    Flag(
+        "drain-timeout",
+        "seconds in-flight calls may take to finish after SIGTERM",
+        default=30.0,
+        type=non_negative_float,
+        metavar="SECONDS",
+    ),
 )
 
 
@@ -152,17 +167,23 @@ class Config:
 
 
 def build_parser(prog: str, description: str, flags: Sequence[Flag]) -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, description=description, argument_default=argparse.SUPPRESS,
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", metavar="FILE", help=f"TOML config file ([common] and [{prog}] tables; "
-                        f"env {ENV_PREFIX}CONFIG)")
+    parser = _Parser(
+        prog=prog,
+        description=description,
+        argument_default=argparse.SUPPRESS,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", metavar="FILE", help=f"TOML config file ([common] and [{prog}] tables; env {ENV_PREFIX}CONFIG)"
+    )
     for flag in flags:
         help_text = f"{flag.help} (env {env_name(flag.name)}; default: {flag.default!r})"
         if flag.is_bool:
             parser.add_argument(f"--{flag.name}", action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(f"--{flag.name}", type=_checked(flag), choices=flag.choices,
-                                metavar=flag.metavar, help=help_text)
+            parser.add_argument(
+                f"--{flag.name}", type=_checked(flag), choices=flag.choices, metavar=flag.metavar, help=help_text
+            )
     return parser
 
 
@@ -213,8 +234,13 @@ def _load_toml(path: str, prog: str) -> dict[str, Any]:
     return merged
 
 
-def parse_config(prog: str, description: str, flags: Sequence[Flag], argv: Sequence[str] | None = None,
-                 environ: dict[str, str] | None = None) -> Config:
+def parse_config(
+    prog: str,
+    description: str,
+    flags: Sequence[Flag],
+    argv: Sequence[str] | None = None,
+    environ: dict[str, str] | None = None,
+) -> Config:
     """Parse settings for daemon ``prog``; on any problem print one line and exit 2."""
     all_flags = [*COMMON_FLAGS, *flags]
     parser = build_parser(prog, description, all_flags)

@@ -55,7 +55,9 @@ def sequence_hashes(local_hashes: Sequence[int], seed: int = XXH3_SEED, parent: 
     return out
 
 
-def block_hashes(tokens: Sequence[int] | np.ndarray, block_size: int, seed: int = XXH3_SEED) -> tuple[list[int], list[int]]:
+def block_hashes(
+    tokens: Sequence[int] | np.ndarray, block_size: int, seed: int = XXH3_SEED
+) -> tuple[list[int], list[int]]:
     """(local hashes, sequence hashes) of the full blocks of ``tokens``."""
     local = local_block_hashes(tokens, block_size, seed)
     return local, sequence_hashes(local, seed)

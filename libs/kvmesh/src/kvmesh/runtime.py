@@ -46,8 +46,11 @@ class _ServingGate(grpc.aio.ServerInterceptor):
         self._is_serving = is_serving
         self._reason = reason
 
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
         if self._is_serving() or handler_call_details.method.startswith(_ALWAYS_ALLOWED):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
@@ -63,14 +66,24 @@ class _ServingGate(grpc.aio.ServerInterceptor):
             yield  # pragma: no cover - makes this an async generator
 
         if handler.response_streaming:
-            factory = grpc.unary_stream_rpc_method_handler if not handler.request_streaming \
+            factory = (
+                grpc.unary_stream_rpc_method_handler
+                if not handler.request_streaming
                 else grpc.stream_stream_rpc_method_handler
-            return factory(refuse_stream, request_deserializer=handler.request_deserializer,
-                           response_serializer=handler.response_serializer)
-        factory = grpc.unary_unary_rpc_method_handler if not handler.request_streaming \
+            )
+            return factory(
+                refuse_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        factory = (
+            grpc.unary_unary_rpc_method_handler
+            if not handler.request_streaming
             else grpc.stream_unary_rpc_method_handler
-        return factory(refuse, request_deserializer=handler.request_deserializer,
-                       response_serializer=handler.response_serializer)
+        )
+        return factory(
+            refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
 
 class DaemonRuntime:
@@ -84,12 +97,15 @@ class DaemonRuntime:
         self.instance_id = 0
         self.address = ""
         self.metrics_address = ""
-        self.server = grpc.aio.server(interceptors=[_ServingGate(self.is_serving, self._refusal_reason),
-                                                    *telemetry.server_interceptors()],
-                                      options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(
+            interceptors=[_ServingGate(self.is_serving, self._refusal_reason), *telemetry.server_interceptors()],
+            options=SERVER_OPTIONS,
+        )
         self.health = health.aio.HealthServicer()
-        self._service_names: list[str] = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                          reflection.SERVICE_NAME]
+        self._service_names: list[str] = [
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
         self._records: dict[str, discovery_pb2.InstanceRecord] = {}
         self._draining = False
         self._stop = asyncio.Event()
@@ -102,8 +118,9 @@ class DaemonRuntime:
         """Open discovery and take the lease; unreachable discovery exits 2 with one line."""
         try:
             self.discovery = await open_discovery(self.config.discovery, ttl=self.config.lease_ttl)
-            self.lease = await self.discovery.grant_lease(on_lost=self._on_lease_lost,
-                                                          on_renewed=self._on_lease_renewed)
+            self.lease = await self.discovery.grant_lease(
+                on_lost=self._on_lease_lost, on_renewed=self._on_lease_renewed
+            )
         except DiscoveryUnavailable as exc:
             fail(self.name, f"--discovery {self.config.discovery}: {exc}")
         self.instance_id = self.lease.id
@@ -111,8 +128,7 @@ class DaemonRuntime:
         if port is not None:
             self.metrics_address = f"{self.config.host}:{port}"
 
-    def add_service(self, full_name: str, add_to_server: Callable[[Any, grpc.aio.Server], None],
-                    servicer: Any) -> None:
+    def add_service(self, full_name: str, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
         add_to_server(servicer, self.server)
         self._service_names.append(full_name)
 
@@ -131,15 +147,24 @@ class DaemonRuntime:
         await self._set_health(True)
         return bound
 
-    def instance_record(self, component: str, endpoint: str, instance_id: int | None = None,
-                        **fields: Any) -> discovery_pb2.InstanceRecord:
+    def instance_record(
+        self, component: str, endpoint: str, instance_id: int | None = None, **fields: Any
+    ) -> discovery_pb2.InstanceRecord:
         assert self.lease is not None, "connect() first"
         return discovery_pb2.InstanceRecord(
-            namespace=self.config.namespace, component=component, endpoint=endpoint,
+            namespace=self.config.namespace,
+            component=component,
+            endpoint=endpoint,
             instance_id=instance_id if instance_id is not None else self.instance_id,
-            lease_id=self.lease.id, address=self.address, hostname=socket.gethostname(), pid=os.getpid(),
-            version=VERSION, started_unix_ms=self.started_unix_ms, metrics_address=self.metrics_address,
-            **fields)
+            lease_id=self.lease.id,
+            address=self.address,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            version=VERSION,
+            started_unix_ms=self.started_unix_ms,
+            metrics_address=self.metrics_address,
+            **fields,
+        )
 
     async def register(self, record: discovery_pb2.InstanceRecord) -> str:
         """Publish an instance record under the lease; it lives exactly as long as the lease."""
@@ -209,8 +234,11 @@ class DaemonRuntime:
         await self._set_health(True)
 
     async def _set_health(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving and self.is_serving() \
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving and self.is_serving()
             else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ("", *self._service_names):
             await self.health.set(name, status)
 

@@ -8,7 +8,6 @@ disappear from discovery together.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import struct
 import sys
@@ -41,30 +40,56 @@ log = logging.getLogger("kvmesh_worker")
 
 PROG = "kvmesh-worker"
 FLAGS = (
-    Flag("engine", "engine implementation (vLLM integration is a later milestone)", default="mocker",
-         choices=("mocker",)),
+    Flag(
+        "engine", "engine implementation (vLLM integration is a later milestone)", default="mocker", choices=("mocker",)
+    ),
     Flag("num-engines", "simulated engines hosted by this process", default=1, type=positive_int),
     Flag("grpc-port", "gRPC port of WorkerService (0 = any free port)", default=0, type=port),
-    Flag("model-path", "HF-style model directory (tokenizer.json, tokenizer_config.json, config.json); "
-         "default: the built-in kvmesh-mock model", default=None, metavar="DIR"),
+    Flag(
+        "model-path",
+        "HF-style model directory (tokenizer.json, tokenizer_config.json, config.json); "
+        "default: the built-in kvmesh-mock model",
+        default=None,
+        metavar="DIR",
+    ),
     Flag("served-model-name", "model name clients use (default: the model directory's name)", default=None),
     Flag("num-gpu-blocks", "KV cache blocks per engine", default=16384, type=positive_int),
     Flag("block-size", "tokens per KV block", default=64, type=positive_int),
     Flag("max-num-seqs", "running sequences per engine", default=256, type=positive_int),
     Flag("max-num-batched-tokens", "token budget per forward pass", default=8192, type=positive_int),
     Flag("watermark", "fraction of KV blocks kept free when admitting", default=0.01, type=non_negative_float),
-    Flag("preemption-mode", "which running request is preempted when blocks run out", default="lifo",
-         choices=("lifo", "fifo")),
+    Flag(
+        "preemption-mode",
+        "which running request is preempted when blocks run out",
+        default="lifo",
+        choices=("lifo", "fifo"),
+    ),
     Flag("enable-chunked-prefill", "split long prompts across passes", default=True, is_bool=True),
-    Flag("max-model-len", "longest prompt + max_tokens accepted (0 = what the cache can hold)", default=0,
-         type=non_negative_int),
-    Flag("max-waiting-requests", "waiting-queue bound per engine; beyond it RESOURCE_EXHAUSTED (0 = unbounded)",
-         default=0, type=non_negative_int),
-    Flag("speedup-ratio", "simulated time runs this many times faster than real time (0 = no sleeping)",
-         default=1.0, type=non_negative_float),
+    Flag(
+        "max-model-len",
+        "longest prompt + max_tokens accepted (0 = what the cache can hold)",
+        default=0,
+        type=non_negative_int,
+    ),
+    Flag(
+        "max-waiting-requests",
+        "waiting-queue bound per engine; beyond it RESOURCE_EXHAUSTED (0 = unbounded)",
+        default=0,
+        type=non_negative_int,
+    ),
+    Flag(
+        "speedup-ratio",
+        "simulated time runs this many times faster than real time (0 = no sleeping)",
+        default=1.0,
+        type=non_negative_float,
+    ),
     Flag("perf-model", "'polynomial' (Dynamo's constants) or a path to an NPZ profile", default="polynomial"),
-    Flag("event-buffer-size", "recent KV events kept per engine for subscribers that resume", default=1024,
-         type=positive_int),
+    Flag(
+        "event-buffer-size",
+        "recent KV events kept per engine for subscribers that resume",
+        default=1024,
+        type=positive_int,
+    ),
 )
 
 
@@ -77,25 +102,42 @@ def engine_config(cfg: Config, model: ModelFiles) -> EngineConfig:
     max_len = cfg.max_model_len or (model.max_context or None)
     try:
         return EngineConfig(
-            num_gpu_blocks=cfg.num_gpu_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, watermark=cfg.watermark,
-            enable_chunked_prefill=cfg.enable_chunked_prefill, preemption_mode=PreemptionMode(cfg.preemption_mode),
-            max_model_len=max_len, max_waiting_requests=cfg.max_waiting_requests or None,
-            vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
-            event_journal_size=cfg.event_buffer_size)
+            num_gpu_blocks=cfg.num_gpu_blocks,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            watermark=cfg.watermark,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            preemption_mode=PreemptionMode(cfg.preemption_mode),
+            max_model_len=max_len,
+            max_waiting_requests=cfg.max_waiting_requests or None,
+            vocab_size=model.vocab_size,
+            eos_token_id=model.eos_token_id,
+            event_journal_size=cfg.event_buffer_size,
+        )
     except ValueError as exc:
         fail(PROG, f"engine configuration: {exc}")
 
 
-def model_card(cfg: Config, econf: EngineConfig, model: ModelFiles, engine_id: int,
-               address: str) -> discovery_pb2.ModelCard:
+def model_card(
+    cfg: Config, econf: EngineConfig, model: ModelFiles, engine_id: int, address: str
+) -> discovery_pb2.ModelCard:
     return discovery_pb2.ModelCard(
-        name=model.name, block_size=econf.block_size, context_length=econf.context_length,
-        total_kv_blocks=econf.num_gpu_blocks, max_num_seqs=econf.max_num_seqs,
-        max_num_batched_tokens=econf.max_num_batched_tokens, vocab_size=model.vocab_size,
-        eos_token_id=model.eos_token_id, files=list(model.files), files_digest=model.digest,
+        name=model.name,
+        block_size=econf.block_size,
+        context_length=econf.context_length,
+        total_kv_blocks=econf.num_gpu_blocks,
+        max_num_seqs=econf.max_num_seqs,
+        max_num_batched_tokens=econf.max_num_batched_tokens,
+        vocab_size=model.vocab_size,
+        eos_token_id=model.eos_token_id,
+        files=list(model.files),
+        files_digest=model.digest,
         capabilities=discovery_pb2.EngineCapabilities(kv_events=True, engine_kind=cfg.engine),
-        role=discovery_pb2.WORKER_ROLE_AGGREGATED, engine_id=engine_id, address=address)
+        role=discovery_pb2.WORKER_ROLE_AGGREGATED,
+        engine_id=engine_id,
+        address=address,
+    )
 
 
 async def serve(cfg: Config) -> int:
@@ -115,20 +157,31 @@ async def serve(cfg: Config) -> int:
     runners = [EngineRunner(eid, EngineCore(econf, perf_model), cfg.speedup_ratio) for eid in engine_ids]
     cards: dict[int, discovery_pb2.ModelCard] = {}
     servicer = WorkerServicer(runners, cards, model)
-    runtime.add_service(worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
-                        worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)
+    runtime.add_service(
+        worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+        servicer,
+    )
     EngineCollector.register(runners)
     await runtime.start(cfg.grpc_port)
     for runner in runners:
         runner.start()
     for index, eid in enumerate(engine_ids):
         cards[eid] = model_card(cfg, econf, model, eid, runtime.address)
-        await runtime.register(runtime.instance_record(
-            "worker", "engine", eid, role=discovery_pb2.WORKER_ROLE_AGGREGATED, model=model.name,
-            engine_index=index))
+        await runtime.register(
+            runtime.instance_record(
+                "worker", "engine", eid, role=discovery_pb2.WORKER_ROLE_AGGREGATED, model=model.name, engine_index=index
+            )
+        )
         await runtime.put(model_key(cfg.namespace, model.name, eid), cards[eid].SerializeToString())
-    log.info("serving %d %s engine(s) of model %s on %s (instance %x)", len(runners), cfg.engine, model.name,
-             runtime.address, runtime.instance_id)
+    log.info(
+        "serving %d %s engine(s) of model %s on %s (instance %x)",
+        len(runners),
+        cfg.engine,
+        model.name,
+        runtime.address,
+        runtime.instance_id,
+    )
     await runtime.wait_for_stop()
     log.info("stopping: deregistering and draining in-flight requests")
     await runtime.shutdown()

@@ -72,5 +72,9 @@ def load_model_files(model_path: str | None, served_name: str | None = None) -> 
     max_context = int(config.get("max_position_embeddings") or tok_config.get("model_max_length") or 0)
     return ModelFiles(
         name=served_name or (DEFAULT_MODEL if not model_path else directory.name),
-        files=files, vocab_size=vocab_size, eos_token_id=eos_id, max_context=max_context, digest=digest,
+        files=files,
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        max_context=max_context,
+        digest=digest,
     )

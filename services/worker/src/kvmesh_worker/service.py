@@ -29,8 +29,11 @@ from kvmesh_worker.model_files import ModelFiles
 
 FILE_CHUNK_BYTES = 1 << 20
 LOAD_COALESCE_S = 0.05
-_FINISH = {"length": worker_pb2.FINISH_REASON_LENGTH, "stop": worker_pb2.FINISH_REASON_STOP,
-           "abort": worker_pb2.FINISH_REASON_CANCELLED}
+_FINISH = {
+    "length": worker_pb2.FINISH_REASON_LENGTH,
+    "stop": worker_pb2.FINISH_REASON_STOP,
+    "abort": worker_pb2.FINISH_REASON_CANCELLED,
+}
 
 
 class _LoadWatcher:
@@ -48,17 +51,26 @@ class _LoadWatcher:
             return
         self.dirty.add(engine_id)
         if self.want_passes:
-            self.passes.append(worker_pb2.ForwardPassMetrics(
-                engine_id=engine_id, prefill_tokens=metrics.prefill_tokens, decode_tokens=metrics.decode_tokens,
-                batch_size=metrics.batch_size, num_prefill_requests=metrics.num_prefill_requests,
-                num_decode_requests=metrics.num_decode_requests, modelled_ms=metrics.duration_ms,
-                wall_ms=wall_s * 1000.0, end_unix_s=time.time()))
+            self.passes.append(
+                worker_pb2.ForwardPassMetrics(
+                    engine_id=engine_id,
+                    prefill_tokens=metrics.prefill_tokens,
+                    decode_tokens=metrics.decode_tokens,
+                    batch_size=metrics.batch_size,
+                    num_prefill_requests=metrics.num_prefill_requests,
+                    num_decode_requests=metrics.num_decode_requests,
+                    modelled_ms=metrics.duration_ms,
+                    wall_ms=wall_s * 1000.0,
+                    end_unix_s=time.time(),
+                )
+            )
         self.changed.set()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, runners: Iterable[EngineRunner], cards: dict[int, discovery_pb2.ModelCard],
-                 model: ModelFiles) -> None:
+    def __init__(
+        self, runners: Iterable[EngineRunner], cards: dict[int, discovery_pb2.ModelCard], model: ModelFiles
+    ) -> None:
         self.runners = {runner.engine_id: runner for runner in runners}
         self.cards = cards
         self.model = model
@@ -73,22 +85,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def _runner(self, engine_id: int, context: grpc.aio.ServicerContext) -> EngineRunner:
         runner = self.runners.get(engine_id)
         if runner is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"engine {engine_id:x} is not hosted by this worker (it hosts "
-                                f"{', '.join(f'{e:x}' for e in self.runners)})")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"engine {engine_id:x} is not hosted by this worker (it hosts "
+                f"{', '.join(f'{e:x}' for e in self.runners)})",
+            )
         return runner  # type: ignore[return-value]
 
     # -- generation -----------------------------------------------------------------------------
-    async def Generate(self, request: worker_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         runner = await self._runner(request.engine_id, context)
         sampling = request.sampling
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            queue = runner.submit(EngineRequest(
-                request_id=request_id, prompt=list(request.token_ids), max_tokens=sampling.max_tokens,
-                ignore_eos=sampling.ignore_eos, stop_token_ids=tuple(sampling.stop_token_ids),
-                seed=sampling.seed if sampling.HasField("seed") else 0))
+            queue = runner.submit(
+                EngineRequest(
+                    request_id=request_id,
+                    prompt=list(request.token_ids),
+                    max_tokens=sampling.max_tokens,
+                    ignore_eos=sampling.ignore_eos,
+                    stop_token_ids=tuple(sampling.stop_token_ids),
+                    seed=sampling.seed if sampling.HasField("seed") else 0,
+                )
+            )
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
@@ -107,17 +128,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         response.num_prompt_tokens = len(request.token_ids)
                     if output.finished:
                         finished = True
-                        response.finish_reason = _FINISH.get(output.finish_reason or "stop",
-                                                             worker_pb2.FINISH_REASON_STOP)
+                        response.finish_reason = _FINISH.get(
+                            output.finish_reason or "stop", worker_pb2.FINISH_REASON_STOP
+                        )
                 yield response
         finally:
             if not finished:  # the caller cancelled or went away: free the blocks now
                 runner.abort(request_id)
 
     # -- KV journal -----------------------------------------------------------------------------
-    async def SubscribeKvEvents(self, request: worker_pb2.SubscribeKvEventsRequest,
-                                context: grpc.aio.ServicerContext
-                                ) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
+    async def SubscribeKvEvents(
+        self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
         runner = await self._runner(request.engine_id, context)
         start = request.start_event_id if request.HasField("start_event_id") else None
         try:
@@ -127,40 +149,50 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         try:
             if isinstance(initial, CacheDump):
                 yield worker_pb2.SubscribeKvEventsResponse(
-                    snapshot=kv_events_pb.snapshot_to_proto(initial.stored, initial.next_event_id))
+                    snapshot=kv_events_pb.snapshot_to_proto(initial.stored, initial.next_event_id)
+                )
             elif initial:
                 yield worker_pb2.SubscribeKvEventsResponse(events=kv_events_pb.batch_to_proto(initial))
             while True:
                 events = await subscription.next()
                 yield worker_pb2.SubscribeKvEventsResponse(events=kv_events_pb.batch_to_proto(events))
         except SubscriberTooSlow:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                "KV event subscriber fell too far behind; resubscribe from your next event id")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "KV event subscriber fell too far behind; resubscribe from your next event id",
+            )
         finally:
             runner.unsubscribe(subscription)
 
-    async def DumpKvIndex(self, request: worker_pb2.DumpKvIndexRequest,
-                          context: grpc.aio.ServicerContext) -> worker_pb2.DumpKvIndexResponse:
+    async def DumpKvIndex(
+        self, request: worker_pb2.DumpKvIndexRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.DumpKvIndexResponse:
         runner = await self._runner(request.engine_id, context)
         dump = runner.core.dump_cache()
-        return worker_pb2.DumpKvIndexResponse(snapshot=kv_events_pb.snapshot_to_proto(dump.stored,
-                                                                                       dump.next_event_id))
+        return worker_pb2.DumpKvIndexResponse(snapshot=kv_events_pb.snapshot_to_proto(dump.stored, dump.next_event_id))
 
     # -- load -----------------------------------------------------------------------------------
     def _load(self, engine_id: int) -> worker_pb2.EngineLoad:
         load = self.runners[engine_id].core.load()
         return worker_pb2.EngineLoad(
-            engine_id=engine_id, active_blocks=load.active_blocks, cached_blocks=load.cached_blocks,
-            total_blocks=load.total_blocks, waiting=load.num_waiting, running=load.num_running,
-            queued_prefill_tokens=load.queued_prefill_tokens)
+            engine_id=engine_id,
+            active_blocks=load.active_blocks,
+            cached_blocks=load.cached_blocks,
+            total_blocks=load.total_blocks,
+            waiting=load.num_waiting,
+            running=load.num_running,
+            queued_prefill_tokens=load.queued_prefill_tokens,
+        )
 
-    async def WatchLoad(self, request: worker_pb2.WatchLoadRequest,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.WatchLoadResponse]:
+    async def WatchLoad(
+        self, request: worker_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WatchLoadResponse]:
         wanted = set(request.engine_ids) or None
         unknown = (wanted or set()) - set(self.runners)
         if unknown:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"engines not hosted here: {', '.join(f'{e:x}' for e in sorted(unknown))}")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"engines not hosted here: {', '.join(f'{e:x}' for e in sorted(unknown))}"
+            )
         watcher = _LoadWatcher(wanted, request.forward_pass_metrics)
         self._watchers.add(watcher)
         try:
@@ -176,25 +208,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self._watchers.discard(watcher)
 
     # -- model ----------------------------------------------------------------------------------
-    async def GetModelCard(self, request: worker_pb2.GetModelCardRequest,
-                           context: grpc.aio.ServicerContext) -> worker_pb2.GetModelCardResponse:
+    async def GetModelCard(
+        self, request: worker_pb2.GetModelCardRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.GetModelCardResponse:
         await self._runner(request.engine_id, context)
         return worker_pb2.GetModelCardResponse(card=self.cards[request.engine_id])
 
-    async def GetModelFile(self, request: worker_pb2.GetModelFileRequest,
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GetModelFileResponse]:
+    async def GetModelFile(
+        self, request: worker_pb2.GetModelFileRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GetModelFileResponse]:
         await self._runner(request.engine_id, context)
         data = self.model.files.get(request.name)
         if data is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"model file {request.name!r} not served; available: {', '.join(self.model.files)}")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"model file {request.name!r} not served; available: {', '.join(self.model.files)}",
+            )
         yield worker_pb2.GetModelFileResponse(data=data[:FILE_CHUNK_BYTES], total_size=len(data))
         for offset in range(FILE_CHUNK_BYTES, len(data), FILE_CHUNK_BYTES):
-            yield worker_pb2.GetModelFileResponse(data=data[offset:offset + FILE_CHUNK_BYTES])
+            yield worker_pb2.GetModelFileResponse(data=data[offset : offset + FILE_CHUNK_BYTES])
 
-    async def ReleaseKv(self, request: worker_pb2.ReleaseKvRequest,
-                        context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseKvResponse:
+    async def ReleaseKv(
+        self, request: worker_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseKvResponse:
         await self._runner(request.engine_id, context)
-        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"engine {request.engine_id:x} is aggregated: it holds no KV for transfers")
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"engine {request.engine_id:x} is aggregated: it holds no KV for transfers",
+        )
         return worker_pb2.ReleaseKvResponse()  # pragma: no cover

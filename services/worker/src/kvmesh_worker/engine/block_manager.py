@@ -1,0 +1,256 @@
+"""KV block bookkeeping with vLLM's prefix-caching semantics and the KV events they imply.
+
+Dynamo's mocker ``KvManager`` model (four moves: Use / Deref / Destroy / Promote), keyed by block
+identity rather than by physical slot:
+
+* a **full** block is identified by its sequence hash (which encodes its whole prefix), so two
+  requests with the same prefix share it, and a hash seen again is a prefix-cache hit;
+* a **partial** block (the tail of a sequence, not full yet) is private to its request and gets a
+  negative key; when it fills it is *promoted* to its sequence hash.
+
+Every block is *active* (referenced, with a refcount), *inactive* (unreferenced but still cached
+and matchable, in LRU order) or absent. Capacity is ``num_blocks`` = active + inactive + unused;
+an inactive block is evicted (LRU first) only when a new block needs its slot.
+
+The KV events are the journal of the *cached set* (the full blocks that are active or inactive),
+so they are emitted exactly when that set changes: BlocksStored when a full block enters it (one
+event per run of consecutive new blocks, parent = the predecessor's sequence hash or None at the
+sequence start), BlocksRemoved when one leaves it (eviction, destroy, clear). Reusing a cached block
+and releasing a block to the inactive pool change nothing a router can see, so they emit nothing.
+
+The caller checks capacity first (``free_slots`` vs ``num_missing``), so a move never half-fails.
+Cost is proportional to the blocks moved; nothing scans the cache except ``dump`` and ``clear``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvmesh.kv_events import AllCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
+
+from .evictor import LRUEvictor
+
+
+class NoFreeBlocks(RuntimeError):
+    """A move needed a slot that does not exist (the caller skipped its capacity check: a bug)."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, emit: Callable[[EventData], object]) -> None:
+        self.num_blocks = num_blocks
+        self.active: dict[int, int] = {}  # block key -> refcount
+        self.inactive = LRUEvictor()  # full blocks only
+        # Every cached full block: sequence hash -> (parent hash | None, tokens hash, position in its sequence).
+        self._meta: dict[int, tuple[int | None, int, int]] = {}
+        self._next_partial = -1
+        self._emit = emit
+
+    # ----------------------------------------------------------------------------------------- queries
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active)
+
+    @property
+    def num_inactive(self) -> int:
+        return len(self.inactive)
+
+    @property
+    def free_slots(self) -> int:
+        """How many more blocks can become active (unused slots + evictable inactive blocks)."""
+        return self.num_blocks - len(self.active)
+
+    def num_missing(self, hashes: Sequence[int], lo: int, hi: int) -> int:
+        """How many of ``hashes[lo:hi]`` are not active yet (each takes one of ``free_slots``)."""
+        return hi - lo - sum(map(self.active.__contains__, hashes[lo:hi]))
+
+    def match_prefix(self, hashes: Sequence[int], limit: int) -> tuple[int, int]:
+        """(cached blocks, of which active) in the longest cached prefix of ``hashes[:limit]``."""
+        active, inactive = self.active, self.inactive
+        hits = active_hits = 0
+        for i in range(min(limit, len(hashes))):
+            h = hashes[i]
+            if h in active:
+                active_hits += 1
+            elif h not in inactive:
+                break
+            hits += 1
+        return hits, active_hits
+
+    def cached_hashes(self) -> set[int]:
+        """Sequence hashes of every cached full block (active or inactive)."""
+        return set(self._meta)
+
+    # ------------------------------------------------------------------------------------------- moves
+
+    def use(self, hashes: Sequence[int], local_hashes: Sequence[int], lo: int, hi: int) -> None:
+        """Use: take one reference on the full blocks ``hashes[lo:hi]`` of one sequence.
+
+        Active blocks get refcount + 1, inactive ones are reactivated (cache hits, no event), and the
+        others are stored (evicting LRU blocks for room) and announced in BlocksStored events.
+        Existing blocks are taken first so an eviction can never hit a block this call reuses.
+        """
+        active, inactive = self.active, self.inactive
+        i = lo
+        while i < hi:  # the cached prefix: hits
+            h = hashes[i]
+            rc = active.get(h)
+            if rc is not None:
+                active[h] = rc + 1
+            elif h in inactive:
+                del inactive[h]
+                active[h] = 1
+            else:
+                break
+            i += 1
+        if i == hi:
+            return
+        rest = hashes[i:hi]
+        if active.keys().isdisjoint(rest) and inactive.keys().isdisjoint(rest):
+            runs = [(i, hi)]  # the usual shape: everything after the first miss is new
+        else:
+            runs = self._take_existing(hashes, i, hi)
+        n_new = sum(b - a for a, b in runs)
+        n_evict = n_new - (self.num_blocks - len(active) - len(inactive))
+        if n_evict > len(inactive):
+            raise NoFreeBlocks(f"{n_new} new blocks do not fit: {len(active)} of {self.num_blocks} are active")
+        meta = self._meta
+        if n_evict > 0:
+            evicted = [inactive.popitem(last=False)[0] for _ in range(n_evict)]  # LRU first
+            for h in evicted:
+                del meta[h]
+            self._emit(BlocksRemoved(tuple(evicted)))
+        for a, b in runs:  # bulk inserts: this is the hot path of every prefill
+            blocks, tokens = hashes[a:b], local_hashes[a:b]
+            parent = hashes[a - 1] if a else None
+            active.update(dict.fromkeys(blocks, 1))
+            meta.update(zip(blocks, zip([parent, *blocks[:-1]], tokens, range(a, b), strict=True), strict=True))
+            self._emit(BlocksStored(parent, tuple(map(StoredBlock, blocks, tokens))))
+
+    def _take_existing(self, hashes: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]]:
+        """Slow path of ``use``: take the cached blocks of ``hashes[lo:hi]``; return the runs of new ones."""
+        active, inactive = self.active, self.inactive
+        runs: list[tuple[int, int]] = []
+        for i in range(lo, hi):
+            h = hashes[i]
+            rc = active.get(h)
+            if rc is not None:
+                active[h] = rc + 1
+            elif h in inactive:
+                del inactive[h]
+                active[h] = 1
+            elif runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        return runs
+
+    def new_partial(self) -> int:
+        """Allocate a private partial block (evicting if needed); returns its key."""
+        evicted: list[int] = []
+        self._take_slot(evicted)
+        if evicted:
+            self._emit(BlocksRemoved(tuple(evicted)))
+        key = self._next_partial
+        self._next_partial -= 1
+        self.active[key] = 1
+        return key
+
+    def promote(self, key: int, block_hash: int, tokens_hash: int, parent: int | None, position: int) -> None:
+        """Promote: partial block ``key`` filled up and becomes full block ``block_hash``.
+
+        If that block is already cached (another request computed the same tokens), the partial
+        block's slot is released and the existing block is used instead; otherwise it is stored.
+        """
+        del self.active[key]
+        if block_hash in self.active:
+            self.active[block_hash] += 1
+        elif self.inactive.take(block_hash):
+            self.active[block_hash] = 1
+        else:
+            self.active[block_hash] = 1
+            self._meta[block_hash] = (parent, tokens_hash, position)
+            self._emit(BlocksStored(parent, (StoredBlock(block_hash, tokens_hash),)))
+
+    def deref(self, keys: Sequence[int]) -> None:
+        """Deref: drop one reference on each block of a sequence.
+
+        A full block left unreferenced becomes inactive (still cached, no event); a partial one is
+        freed. Released tail-first (as vLLM does), so a sequence's last block is evicted before its
+        prefix, which keeps every cached block's parent cached as long as the block itself.
+        """
+        active, inactive = self.active, self.inactive
+        for key in reversed(keys):
+            rc = active[key] - 1
+            if rc:
+                active[key] = rc
+            else:
+                del active[key]
+                if key >= 0:
+                    inactive[key] = None  # push as most recent (an active block is never in inactive)
+
+    def destroy(self, keys: Sequence[int]) -> None:
+        """Destroy: drop one reference; an unreferenced block leaves the cache (BlocksRemoved), not to inactive.
+
+        Blocks other sequences still reference stay active: destroying is never done behind a holder's back.
+        """
+        active = self.active
+        removed: list[int] = []
+        for key in reversed(keys):
+            rc = active[key] - 1
+            if rc:
+                active[key] = rc
+            else:
+                del active[key]
+                if key >= 0:
+                    del self._meta[key]
+                    removed.append(key)
+        if removed:
+            self._emit(BlocksRemoved(tuple(removed)))
+
+    def clear(self) -> None:
+        """Drop every inactive block; active ones are in use and stay.
+
+        Emits AllCleared (the subscriber drops this engine's whole index) followed by the Stored
+        events of the surviving active blocks, so an index that applies the stream stays exact.
+        """
+        for h in self.inactive:
+            del self._meta[h]
+        self.inactive.clear()
+        self._emit(AllCleared())
+        for event in self.dump():
+            self._emit(event)
+
+    def dump(self) -> list[BlocksStored]:
+        """The cached set as Stored events, parents before children (one event per unbranched chain)."""
+        meta = self._meta
+        children: dict[int, list[int]] = {}
+        roots: list[int] = []
+        for h, (parent, _, _) in meta.items():
+            if parent is not None and parent in meta:
+                children.setdefault(parent, []).append(h)
+            else:
+                roots.append(h)  # a sequence start (or, never in practice, a block whose parent left)
+        out: list[BlocksStored] = []
+        stack = [(meta[h][0], h) for h in reversed(roots)]
+        while stack:
+            parent, h = stack.pop()
+            chain = [h]
+            while len(kids := children.get(h, ())) == 1:
+                h = kids[0]
+                chain.append(h)
+            out.append(BlocksStored(parent, tuple(StoredBlock(b, meta[b][1]) for b in chain)))
+            stack.extend((h, kid) for kid in reversed(children.get(h, ())))
+        return out
+
+    # ----------------------------------------------------------------------------------------- helpers
+
+    def _take_slot(self, evicted: list[int]) -> None:
+        """Make room for one more active block, evicting the LRU inactive block if the cache is full."""
+        if len(self.active) + len(self.inactive) < self.num_blocks:
+            return
+        if not self.inactive:
+            raise NoFreeBlocks(f"all {self.num_blocks} blocks are active")
+        h = self.inactive.evict()
+        del self._meta[h]
+        evicted.append(h)

@@ -1,0 +1,203 @@
+"""EngineCore: the mocker engine, one synchronous ``step()`` = one simulated forward pass.
+
+Shaped like vLLM v1's ``EngineCore.step()`` (schedule -> execute -> update), with execution replaced
+by the perf model: a step returns what a real pass would have produced and how long it would have
+taken, and does no I/O and reads no clock. So the same core runs under a gRPC shell (which sleeps
+``duration_ms`` / speedup between steps and publishes ``kv_events``) and under an offline
+discrete-event replay (which advances virtual time by ``duration_ms``), and is unit-testable and
+replayable: the same calls in the same order give the same outputs and the same events.
+
+Nobody needs to poll: an engine with ``has_unfinished() == False`` has nothing to do until the next
+``add_request``, and a step on it returns at once with no outputs and no events. An engine is not
+thread-safe: one driver (an event loop or a replay) owns it.
+
+Cost: a pass is O(running requests) plus O(blocks that change). A replay that only needs timing
+(``emit_token_ids=False``) can also skip the dominant case, runs of decode passes in which nothing
+but counters change, with ``fast_forward`` (exactly equivalent to stepping through them).
+
+Disaggregation seams (only ``EngineMode.AGGREGATED`` is implemented):
+
+* prefill-only (``EngineMode.PREFILL``): requests run exactly as now with ``max_tokens=1``; at
+  finish, instead of deref'ing the blocks, the scheduler would park the request in a ``transferring``
+  map (blocks still active, so they count as load and cannot be evicted) until a
+  ``release_kv(request_id)`` call, which derefs them like a finish does now.
+* decode-only (``EngineMode.DECODE``): requests come with ``kv_source=KvSource.TRANSFER``; at
+  admission the scheduler would allocate blocks for the whole prompt, mark it computed
+  (``num_computed = num_prompt_tokens - 1``, ``prefill_done=True``) and store the full blocks (their
+  KV now exists here, so they are announced) with no prefill tokens charged to the perf model.
+  ``add_request`` is the single gate that rejects a kv_source the mode cannot serve.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from kvmesh.kv_events import EventData, KvEvent
+
+from .api import (
+    CacheDump,
+    DuplicateRequest,
+    EngineLoad,
+    EngineRequest,
+    ForwardPassMetrics,
+    InvalidRequest,
+    KvSource,
+    QueueFull,
+    StepOutput,
+)
+from .block_manager import BlockManager
+from .config import EngineConfig, EngineMode
+from .journal import EventJournal
+from .perf_model import PerfModel, PolynomialPerfModel
+from .scheduler import Request, Scheduler
+
+
+class EngineCore:
+    """One simulated engine (defaults: Dynamo's mocker config and polynomial perf model)."""
+
+    def __init__(self, config: EngineConfig | None = None, perf_model: PerfModel | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.mode is not EngineMode.AGGREGATED:
+            raise NotImplementedError(f"engine mode {config.mode.value!r} is not implemented yet (see core.py)")
+        self.perf_model = perf_model or PolynomialPerfModel()
+        self.journal = EventJournal(config.event_journal_size)
+        self._events: list[KvEvent] = []  # events of the step (or call) in progress
+        self.block_manager = BlockManager(config.num_gpu_blocks, self._record)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self._block_size = config.block_size
+        self._total_kv_tokens = config.num_gpu_blocks * config.block_size
+
+    # -------------------------------------------------------------------------------------- requests
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises InvalidRequest (incl. DuplicateRequest) or QueueFull, never anything else."""
+        cfg = self.config
+        if request.request_id in self.scheduler.requests:
+            raise DuplicateRequest(f"request id {request.request_id!r} is already in the engine")
+        if request.kv_source is not KvSource.COMPUTE:
+            raise InvalidRequest(f"kv_source={request.kv_source.value!r} needs a decode engine; this one is {cfg.mode}")
+        prompt = np.asarray(request.prompt)
+        if prompt.size == 0:
+            raise InvalidRequest("prompt has no tokens")
+        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+            raise InvalidRequest(
+                f"prompt must be a flat sequence of integer token ids, got {prompt.dtype}{prompt.shape}"
+            )
+        low, high = int(prompt.min()), int(prompt.max())
+        if low < 0 or high >= cfg.vocab_size:
+            bad = low if low < 0 else high
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, vocab_size={cfg.vocab_size})")
+        if request.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens={request.max_tokens} must be >= 1")
+        total = prompt.size + request.max_tokens
+        if total > cfg.context_length:
+            raise InvalidRequest(
+                f"prompt ({prompt.size} tokens) + max_tokens ({request.max_tokens}) = {total} exceeds "
+                f"context_length={cfg.context_length} (max_model_len={cfg.max_model_len}, "
+                f"KV capacity above the watermark, and the token budget without chunked prefill)"
+            )
+        if cfg.max_waiting_requests is not None and len(self.scheduler.waiting) >= cfg.max_waiting_requests:
+            raise QueueFull(f"waiting queue is full (max_waiting_requests={cfg.max_waiting_requests})")
+        self.scheduler.add(Request(request, prompt.astype("<u4"), cfg))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request and release its blocks immediately (they stay cached); False if unknown/finished.
+
+        The caller already knows the request ended (with finish reason 'abort'), so no output is produced.
+        """
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def step(self) -> StepOutput:
+        """Run one scheduler pass and return its outputs, KV events and modelled duration."""
+        sched = self.scheduler
+        if not sched.requests:
+            return StepOutput([], [], ForwardPassMetrics(active_blocks=self.block_manager.num_active))
+        scheduled, num_preempted = sched.schedule()
+        active_blocks = self.block_manager.num_active  # what the pass runs with (before finishes free blocks)
+        outputs, num_prefill, prefill_tokens, num_decode, context_tokens = sched.update(scheduled)
+        duration = 0.0
+        if prefill_tokens:
+            duration = self.perf_model.prefill_ms(prefill_tokens)
+        if num_decode:
+            duration += self.perf_model.decode_ms(
+                active_blocks * self._block_size, self._total_kv_tokens, context_tokens / num_decode
+            )
+        events, self._events = self._events, []
+        metrics = ForwardPassMetrics(
+            num_prefill, num_decode, prefill_tokens, num_decode, num_preempted, active_blocks, duration
+        )
+        return StepOutput(outputs, events, metrics)
+
+    def fast_forward(self, max_passes: int, max_ms: float = math.inf) -> tuple[int, float]:
+        """Run up to ``max_passes`` quiet passes at once; returns (passes run, their total duration in ms).
+
+        For callers that only need timing (``emit_token_ids=False``), e.g. an offline replay between
+        two arrivals: a quiet pass (see ``Scheduler.quiet_passes``) emits no output and no event, so k
+        of them cost O(running requests) here instead of k ``step()`` calls, with exactly the same
+        resulting state and time. Stops before the first pass that is not quiet or that would end
+        after ``max_ms``; (0, 0.0) means the next pass needs a real ``step()``.
+        """
+        if self.config.emit_token_ids:
+            raise ValueError("fast_forward skips per-token outputs: it needs emit_token_ids=False")
+        sched = self.scheduler
+        limit = min(max_passes, sched.quiet_passes())
+        if limit <= 0:
+            return 0, 0.0
+        active_kv = self.block_manager.num_active * self._block_size
+        num_decode = len(sched.running)
+        context = sum(r.num_computed for r in sched.running) + num_decode  # of the first skipped pass
+        passes, total = 0, 0.0
+        while passes < limit:
+            duration = self.perf_model.decode_ms(active_kv, self._total_kv_tokens, context / num_decode)
+            if total + duration > max_ms:
+                break
+            total += duration
+            passes += 1
+            context += num_decode
+        sched.skip(passes)
+        return passes, total
+
+    # ---------------------------------------------------------------------------------- cache, load
+
+    @property
+    def next_event_id(self) -> int:
+        return self.journal.next_event_id
+
+    def events_since(self, event_id: int) -> list[KvEvent] | None:
+        """Journal replay for a subscriber that missed events (None: take ``dump_cache()`` instead)."""
+        return self.journal.since(event_id)
+
+    def dump_cache(self) -> CacheDump:
+        """The whole cached set (active + inactive full blocks) as of ``next_event_id``."""
+        return CacheDump(self.block_manager.dump(), self.journal.next_event_id)
+
+    def clear_cache(self) -> list[KvEvent]:
+        """Drop every cached block that no request is using; returns the events this produced.
+
+        Blocks of running requests cannot be dropped (their KV is in use), so the events are
+        AllCleared followed by BlocksStored for those survivors: an index applying them stays exact,
+        and on an idle engine it is just AllCleared.
+        """
+        self.block_manager.clear()
+        events, self._events = self._events, []
+        return events
+
+    def load(self) -> EngineLoad:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineLoad(
+            active_blocks=bm.num_active,
+            cached_blocks=bm.num_inactive,
+            total_blocks=bm.num_blocks,
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            queued_prefill_tokens=sched.pending_prefill_tokens,
+        )
+
+    def _record(self, data: EventData) -> None:
+        self._events.append(self.journal.append(data))
