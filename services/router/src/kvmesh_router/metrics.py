@@ -1,0 +1,189 @@
+"""The router's Prometheus metrics (all names start with ``kvmesh_router_``).
+
+Two kinds, chosen by how hot the code path that feeds them is:
+
+- **Per decision** (the Session stream): prometheus-client counters and histograms updated in line
+  (a few microseconds per decision, far below the gRPC round trip).
+- **Per KV event** (the ingest hot path): plain integer counters kept by the ingest, the index and the
+  replica hub, read at scrape time by :class:`_CoreCollector`. The event path pays one integer add per
+  batch, nothing per event.
+
+Rates (events/s, decisions/s) are ``rate()`` of the counters. Each :class:`RouterMetrics` owns its
+registry unless given one, so tests and benchmarks can build several routers in one process; the
+daemon passes prometheus-client's default registry (what ``--metrics-port`` serves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["RouterMetrics"]
+
+_LATENCY_BUCKETS = (
+    10e-6,
+    25e-6,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    100e-3,
+)
+_OVERLAP_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_QUALITY_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _CoreCollector(Collector):
+    """Reads the core's plain counters at scrape time (runs on the metrics HTTP thread: scalars only)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, Callable[[], dict[str, Any]]] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        ingest = self.sources.get("ingest")
+        if ingest is not None:
+            s = ingest()
+            yield _counter("kv_events", "KV events applied to the index", s["events"])
+            yield _counter("kv_event_batches", "KV event batches received from workers", s["batches"])
+            yield _counter("kv_stale_events", "KV events dropped because their id was already applied", s["stale"])
+            yield _counter("kv_gaps", "gaps detected in an engine's KV event ids", s["gaps"])
+            fam = CounterMetricFamily(
+                "kvmesh_router_kv_recoveries", "completed gap recoveries by method", labels=["method"]
+            )
+            for method in ("replay", "snapshot", "barrier"):
+                fam.add_metric([method], s[f"recovered_{method}"])
+            yield fam
+            yield _counter("kv_snapshots", "engine snapshots applied (restores and recoveries)", s["snapshots"])
+            yield _counter("kv_resubscribes", "KV event subscriptions re-opened after a break", s["resubscribes"])
+            yield _gauge("kv_recoveries_in_flight", "engines whose gap recovery is in progress", s["recovering"])
+            yield _gauge("kv_feeds", "engines whose KV events this router follows", s["feeds"])
+        index = self.sources.get("index")
+        if index is not None:
+            s = index()
+            yield _gauge("index_entries", "(engine, block) entries in the prefix index", s["entries"])
+            yield _gauge("index_blocks", "distinct blocks in the prefix index", s["blocks"])
+            yield _gauge("index_max_entries", "cap on index entries (0 = unbounded)", s["max_entries"])
+            yield _counter("index_evicted_entries", "index entries evicted by the size cap", s["evicted_entries"])
+            yield _counter(
+                "index_stores_dropped", "stores dropped because their parent was unknown", s["stores_dropped"]
+            )
+            yield _counter("index_unknown_removals", "removals of blocks the index did not hold", s["unknown_removals"])
+        state = self.sources.get("state")
+        if state is not None:
+            s = state()
+            yield _gauge("engines", "routable engines", s["engines"])
+            fam = GaugeMetricFamily("kvmesh_router_active_bookings", "active bookings by origin", labels=["origin"])
+            fam.add_metric(["local"], s["local_bookings"])
+            fam.add_metric(["peer"], s["peer_bookings"])
+            yield fam
+            yield _gauge("sessions", "open frontend Session streams", s["sessions"])
+        replicas = self.sources.get("replicas")
+        if replicas is not None:
+            s = replicas()
+            yield _gauge("replica_peers", "peer replicas with a live sync link", s["peers"])
+            yield _gauge("replica_sync_queue_depth", "booking events queued to peers, not yet sent", s["queued"])
+            fam = CounterMetricFamily(
+                "kvmesh_router_replica_sync_events", "booking events exchanged with peers", labels=["direction"]
+            )
+            fam.add_metric(["sent"], s["sent"])
+            fam.add_metric(["received"], s["received"])
+            yield fam
+            yield _counter("replica_sync_links_dropped", "sync links cut because a queue overflowed", s["overflows"])
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"kvmesh_router_{name}", doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"kvmesh_router_{name}", doc, value=value)
+
+
+class RouterMetrics:
+    """Every metric of one router; pass ``registry=None`` for a private registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.decisions = Counter(
+            "kvmesh_router_decisions", "routing decisions by mode and outcome", ["mode", "outcome"], registry=r
+        )
+        self.overlap = Histogram(
+            "kvmesh_router_overlap_blocks",
+            "cached prompt blocks on the chosen engine",
+            buckets=_OVERLAP_BUCKETS,
+            registry=r,
+        )
+        self.quality = Histogram(
+            "kvmesh_router_decision_quality",
+            "overlap achieved / best overlap any eligible engine had (decisions with some overlap available)",
+            buckets=_QUALITY_BUCKETS,
+            registry=r,
+        )
+        self.decision_latency = Histogram(
+            "kvmesh_router_decision_seconds",
+            "time to decide and book one route query",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.find_matches_latency = Histogram(
+            "kvmesh_router_find_matches_seconds",
+            "prefix-index lookup time per decision",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.recovery_seconds = Histogram(
+            "kvmesh_router_kv_recovery_seconds",
+            "gap detected -> engine index consistent again",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.sync_lag = Histogram(
+            "kvmesh_router_replica_sync_lag_seconds",
+            "age of a peer's booking when it reached this replica (peer queueing + transport)",
+            buckets=(*_LATENCY_BUCKETS, 0.25, 1.0, 5.0),
+            registry=r,
+        )
+        self.lifecycle = Counter(
+            "kvmesh_router_lifecycle_updates",
+            "lifecycle updates by stage and whether the request was known",
+            ["stage", "known"],
+            registry=r,
+        )
+        self.sessions_freed = Counter(
+            "kvmesh_router_session_orphans_freed", "bookings freed because their Session stream ended", registry=r
+        )
+        self.warmup_seconds = Gauge(
+            "kvmesh_router_warmup_seconds", "start -> SERVING of this process (index and load rebuilt)", registry=r
+        )
+        self.core = _CoreCollector()
+        r.register(self.core)
+        self._decision_children: dict[tuple[str, str], Any] = {}
+        # Pre-create the label sets people alert on, so they exist (at 0) before the first event.
+        for outcome in ("routed", "rejected", "no_engine", "invalid"):
+            self.decisions.labels("kv", outcome)
+
+    def add_source(self, name: str, read: Callable[[], dict[str, Any]]) -> None:
+        """Register a scrape-time reader (``ingest``, ``index``, ``state``, ``replicas``)."""
+        self.core.sources[name] = read
+
+    def observe_decision(self, mode: str, outcome: str, seconds: float, overlap: int = 0, best: int = 0) -> None:
+        child = self._decision_children.get((mode, outcome))
+        if child is None:  # labels() costs a lock and a tuple build per call: resolve each child once
+            child = self._decision_children[(mode, outcome)] = self.decisions.labels(mode, outcome)
+        child.inc()
+        self.decision_latency.observe(seconds)
+        if outcome == "routed":
+            self.overlap.observe(overlap)
+            if best:
+                self.quality.observe(overlap / best)

@@ -1,0 +1,70 @@
+"""``RouterService``: the gRPC face of one router replica (``protos/kvmesh/v1/router.proto``).
+
+The servicer only translates; the work is elsewhere: ``Session`` in :mod:`kvmesh_router.session`,
+``ReplicaSync`` in :mod:`kvmesh_router.replica_sync`, the state behind ``DumpIndex`` and
+``GetActiveLoad`` in :mod:`kvmesh_router.state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from kvmesh.v1 import router_pb2, router_pb2_grpc
+
+from kvmesh_router.replica_sync import ReplicaHub
+from kvmesh_router.session import SessionHandler
+from kvmesh_router.state import RouterState
+
+__all__ = ["RouterServicer"]
+
+
+class RouterServicer(router_pb2_grpc.RouterServiceServicer):
+    def __init__(
+        self,
+        state: RouterState,
+        hub: ReplicaHub | None = None,
+        next_event_id: Callable[[int], int | None] = lambda _engine: None,
+        is_ready: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.state = state
+        self.hub = hub
+        self.next_event_id = next_event_id
+        self.sessions = SessionHandler(state, is_ready)
+        # The session handler is an async generator function; binding it directly (instead of wrapping
+        # it in another generator) saves a generator hop per message on the decision path.
+        self.Session = self.sessions.serve  # type: ignore[method-assign]
+
+    async def ReplicaSync(
+        self, request_iterator: AsyncIterator[router_pb2.ReplicaSyncRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        if self.hub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "replica sync is disabled on this router")
+            return
+        await self.hub.serve(request_iterator, context)
+
+    async def DumpIndex(
+        self, request: router_pb2.DumpIndexRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.DumpIndexResponse:
+        response = router_pb2.DumpIndexResponse()
+        for engine_id, hashes in self.state.dump_index(request.engine_ids).items():
+            entry = response.engines.add(engine_id=engine_id, block_hashes=hashes)
+            nxt = self.next_event_id(engine_id)
+            if nxt is not None:
+                entry.next_event_id = nxt
+        return response
+
+    async def GetActiveLoad(
+        self, request: router_pb2.GetActiveLoadRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.GetActiveLoadResponse:
+        response = router_pb2.GetActiveLoadResponse()
+        for engine_id, blocks, prefill, n in self.state.active_load():
+            response.engines.add(
+                engine_id=engine_id, active_blocks=blocks, active_prefill_tokens=prefill, active_requests=n
+            )
+        return response
+
+
+def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
+    router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
