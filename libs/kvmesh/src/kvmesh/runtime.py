@@ -20,7 +20,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -108,6 +108,7 @@ class DaemonRuntime:
         ]
         self._records: dict[str, discovery_pb2.InstanceRecord] = {}
         self._draining = False
+        self._ready = True
         self._stop = asyncio.Event()
         self._lost_hooks: list[Callable[[], None]] = []
         self._renewed_hooks: list[Callable[[], Awaitable[None]]] = []
@@ -132,8 +133,14 @@ class DaemonRuntime:
         add_to_server(servicer, self.server)
         self._service_names.append(full_name)
 
-    async def start(self, port: int, bind_host: str = "0.0.0.0") -> int:
-        """Bind and start serving; returns the bound port (``port`` 0 picks a free one)."""
+    async def start(self, port: int, bind_host: str = "0.0.0.0", *, ready: bool = True) -> int:
+        """Bind and start serving; returns the bound port (``port`` 0 picks a free one).
+
+        ``ready=False`` starts with health NOT_SERVING (a daemon that must warm up first, e.g. a
+        router rebuilding its index); it turns SERVING on ``set_ready()``.
+        """
+        self._ready = ready
+        await self._set_health(False)  # before the port opens: no probe ever sees SERVING too early
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(self._service_names, self.server)
         try:
@@ -146,6 +153,11 @@ class DaemonRuntime:
         self.address = f"{self.config.host}:{bound}"
         await self._set_health(True)
         return bound
+
+    async def set_ready(self) -> None:
+        """End the warm-up started with ``start(ready=False)``: health turns SERVING."""
+        self._ready = True
+        await self._set_health(True)
 
     def instance_record(
         self, component: str, endpoint: str, instance_id: int | None = None, **fields: Any
@@ -236,12 +248,9 @@ class DaemonRuntime:
     async def _set_health(self, serving: bool) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if serving and self.is_serving()
+            if serving and self._ready and self.is_serving()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", *self._service_names):
             await self.health.set(name, status)
 
-
-def service_names(*descriptors: Any) -> Iterable[str]:
-    return [d.full_name for d in descriptors]

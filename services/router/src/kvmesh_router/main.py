@@ -29,7 +29,6 @@ from collections.abc import Sequence
 
 import prometheus_client
 import uvloop
-from grpc_health.v1 import health_pb2
 from kvmesh import telemetry
 from kvmesh.channels import ChannelPool
 from kvmesh.config import Config, Flag, fail, non_negative_float, non_negative_int, parse_config, port, positive_int
@@ -228,9 +227,7 @@ async def serve(cfg: Config) -> int:
     runtime.add_service(router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name, add_to_server, servicer)
 
     # Health answers NOT_SERVING from the first moment until the replica is warm.
-    await runtime.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    await runtime.start(cfg.grpc_port)
-    await runtime._set_health(False)  # start() turned it SERVING; no other task ran in between
+    await runtime.start(cfg.grpc_port, ready=False)
     t_warm = time.monotonic()
 
     # 1. The fleet as discovery knows it.
@@ -265,7 +262,7 @@ async def serve(cfg: Config) -> int:
     gc.freeze()
     ready = True
     await runtime.register(runtime.instance_record("router", "router"))
-    await runtime._set_health(True)
+    await runtime.set_ready()
     now = time.monotonic()
     metrics.warmup_seconds.set(now - _STARTED)
     index_size = state.kv_index.size if state.kv_index is not None else 0
