@@ -1,0 +1,1 @@
+"""kvmesh-frontend: the KServe v2 / Triton-compatible gRPC front door of a kvmesh deployment."""

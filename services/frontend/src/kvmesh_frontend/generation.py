@@ -1,0 +1,319 @@
+"""The generation flow of one request: decide, generate, report, migrate.
+
+:meth:`Generator.generate` is an async generator of the engine's ``GenerateResponse`` messages:
+
+1. ask a router replica for an engine (``RouteQuery`` with the prompt's sequence hashes);
+2. open ``WorkerService.Generate`` on that engine and pass its responses through unchanged (one
+   response may carry several tokens);
+3. report the first token (prefill done) and the end of the attempt (``FINISHED``: finished,
+   failed or cancelled) to the replica that booked it;
+4. if the engine dies mid-stream (UNAVAILABLE, a broken or truncated stream, an engine that is gone),
+   re-route the prompt plus the tokens generated so far to another engine (the failed ones are
+   excluded) with the remaining ``max_tokens``, up to ``migration_limit`` times. The caller sees
+   one uninterrupted stream.
+
+Cleanup is structural: every attempt's engine call is cancelled and its booking freed in a
+``finally``, so closing the generator (client cancel or disconnect, a stop string, an error) leaks
+nothing. Callers must close it (``contextlib.aclosing``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+from kvmesh.channels import ChannelPool
+from kvmesh.hashing import block_hashes
+from kvmesh.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+
+from kvmesh_frontend.errors import FrontendError, exhausted, internal, invalid, unavailable
+from kvmesh_frontend.routing import RouterClient, RouterSession
+
+log = logging.getLogger(__name__)
+
+# Engine failures that mean "this engine cannot finish the request", not "the request is bad".
+MIGRATABLE = frozenset(
+    [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED]
+)
+_LENGTH = worker_pb2.FINISH_REASON_LENGTH
+
+# (model, pinned engine or None, excluded engines) -> whether discovery shows an eligible live engine
+EngineAlive = Callable[[str, int | None, Sequence[int]], bool]
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A request ready to route: tokenized, hashed, with final sampling options."""
+
+    request_id: str
+    model: str
+    token_ids: list[int]
+    block_hashes: list[int]
+    block_size: int
+    max_tokens: int
+    sampling: worker_pb2.SamplingOptions
+    pinned_engine_id: int | None = None
+    router_mode: int = router_pb2.ROUTER_MODE_UNSPECIFIED
+
+
+@dataclass(slots=True)
+class GenerationState:
+    """What the flow learned, for the final response and metrics."""
+
+    engine_id: int = 0
+    address: str = ""
+    cached_tokens: int = 0  # router's overlap x block size, on the engine that finished
+    migrations: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
+class Generator:
+    """Runs requests: router decision, engine stream, lifecycle, migration."""
+
+    def __init__(
+        self,
+        router: RouterClient,
+        pool: ChannelPool,
+        migration_limit: int = 3,
+        on_migration: Callable[[str], None] | None = None,
+        engine_alive: EngineAlive | None = None,
+        no_engine_grace: float = 2.0,
+    ) -> None:
+        self._router = router
+        self._pool = pool
+        self.migration_limit = migration_limit
+        self._on_migration = on_migration
+        self._engine_alive = engine_alive
+        self.no_engine_grace = no_engine_grace
+        self._stubs: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
+
+    def _stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
+        stub = self._stubs.get(address)
+        if stub is None:  # one channel (HTTP/2 connection) per worker process, shared by its engines
+            stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(self._pool.get(address, address))
+        return stub
+
+    async def generate(
+        self, req: PreparedRequest, state: GenerationState
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        prompt = req.token_ids
+        hashes = req.block_hashes
+        generated: list[int] = []
+        excluded: list[int] = []
+        attempt = 0
+        while True:
+            request_id = req.request_id if attempt == 0 else f"{req.request_id}~m{attempt}"
+            remaining = req.max_tokens - len(generated)
+            tokens = prompt if not generated else prompt + generated
+            if generated:
+                hashes = block_hashes(tokens, req.block_size)[1]
+            query = router_pb2.RouteQuery(
+                request_id=request_id,
+                model=req.model,
+                block_hashes=hashes,
+                num_tokens=len(tokens),
+                expected_output_tokens=remaining,
+                excluded_engine_ids=excluded,
+            )
+            if req.router_mode:
+                query.overrides.mode = req.router_mode
+            if req.pinned_engine_id is not None:
+                query.pinned_engine_id = req.pinned_engine_id
+            decision, session = await self._route(query, req)
+            if decision.outcome != router_pb2.DECISION_OUTCOME_ROUTED:
+                session.finished(request_id)  # harmless if nothing was booked
+                raise self._refused(req, decision, state)
+            state.engine_id = decision.engine_id
+            state.address = decision.address
+            state.cached_tokens = decision.overlap_blocks * decision.block_size
+
+            sampling = req.sampling
+            if generated:
+                sampling = worker_pb2.SamplingOptions()
+                sampling.CopyFrom(req.sampling)
+                sampling.max_tokens = remaining
+                sampling.min_tokens = max(0, req.sampling.min_tokens - len(generated))
+            call = self._stub(decision.address).Generate(
+                worker_pb2.GenerateRequest(
+                    request_id=request_id, engine_id=decision.engine_id, token_ids=tokens, sampling=sampling
+                )
+            )
+            finished = False
+            first = True
+            try:
+                async for response in call:
+                    if response.token_ids:
+                        if first:
+                            first = False
+                            session.first_token(request_id)
+                        generated.extend(response.token_ids)
+                    if response.finish_reason:
+                        finished = True
+                    yield response
+                    if finished:
+                        return
+                failure = "the engine ended the stream before the request finished"
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in MIGRATABLE:
+                    raise self._engine_error(req, decision, exc) from None
+                failure = f"{exc.code().name}: {exc.details()}"
+            finally:
+                if not finished:
+                    call.cancel()
+                session.finished(request_id)
+
+            # The engine failed mid-stream (or before its first token): migrate.
+            state.failures.append(f"engine {decision.engine_id:x}: {failure}")
+            if len(generated) >= req.max_tokens:  # everything arrived but the final flag
+                yield worker_pb2.GenerateResponse(finish_reason=_LENGTH)
+                return
+            if req.pinned_engine_id is not None:
+                raise unavailable(
+                    f"request {req.request_id}: pinned engine {decision.engine_id:x} failed after "
+                    f"{len(generated)} tokens ({failure}); pinned requests are not migrated"
+                )
+            if attempt >= self.migration_limit:
+                raise unavailable(
+                    f"request {req.request_id}: engine {decision.engine_id:x} failed after {len(generated)} tokens "
+                    f"({failure}) and the migration limit ({self.migration_limit}) is reached"
+                )
+            attempt += 1
+            state.migrations = attempt
+            excluded.append(decision.engine_id)
+            log.warning(
+                "request %s: engine %x failed after %d tokens (%s); migrating (%d/%d)",
+                req.request_id,
+                decision.engine_id,
+                len(generated),
+                failure,
+                attempt,
+                self.migration_limit,
+            )
+            if self._on_migration is not None:
+                self._on_migration(req.model)
+
+    async def _route(
+        self, query: router_pb2.RouteQuery, req: PreparedRequest
+    ) -> tuple[router_pb2.RouteDecision, RouterSession]:
+        """The router's decision; NO_ENGINE is retried while discovery says an eligible engine lives.
+
+        The frontend and the router watch discovery independently: for a moment after an engine
+        appears, the frontend may know it (and report the model ready) while the router does not.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.no_engine_grace
+        delay = 0.02
+        while True:
+            decision, session = await self._router.route(query)
+            if (
+                decision.outcome != router_pb2.DECISION_OUTCOME_NO_ENGINE
+                or self._engine_alive is None
+                or not self._engine_alive(req.model, req.pinned_engine_id, query.excluded_engine_ids)
+                or loop.time() + delay > deadline
+            ):
+                return decision, session
+            session.finished(query.request_id)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    @staticmethod
+    def _refused(req: PreparedRequest, decision: router_pb2.RouteDecision, state: GenerationState) -> FrontendError:
+        why = decision.message or router_pb2.DecisionOutcome.Name(decision.outcome)
+        if decision.outcome == router_pb2.DECISION_OUTCOME_REJECTED:
+            return exhausted(f"model '{req.model}': every engine is busy, retry later (router: {why})")
+        if decision.outcome == router_pb2.DECISION_OUTCOME_NO_ENGINE:
+            if state.failures:
+                return unavailable(
+                    f"request {req.request_id}: no engine left to migrate to after {'; '.join(state.failures)} "
+                    f"(router: {why})"
+                )
+            return unavailable(f"model '{req.model}': no live engine can take the request (router: {why})")
+        if decision.outcome == router_pb2.DECISION_OUTCOME_INVALID:
+            return invalid(f"the router refused the request: {why}")
+        return internal(f"request {req.request_id}: the router answered outcome {decision.outcome} ({why})")
+
+    @staticmethod
+    def _engine_error(
+        req: PreparedRequest, decision: router_pb2.RouteDecision, exc: grpc.aio.AioRpcError
+    ) -> FrontendError:
+        code = exc.code()
+        details = exc.details() or code.name
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return invalid(f"engine {decision.engine_id:x} rejected the request: {details}")
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return exhausted(f"engine {decision.engine_id:x} is full, retry later: {details}")
+        return internal(f"request {req.request_id}: engine {decision.engine_id:x} failed: {code.name}: {details}")
+
+
+class EngineBuffer:
+    """Reads an engine stream in its own task; what arrives while the client is written to is merged.
+
+    :meth:`next` returns every engine response received since the previous call as one response
+    (token ids concatenated, the last finish reason), so a client that keeps up gets one KServe
+    response per engine response and a client that falls behind gets fewer, larger ones instead
+    of a growing backlog. :meth:`close` cancels the reader, which closes the generation (engine
+    stream cancelled, booking freed). Errors of the stream are raised by :meth:`next`.
+    """
+
+    __slots__ = ("_done", "_error", "_items", "_loop", "_task", "_waiter")
+
+    def __init__(self, source: AsyncIterator[worker_pb2.GenerateResponse]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._items: list[worker_pb2.GenerateResponse] = []
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._task = self._loop.create_task(self._run(source))
+
+    async def _run(self, source: AsyncIterator[worker_pb2.GenerateResponse]) -> None:
+        try:
+            async with aclosing(source) as stream:  # type: ignore[type-var]
+                async for item in stream:
+                    self._items.append(item)
+                    self._wake()
+                    if item.finish_reason:
+                        break
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._done = True
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next(self) -> worker_pb2.GenerateResponse | None:
+        """The engine responses received so far, merged; None at the end of the stream."""
+        while not self._items:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return None
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        if len(items) == 1:
+            return items[0]
+        merged = worker_pb2.GenerateResponse(
+            num_cached_tokens=items[0].num_cached_tokens, num_prompt_tokens=items[0].num_prompt_tokens
+        )
+        for item in items:
+            merged.token_ids.extend(item.token_ids)
+        merged.finish_reason = items[-1].finish_reason
+        return merged
+
+    async def close(self) -> None:
+        if not self._task.done():
+            self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)

@@ -1,0 +1,490 @@
+"""The LLM tensor contract (Triton vLLM backend, plus what genai-perf and tokenizing clients send).
+
+:func:`parse_llm_request` turns a ``ModelInferRequest`` into a validated :class:`LlmRequest` or
+raises INVALID_ARGUMENT naming the tensor (or parameter) and what is wrong with it. Nothing here
+knows the model: limits that depend on the model card (vocabulary, context length, chat template)
+are checked once the model is resolved.
+
+Inputs (all optional individually; exactly one of ``text_input`` / ``input_ids`` / ``messages``):
+
+==========================  ============  =====================================================
+``text_input``              BYTES [1]     the prompt, UTF-8
+``input_ids``               INT32/INT64   pre-tokenized prompt, [N] or [1, N]
+``messages``                BYTES [1]     JSON list of OpenAI chat messages (chat template)
+``stream`` / ``streaming``  BOOL [1]      one response per engine step (ModelStreamInfer only)
+``sampling_parameters``     BYTES [1]     JSON of vLLM SamplingParams (see SAMPLING_KEYS)
+``exclude_input_in_output`` BOOL [1]      default: true when streaming, false otherwise
+``return_finish_reason``    BOOL [1]      add the ``finish_reason`` output
+``return_num_input_tokens`` BOOL [1]      add the ``num_input_tokens`` output
+``return_num_output_tokens`` BOOL [1]     add the ``num_output_tokens`` output (delta per response)
+``max_tokens``              INT32/INT64   TensorRT-LLM style (genai-perf ``--backend tensorrtllm``)
+``min_length``              INT32/INT64   TensorRT-LLM style minimum output length
+==========================  ============  =====================================================
+
+Sampling keys are read, lowest precedence first, from the request ``parameters`` map, the
+``sampling_parameters`` JSON, then the ``max_tokens`` / ``min_length`` tensors. Numbers may be
+sent as strings (genai-perf sends ``{"max_tokens": "16"}``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from inference import grpc_service_pb2 as pb
+from kvmesh.v1 import router_pb2
+
+from kvmesh_frontend.errors import invalid
+from kvmesh_frontend.tensors import Tensor, decode_inputs
+
+PROMPT_INPUTS = ("text_input", "input_ids", "messages")
+
+# name -> accepted datatypes
+INPUT_DATATYPES: dict[str, tuple[str, ...]] = {
+    "text_input": ("BYTES",),
+    "input_ids": ("INT32", "INT64"),
+    "messages": ("BYTES",),
+    "stream": ("BOOL",),
+    "streaming": ("BOOL",),
+    "sampling_parameters": ("BYTES",),
+    "exclude_input_in_output": ("BOOL",),
+    "return_finish_reason": ("BOOL",),
+    "return_num_input_tokens": ("BOOL",),
+    "return_num_output_tokens": ("BOOL",),
+    "return_cumulative_logprob": ("BOOL",),
+    "return_logprobs": ("BOOL",),
+    "max_tokens": ("INT32", "INT64"),
+    "min_length": ("INT32", "INT64"),
+}
+# Flags the contract knows but kvmesh engines cannot honour: accepted only as false.
+UNSUPPORTED_FLAGS = ("return_cumulative_logprob", "return_logprobs")
+
+OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "output_ids")
+
+ROUTER_MODES: dict[str, int] = {
+    "kv": router_pb2.ROUTER_MODE_KV,
+    "round_robin": router_pb2.ROUTER_MODE_ROUND_ROBIN,
+    "random": router_pb2.ROUTER_MODE_RANDOM,
+    "power_of_two": router_pb2.ROUTER_MODE_POWER_OF_TWO,
+    "direct": router_pb2.ROUTER_MODE_DIRECT,
+}
+
+PARAM_WORKER_ID = "kvmesh.worker_id"
+PARAM_ROUTER_MODE = "kvmesh.router_mode"
+PARAM_EMPTY_FINAL = "triton_enable_empty_final_response"
+# Request parameters that are never sampling keys (Triton reserved ones and ours).
+_RESERVED_PARAMS = frozenset(
+    ["sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "headers", "binary_data_output"]
+)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Generation controls; None means "the engine's / frontend's default"."""
+
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class LlmRequest:
+    """A validated LLM request, still independent of the model."""
+
+    model: str
+    client_id: str
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    stream: bool = False
+    exclude_input: bool = True
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    requested_outputs: tuple[str, ...] = ()
+    empty_final: bool = False
+    pinned_engine_id: int | None = None
+    router_mode: int = router_pb2.ROUTER_MODE_UNSPECIFIED
+
+    @property
+    def prompt_input(self) -> str:
+        if self.text is not None:
+            return "text_input"
+        if self.input_ids is not None:
+            return "input_ids"
+        return "messages"
+
+    def wants(self, output: str) -> bool:
+        """Whether a response carries this output (explicitly requested, or enabled by its flag)."""
+        if self.requested_outputs:
+            return output in self.requested_outputs
+        if output == "text_output":
+            return True
+        if output == "finish_reason":
+            return self.return_finish_reason
+        if output == "num_input_tokens":
+            return self.return_num_input_tokens
+        if output == "num_output_tokens":
+            return self.return_num_output_tokens
+        return False
+
+
+# -- value coercion (JSON values, parameter values, strings) -------------------------------------
+def _as_int(where: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise invalid(f"{where} must be an integer, got {json.dumps(value)}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip(), 0)
+        except ValueError:
+            pass
+    raise invalid(f"{where} must be an integer, got {json.dumps(value)}")
+
+
+def _as_float(where: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise invalid(f"{where} must be a number, got {json.dumps(value)}")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise invalid(f"{where} must be a number, got {json.dumps(value)}")
+
+
+def _as_bool(where: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    raise invalid(f"{where} must be a boolean, got {json.dumps(value)}")
+
+
+def _int_at_least(minimum: int) -> Callable[[str, Any], int]:
+    def parse(where: str, value: Any) -> int:
+        number = _as_int(where, value)
+        if number < minimum:
+            raise invalid(f"{where} must be >= {minimum}, got {number}")
+        return number
+
+    return parse
+
+
+def _temperature(where: str, value: Any) -> float:
+    number = _as_float(where, value)
+    if not number >= 0:
+        raise invalid(f"{where} must be >= 0, got {number}")
+    return number
+
+
+def _top_p(where: str, value: Any) -> float:
+    number = _as_float(where, value)
+    if not 0 < number <= 1:
+        raise invalid(f"{where} must be in (0, 1], got {number}")
+    return number
+
+
+def _top_k(where: str, value: Any) -> int:
+    number = _as_int(where, value)
+    if number < -1:
+        raise invalid(f"{where} must be -1 (disabled), 0 (disabled) or a positive integer, got {number}")
+    return max(number, 0)
+
+
+def _seed(where: str, value: Any) -> int:
+    number = _as_int(where, value)
+    if not 0 <= number < 2**64:
+        raise invalid(f"{where} must be in [0, 2**64), got {number}")
+    return number
+
+
+def _stop(where: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise invalid(f"{where} must be a string or a list of strings, got {json.dumps(value)}")
+    if any(item == "" for item in items):
+        raise invalid(f"{where} must not contain an empty string")
+    return tuple(items)
+
+
+def _stop_token_ids(where: str, value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise invalid(f"{where} must be a list of token ids, got {json.dumps(value)}")
+    ids = tuple(_as_int(f"{where}[{i}]", item) for i, item in enumerate(value))
+    for i, token in enumerate(ids):
+        if not 0 <= token < 2**32:
+            raise invalid(f"{where}[{i}] must be a token id >= 0, got {token}")
+    return ids
+
+
+def _exactly(expected: Any, name: str) -> Callable[[str, Any], None]:
+    """Keys kvmesh accepts only at their neutral value (it cannot honour anything else)."""
+
+    def parse(where: str, value: Any) -> None:
+        if value is None:
+            return
+        number = _as_float(where, value) if not isinstance(expected, str) else value
+        if number != expected:
+            raise invalid(f"{where}={json.dumps(value)} is not supported by kvmesh ({name})")
+
+    return parse
+
+
+def _lora(where: str, value: Any) -> None:
+    if value not in (None, ""):
+        raise invalid(f"{where}={json.dumps(value)}: LoRA adapters are not supported by kvmesh")
+
+
+# key -> (parser, SamplingParams attribute or None for accepted-and-checked-only keys)
+SAMPLING_KEYS: dict[str, tuple[Callable[[str, Any], Any], str | None]] = {
+    "max_tokens": (_int_at_least(1), "max_tokens"),
+    "min_tokens": (_int_at_least(0), "min_tokens"),
+    "temperature": (_temperature, "temperature"),
+    "top_p": (_top_p, "top_p"),
+    "top_k": (_top_k, "top_k"),
+    "seed": (_seed, "seed"),
+    "stop": (_stop, "stop"),
+    "stop_token_ids": (_stop_token_ids, "stop_token_ids"),
+    "ignore_eos": (_as_bool, "ignore_eos"),
+    "include_stop_str_in_output": (_as_bool, "include_stop_str_in_output"),
+    "skip_special_tokens": (_as_bool, "skip_special_tokens"),
+    "n": (_exactly(1, "one completion per request"), None),
+    "best_of": (_exactly(1, "one completion per request"), None),
+    "presence_penalty": (_exactly(0.0, "no penalties"), None),
+    "frequency_penalty": (_exactly(0.0, "no penalties"), None),
+    "repetition_penalty": (_exactly(1.0, "no penalties"), None),
+    "lora_name": (_lora, None),
+}
+
+
+def _apply_sampling(sampling: SamplingParams, key: str, value: Any, where: str) -> None:
+    parser, attr = SAMPLING_KEYS[key]
+    if key in ("seed", "max_tokens", "temperature", "top_p", "top_k") and value is None:
+        return  # JSON null: keep the default
+    parsed = parser(where, value)
+    if attr is not None:
+        setattr(sampling, attr, parsed)
+
+
+def parameter_value(param: pb.InferParameter) -> Any:
+    """The Python value of a request parameter (None when unset)."""
+    kind = param.WhichOneof("parameter_choice")
+    return None if kind is None else getattr(param, kind)
+
+
+# -- tensors -----------------------------------------------------------------------------------
+def _check_datatype(tensor: Tensor) -> None:
+    accepted = INPUT_DATATYPES[tensor.name]
+    if tensor.datatype not in accepted:
+        expected = " or ".join(accepted)
+        raise invalid(f"input '{tensor.name}': expected datatype {expected}, got {tensor.datatype}")
+
+
+def _scalar(tensor: Tensor) -> Any:
+    if len(tensor.values) != 1:
+        raise invalid(
+            f"input '{tensor.name}': expected exactly 1 element, got {len(tensor.values)} (shape {list(tensor.shape)})"
+        )
+    return tensor.values[0]
+
+
+def _utf8(tensor: Tensor, value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid(
+            f"input '{tensor.name}': not valid UTF-8 (byte 0x{value[exc.start]:02x} at offset {exc.start})"
+        ) from None
+
+
+def _parse_messages(tensor: Tensor) -> list[dict[str, Any]]:
+    text = _utf8(tensor, _scalar(tensor))
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise invalid(f"input 'messages': not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if not isinstance(doc, list) or not doc:
+        raise invalid('input \'messages\': expected a non-empty JSON list of {"role", "content"} objects')
+    for i, message in enumerate(doc):
+        if not isinstance(message, dict):
+            raise invalid(f"input 'messages': message #{i} is not a JSON object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise invalid(f"input 'messages': message #{i} has no string 'role'")
+        content = message.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid(
+                        f"input 'messages': message #{i} content part #{j} is not a "
+                        '{"type": "text", "text": ...} part'
+                    )
+                texts.append(part["text"])
+            message["content"] = "".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise invalid(f"input 'messages': message #{i} 'content' must be a string, a list of text parts or null")
+    return doc
+
+
+def _parse_sampling_json(tensor: Tensor, sampling: SamplingParams) -> None:
+    text = _utf8(tensor, _scalar(tensor))
+    if not text.strip():
+        return
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise invalid(
+            f"input 'sampling_parameters': not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
+    if not isinstance(doc, dict):
+        raise invalid("input 'sampling_parameters': expected a JSON object")
+    for key, value in doc.items():
+        if key not in SAMPLING_KEYS:
+            raise invalid(
+                f"input 'sampling_parameters': unknown key {key!r} (supported: {', '.join(sorted(SAMPLING_KEYS))})"
+            )
+        _apply_sampling(sampling, key, value, f"input 'sampling_parameters': '{key}'")
+
+
+def _worker_id(value: Any) -> int:
+    where = f"parameter '{PARAM_WORKER_ID}'"
+    if isinstance(value, str):
+        try:
+            number = int(value.strip(), 0)
+        except ValueError:
+            raise invalid(f"{where} must be an engine id (integer, or 0x-prefixed hex), got {value!r}") from None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    else:
+        raise invalid(f"{where} must be an engine id (integer), got {value!r}")
+    if not 0 <= number < 2**64:
+        raise invalid(f"{where} must be in [0, 2**64), got {number}")
+    return number
+
+
+def _apply_parameters(params: Mapping[str, pb.InferParameter], req: LlmRequest) -> None:
+    for key, param in params.items():
+        value = parameter_value(param)
+        if key == PARAM_EMPTY_FINAL:
+            req.empty_final = _as_bool(f"parameter '{key}'", value)
+        elif key == PARAM_WORKER_ID:
+            req.pinned_engine_id = _worker_id(value)
+        elif key == PARAM_ROUTER_MODE:
+            mode = ROUTER_MODES.get(str(value).strip().lower()) if isinstance(value, str) else None
+            if mode is None:
+                raise invalid(f"parameter '{key}' must be one of {', '.join(ROUTER_MODES)}, got {value!r}")
+            req.router_mode = mode
+        elif key in SAMPLING_KEYS:
+            _apply_sampling(req.sampling, key, value, f"parameter '{key}'")
+        # everything else (Triton's reserved keys, unknown keys) is not ours to judge
+
+
+def parse_llm_request(request: pb.ModelInferRequest, *, unary: bool = False) -> LlmRequest:
+    """Validate a ModelInferRequest against the LLM tensor contract.
+
+    ``unary`` is true for ModelInfer, which answers with exactly one response and so refuses
+    ``stream=true``.
+    """
+    tensors = decode_inputs(request)
+    for name, tensor in tensors.items():
+        if name not in INPUT_DATATYPES:
+            raise invalid(f"input '{name}' is not an input of this model (inputs: {', '.join(INPUT_DATATYPES)})")
+        _check_datatype(tensor)
+    req = LlmRequest(model=request.model_name, client_id=request.id)
+
+    prompts = [name for name in PROMPT_INPUTS if name in tensors]
+    if not prompts:
+        raise invalid("missing input: one of 'text_input', 'input_ids' or 'messages' is required")
+    if len(prompts) > 1:
+        raise invalid(f"inputs {' and '.join(repr(p) for p in prompts)} are exclusive: send exactly one prompt")
+    prompt = tensors[prompts[0]]
+    if prompt.name == "text_input":
+        if len(prompt.values) != 1:
+            raise invalid(
+                f"input 'text_input': expected exactly one prompt, got {len(prompt.values)} elements "
+                "(batching is not supported; send one request per prompt)"
+            )
+        req.text = _utf8(prompt, prompt.values[0])
+    elif prompt.name == "input_ids":
+        if len(prompt.shape) > 2 or (len(prompt.shape) == 2 and prompt.shape[0] != 1):
+            raise invalid(f"input 'input_ids': expected shape [N] or [1, N], got {list(prompt.shape)}")
+        if not prompt.values:
+            raise invalid("input 'input_ids': the prompt is empty")
+        for i, token in enumerate(prompt.values):
+            if token < 0:
+                raise invalid(f"input 'input_ids': token id {token} at index {i} is negative")
+        req.input_ids = prompt.values
+    else:
+        req.messages = _parse_messages(prompt)
+
+    stream = [bool(_scalar(tensors[name])) for name in ("stream", "streaming") if name in tensors]
+    if len(stream) == 2 and stream[0] != stream[1]:
+        raise invalid("inputs 'stream' and 'streaming' disagree; send one of them")
+    req.stream = bool(stream and stream[0])
+    if req.stream and unary:
+        raise invalid("input 'stream': true needs ModelStreamInfer (ModelInfer returns exactly one response)")
+
+    exclude = tensors.get("exclude_input_in_output")
+    if exclude is not None:
+        req.exclude_input = bool(_scalar(exclude))
+        if req.stream and not req.exclude_input:
+            raise invalid(
+                "input 'exclude_input_in_output': false is not allowed with stream=true "
+                "(streamed responses never repeat the prompt)"
+            )
+    else:
+        req.exclude_input = req.stream
+    for name in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
+        if name in tensors:
+            setattr(req, name, bool(_scalar(tensors[name])))
+    for name in UNSUPPORTED_FLAGS:
+        if name in tensors and _scalar(tensors[name]):
+            raise invalid(f"input '{name}': true is not supported by kvmesh (engines return no logprobs)")
+
+    _apply_parameters(request.parameters, req)
+    if "sampling_parameters" in tensors:
+        _parse_sampling_json(tensors["sampling_parameters"], req.sampling)
+    if "max_tokens" in tensors:
+        req.sampling.max_tokens = _int_at_least(1)("input 'max_tokens'", _scalar(tensors["max_tokens"]))
+    if "min_length" in tensors:
+        req.sampling.min_tokens = _int_at_least(0)("input 'min_length'", _scalar(tensors["min_length"]))
+    if req.sampling.max_tokens is not None and req.sampling.min_tokens > req.sampling.max_tokens:
+        raise invalid(f"min_tokens ({req.sampling.min_tokens}) must not exceed max_tokens ({req.sampling.max_tokens})")
+
+    if req.router_mode == router_pb2.ROUTER_MODE_DIRECT and req.pinned_engine_id is None:
+        raise invalid(f"parameter '{PARAM_ROUTER_MODE}': direct needs parameter '{PARAM_WORKER_ID}'")
+    if req.pinned_engine_id is not None:
+        req.router_mode = router_pb2.ROUTER_MODE_DIRECT
+
+    if request.outputs:
+        names = []
+        for out in request.outputs:
+            if out.name not in OUTPUTS:
+                raise invalid(f"output '{out.name}' is not an output of this model (outputs: {', '.join(OUTPUTS)})")
+            names.append(out.name)
+        req.requested_outputs = tuple(names)
+    return req

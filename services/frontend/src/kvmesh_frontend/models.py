@@ -1,0 +1,255 @@
+"""The model registry, fed by the workers' model cards in discovery.
+
+Every worker engine publishes a ``ModelCard`` under ``v1/models/{ns}/{model}/{engine_id:x}``,
+attached to its lease: the card's presence *is* the engine's liveness. The registry applies the
+discovery watch events (Snapshot / Added / Removed) and keeps, per model name, the live engines'
+cards and the limits they advertise. Models appear and disappear live.
+
+Tokenizer files are fetched from an engine (``WorkerService.GetModelFile``) as soon as a model's
+first card arrives, and cached by ``files_digest``: many engines (and models) that serve the same
+files share one download and one :class:`ModelTokenizer`.
+
+A model name that was seen once and has no live engine now is *known but unavailable*
+(UNAVAILABLE); a name never seen is unknown (NOT_FOUND).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.channels import ChannelPool
+from kvmesh.discovery.base import Added, Removed, Snapshot, WatchEvent, parse_model_key
+from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+
+from kvmesh_frontend.errors import not_found, unavailable
+from kvmesh_frontend.tokenization import ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+_RETRY_FAILED_LOAD_S = 5.0
+
+
+@dataclass(slots=True)
+class _Assets:
+    """The tokenizer of one files_digest: loading, loaded, absent or failed."""
+
+    digest: str
+    task: asyncio.Task[ModelTokenizer | None] | None = None
+    tokenizer: ModelTokenizer | None = None
+    done: bool = False
+    error: str | None = None
+    failed_at: float = 0.0
+
+
+@dataclass(slots=True)
+class ModelEntry:
+    """One model name and the live engines serving it."""
+
+    name: str
+    cards: dict[int, discovery_pb2.ModelCard] = field(default_factory=dict)
+    block_size: int = 0
+    context_length: int = 0
+    vocab_size: int = 0
+    eos_token_id: int = 0
+    digest: str = ""
+    assets: _Assets | None = None
+
+    @property
+    def live(self) -> bool:
+        return bool(self.cards)
+
+    @property
+    def ready(self) -> bool:
+        """A live engine and a settled tokenizer (loaded, absent, or failed to load)."""
+        return bool(self.cards) and (self.assets is None or self.assets.done)
+
+    def _refresh(self) -> None:
+        cards = list(self.cards.values())
+        if not cards:
+            return
+        self.block_size = cards[-1].block_size
+        self.context_length = min((c.context_length for c in cards if c.context_length), default=0)
+        self.vocab_size = min((c.vocab_size for c in cards if c.vocab_size), default=0)
+        self.eos_token_id = cards[-1].eos_token_id
+
+
+class ModelRegistry:
+    """Models and their live engines, from the discovery watch on ``v1/models/{ns}/``."""
+
+    def __init__(self, pool: ChannelPool, namespace: str, fetch_timeout: float = 30.0) -> None:
+        self._pool = pool
+        self._namespace = namespace
+        self._fetch_timeout = fetch_timeout
+        self._models: dict[str, ModelEntry] = {}
+        self._keys: dict[str, tuple[str, int]] = {}  # discovery key -> (model, engine id)
+        self._assets: dict[str, _Assets] = {}  # by files digest
+        self._closed = False
+
+    # -- discovery ------------------------------------------------------------------------------
+    def apply(self, event: WatchEvent) -> None:
+        if isinstance(event, Snapshot):
+            for key in [k for k in self._keys if k not in event.records]:
+                self._remove(key)
+            for key, value in event.records.items():
+                self._add(key, value)
+        elif isinstance(event, Added):
+            self._add(event.key, event.value)
+        elif isinstance(event, Removed):
+            self._remove(event.key)
+
+    def _add(self, key: str, value: bytes) -> None:
+        try:
+            parsed = parse_model_key(key)
+            card = discovery_pb2.ModelCard.FromString(value)
+        except Exception as exc:  # a corrupt record must not take the frontend down
+            log.warning("ignoring unreadable model card %s: %s", key, exc)
+            return
+        if parsed.namespace != self._namespace:
+            return
+        name = card.name or parsed.model
+        engine_id = card.engine_id or parsed.instance_id
+        previous = self._keys.get(key)
+        if previous is not None and previous[0] != name:
+            self._remove(key)
+        entry = self._models.get(name)
+        if entry is None:
+            entry = self._models[name] = ModelEntry(name)
+            log.info("model %s appeared (engine %x at %s)", name, engine_id, card.address)
+        elif not entry.cards:
+            log.info("model %s is back (engine %x at %s)", name, engine_id, card.address)
+        entry.cards[engine_id] = card
+        self._keys[key] = (name, engine_id)
+        entry._refresh()
+        digest = card.files_digest or f"{name}@{engine_id:x}"
+        if entry.assets is None or entry.digest != digest:
+            entry.digest = digest
+            entry.assets = self._assets_for(digest, card)
+
+    def _remove(self, key: str) -> None:
+        found = self._keys.pop(key, None)
+        if found is None:
+            return
+        name, engine_id = found
+        entry = self._models.get(name)
+        if entry is None:
+            return
+        entry.cards.pop(engine_id, None)
+        entry._refresh()
+        if not entry.cards:
+            log.info("model %s has no live engine", name)
+
+    # -- queries --------------------------------------------------------------------------------
+    def get(self, name: str) -> ModelEntry | None:
+        return self._models.get(name)
+
+    def resolve(self, name: str) -> ModelEntry:
+        """The model with a live engine; NOT_FOUND if never seen, UNAVAILABLE if no engine now."""
+        entry = self._models.get(name)
+        if entry is None:
+            if not name:
+                raise not_found("model_name is empty")
+            raise not_found(f"model '{name}' is not served here (known models: {', '.join(self.names()) or 'none'})")
+        if not entry.cards:
+            raise unavailable(f"model '{name}' has no live engine")
+        return entry
+
+    def names(self) -> list[str]:
+        return sorted(name for name, entry in self._models.items() if entry.cards)
+
+    def any_ready(self) -> bool:
+        return any(entry.ready for entry in self._models.values())
+
+    def engine_alive(self, name: str, pinned: int | None = None, excluded: Sequence[int] = ()) -> bool:
+        """Whether a live engine of model ``name`` is eligible (the pinned one, none of the excluded)."""
+        entry = self._models.get(name)
+        if entry is None:
+            return False
+        if pinned is not None:
+            return pinned in entry.cards and pinned not in excluded
+        return any(engine not in excluded for engine in entry.cards)
+
+    def engines(self, name: str) -> list[int]:
+        entry = self._models.get(name)
+        return sorted(entry.cards) if entry else []
+
+    async def tokenizer(self, entry: ModelEntry) -> ModelTokenizer | None:
+        """The model's tokenizer (None if its engines serve no tokenizer.json); UNAVAILABLE on failure."""
+        assets = entry.assets
+        if assets is None:
+            return None
+        if assets.done and assets.error is not None and time.monotonic() - assets.failed_at > _RETRY_FAILED_LOAD_S:
+            card = next(iter(entry.cards.values()), None)
+            if card is not None:
+                self._start_load(assets, card)
+        if not assets.done and assets.task is not None:
+            await asyncio.shield(assets.task)
+        if assets.error is not None:
+            raise unavailable(f"model '{entry.name}': tokenizer files could not be loaded: {assets.error}")
+        return assets.tokenizer
+
+    # -- tokenizer loading ----------------------------------------------------------------------
+    def _assets_for(self, digest: str, card: discovery_pb2.ModelCard) -> _Assets:
+        assets = self._assets.get(digest)
+        if assets is None:
+            assets = self._assets[digest] = _Assets(digest)
+            if "tokenizer.json" in card.files:
+                self._start_load(assets, card)
+            else:
+                assets.done = True
+        return assets
+
+    def _start_load(self, assets: _Assets, card: discovery_pb2.ModelCard) -> None:
+        assets.done = False
+        assets.error = None
+        assets.task = asyncio.get_running_loop().create_task(self._load(assets, card.name))
+
+    def _cards_with(self, digest: str, model: str) -> list[discovery_pb2.ModelCard]:
+        entry = self._models.get(model)
+        cards = list(entry.cards.values()) if entry else []
+        return [c for c in cards if (c.files_digest or f"{model}@{c.engine_id:x}") == digest] or cards
+
+    async def _load(self, assets: _Assets, model: str) -> ModelTokenizer | None:
+        errors: list[str] = []
+        try:
+            for card in self._cards_with(assets.digest, model):
+                try:
+                    files = await asyncio.wait_for(self._fetch(card), self._fetch_timeout)
+                    tokenizer = await asyncio.to_thread(ModelTokenizer.from_files, files)
+                except Exception as exc:  # any failure: try the next engine
+                    errors.append(f"engine {card.engine_id:x} at {card.address}: {exc}")
+                    continue
+                assets.tokenizer = tokenizer
+                log.info("model %s: tokenizer loaded (digest %s)", model, assets.digest[:16])
+                return tokenizer
+            assets.error = "; ".join(errors) or "no live engine to fetch them from"
+            assets.failed_at = time.monotonic()
+            log.error("model %s: tokenizer files could not be loaded: %s", model, assets.error)
+            return None
+        finally:
+            assets.done = True
+
+    async def _fetch(self, card: discovery_pb2.ModelCard) -> dict[str, bytes]:
+        stub = worker_pb2_grpc.WorkerServiceStub(self._pool.get(card.address, card.address))
+        files: dict[str, bytes] = {}
+        for name in TOKENIZER_FILES:
+            if name not in card.files:
+                continue
+            chunks = [
+                chunk.data
+                async for chunk in stub.GetModelFile(
+                    worker_pb2.GetModelFileRequest(engine_id=card.engine_id, name=name)
+                )
+            ]
+            files[name] = b"".join(chunks)
+        return files
+
+    async def close(self) -> None:
+        self._closed = True
+        for assets in self._assets.values():
+            if assets.task is not None and not assets.task.done():
+                assets.task.cancel()

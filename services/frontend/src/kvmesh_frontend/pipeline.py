@@ -1,0 +1,224 @@
+"""One inference request end to end: contract → model → prompt tokens → generation → responses.
+
+:meth:`Frontend.infer` is what both ModelInfer and ModelStreamInfer run. It raises
+:class:`~kvmesh_frontend.errors.FrontendError` for anything a client should see and turns any
+other exception into INTERNAL naming the request id (the id also tags every log line of the
+request through ``kvmesh.telemetry.request_id_var``). Metrics and per-model statistics are
+recorded exactly once per request, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from inference import grpc_service_pb2 as pb
+from kvmesh.hashing import block_hashes
+from kvmesh.telemetry import request_id_var
+from kvmesh.v1 import worker_pb2
+
+from kvmesh_frontend.errors import FrontendError, internal, invalid, not_found
+from kvmesh_frontend.generation import EngineBuffer, GenerationState, Generator, PreparedRequest
+from kvmesh_frontend.llm_request import PARAM_WORKER_ID, LlmRequest, parse_llm_request
+from kvmesh_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
+from kvmesh_frontend.models import ModelEntry, ModelRegistry
+from kvmesh_frontend.responses import Response, ResponseWriter
+from kvmesh_frontend.tokenization import ChatTemplateError, ModelTokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's SamplingParams default
+_THREAD_TOKENIZE_CHARS = 16_384  # longer prompts are tokenized off the event loop
+
+
+@dataclass(slots=True)
+class ModelStats:
+    """Cumulative per-model statistics for ModelStatistics (Triton's shape, kvmesh's numbers)."""
+
+    success_count: int = 0
+    success_ns: int = 0
+    fail_count: int = 0
+    fail_ns: int = 0
+    last_inference_ms: int = 0
+
+
+class Frontend:
+    """Serves LLM requests over the model registry, the router and the engines."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        generator: Generator,
+        metrics: FrontendMetrics,
+        id_prefix: str,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ) -> None:
+        self.registry = registry
+        self.generator = generator
+        self.metrics = metrics
+        self.default_max_tokens = default_max_tokens
+        self.stats: dict[str, ModelStats] = {}
+        self._prefix = id_prefix
+        self._ids = itertools.count(1)
+
+    def new_request_id(self) -> str:
+        return f"{self._prefix}-{next(self._ids):x}"
+
+    async def infer(self, request: pb.ModelInferRequest, *, unary: bool) -> AsyncIterator[Response]:
+        """The responses of one request: one ModelInferResponse when ``unary``, else ModelStreamInferResponses."""
+        start = time.perf_counter()
+        request_id = self.new_request_id()
+        request_id_var.set(request_id)
+        label = UNKNOWN_MODEL
+        outcome = "success"
+        model_metrics = None
+        writer: ResponseWriter | None = None
+        first_token_at = 0.0
+        try:
+            entry = self.registry.resolve(request.model_name)  # first, like Triton: unknown model beats bad tensors
+            label = entry.name
+            model_metrics = self.metrics.model(label)
+            model_metrics.inflight.inc()
+            llm = parse_llm_request(request, unary=unary)
+            tokenizer = await self.registry.tokenizer(entry)
+            prompt_ids, prompt_text = await self._prompt(llm, entry, tokenizer)
+            prepared = self._prepare(request_id, llm, entry, prompt_ids)
+            model_metrics.input_tokens.observe(len(prompt_ids))
+            state = GenerationState()
+            writer = ResponseWriter(
+                llm, tokenizer, prompt_ids, prompt_text, state, model_version=request.model_version or "1", unary=unary
+            )
+            engine = EngineBuffer(self.generator.generate(prepared, state))
+            try:
+                while not writer.done and (engine_response := await engine.next()) is not None:
+                    if not first_token_at and engine_response.token_ids:
+                        first_token_at = time.perf_counter()
+                        model_metrics.ttft.observe(first_token_at - start)
+                    for response in writer.on_engine(engine_response):
+                        yield response
+            finally:
+                await engine.close()
+            if not writer.done:  # pragma: no cover - the generator always ends with a final response
+                raise internal(f"request {request_id}: the engine stream ended without a final response")
+            model_metrics.cached_tokens.observe(state.cached_tokens)
+        except FrontendError as exc:
+            outcome = exc.code.name.lower()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        except Exception as exc:
+            outcome = "internal"
+            log.exception("request %s failed", request_id)
+            raise internal(f"request {request_id}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            end = time.perf_counter()
+            self.metrics.finished(label, outcome, end - start)
+            if model_metrics is not None:
+                model_metrics.inflight.dec()
+                if writer is not None and writer.num_output_tokens:
+                    model_metrics.output_tokens.observe(writer.num_output_tokens)
+                    if writer.num_output_tokens > 1 and first_token_at:
+                        model_metrics.itl.observe((end - first_token_at) / (writer.num_output_tokens - 1))
+                self._record(label, outcome == "success", int((end - start) * 1e9))
+
+    def _record(self, model: str, success: bool, ns: int) -> None:
+        stats = self.stats.get(model)
+        if stats is None:
+            stats = self.stats[model] = ModelStats()
+        if success:
+            stats.success_count += 1
+            stats.success_ns += ns
+        else:
+            stats.fail_count += 1
+            stats.fail_ns += ns
+        stats.last_inference_ms = int(time.time() * 1000)
+
+    async def _prompt(
+        self, llm: LlmRequest, entry: ModelEntry, tokenizer: ModelTokenizer | None
+    ) -> tuple[list[int], str]:
+        """Prompt token ids and prompt text (the text only when the output repeats the prompt)."""
+        if llm.input_ids is not None:
+            ids = llm.input_ids
+            if entry.vocab_size:
+                for i, token in enumerate(ids):
+                    if token >= entry.vocab_size:
+                        raise invalid(
+                            f"input 'input_ids': token id {token} at index {i} is outside the vocabulary "
+                            f"[0, {entry.vocab_size}) of model '{entry.name}'"
+                        )
+            text = "" if llm.exclude_input or tokenizer is None else tokenizer.decode(ids)
+            return ids, text
+        if tokenizer is None:
+            raise invalid(
+                f"input '{llm.prompt_input}': model '{entry.name}' serves no tokenizer; send 'input_ids' instead"
+            )
+        if llm.messages is not None:
+            if not tokenizer.has_chat_template:
+                raise invalid(f"input 'messages': model '{entry.name}' has no chat template; send 'text_input'")
+            try:
+                text = tokenizer.render_chat(llm.messages)
+            except ChatTemplateError as exc:
+                raise invalid(f"input 'messages': {exc}") from None
+            add_special = False  # the template already wrote BOS and friends
+        else:
+            text = llm.text or ""
+            add_special = True
+        if len(text) > _THREAD_TOKENIZE_CHARS:
+            ids = await asyncio.to_thread(tokenizer.encode, text, add_special)
+        else:
+            ids = tokenizer.encode(text, add_special)
+        if not ids:
+            raise invalid(f"input '{llm.prompt_input}': the prompt is empty (0 tokens)")
+        return ids, text
+
+    def _prepare(self, request_id: str, llm: LlmRequest, entry: ModelEntry, prompt_ids: list[int]) -> PreparedRequest:
+        sampling = llm.sampling
+        num_prompt = len(prompt_ids)
+        limit = entry.context_length
+        if limit and num_prompt >= limit:
+            raise invalid(
+                f"input '{llm.prompt_input}': the prompt has {num_prompt} tokens; model '{entry.name}' allows at most "
+                f"{limit - 1} (context length {limit})"
+            )
+        max_tokens = sampling.max_tokens
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens if not limit else min(self.default_max_tokens, limit - num_prompt)
+        elif limit and num_prompt + max_tokens > limit:
+            raise invalid(
+                f"max_tokens {max_tokens} + prompt of {num_prompt} tokens exceeds the context length {limit} of model "
+                f"'{entry.name}' (at most {limit - num_prompt} new tokens)"
+            )
+        if llm.pinned_engine_id is not None and llm.pinned_engine_id not in entry.cards:
+            engines = ", ".join(str(e) for e in sorted(entry.cards))
+            raise not_found(
+                f"parameter '{PARAM_WORKER_ID}': engine {llm.pinned_engine_id} does not serve model '{entry.name}' "
+                f"(its engines: {engines})"
+            )
+        options = worker_pb2.SamplingOptions(
+            max_tokens=max_tokens,
+            ignore_eos=sampling.ignore_eos,
+            stop_token_ids=sampling.stop_token_ids,
+            temperature=1.0 if sampling.temperature is None else sampling.temperature,
+            top_p=1.0 if sampling.top_p is None else sampling.top_p,
+            top_k=sampling.top_k or 0,
+            min_tokens=min(sampling.min_tokens, max_tokens),
+        )
+        if sampling.seed is not None:
+            options.seed = sampling.seed
+        hashes = block_hashes(prompt_ids, entry.block_size)[1] if entry.block_size else []
+        return PreparedRequest(
+            request_id=request_id,
+            model=entry.name,
+            token_ids=prompt_ids,
+            block_hashes=hashes,
+            block_size=entry.block_size,
+            max_tokens=max_tokens,
+            sampling=options,
+            pinned_engine_id=llm.pinned_engine_id,
+            router_mode=llm.router_mode,
+        )

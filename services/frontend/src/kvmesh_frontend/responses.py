@@ -1,0 +1,165 @@
+"""Engine responses to KServe responses: detokenize, apply stop strings, build the output tensors.
+
+One :class:`ResponseWriter` per request. Streaming: each engine response (which may carry several
+tokens) becomes one KServe response whose ``text_output`` is the new text (a delta). Not
+streaming: the text is accumulated and one response is sent at the end. The last response of a
+request carries ``triton_final_response=true`` plus the routing parameters ``kvmesh.worker_id``,
+``kvmesh.cached_tokens`` and ``kvmesh.migrations``; when the client asked for
+``triton_enable_empty_final_response`` that flag travels on an extra response with no outputs.
+"""
+
+from __future__ import annotations
+
+from inference import grpc_service_pb2 as pb
+from kvmesh.v1 import worker_pb2
+
+from kvmesh_frontend.generation import GenerationState
+from kvmesh_frontend.llm_request import LlmRequest
+from kvmesh_frontend.tensors import add_output, encode_numbers, encode_one_bytes
+from kvmesh_frontend.tokenization import IncrementalDetokenizer, ModelTokenizer, StopStrings
+
+FINISH_REASONS = {
+    worker_pb2.FINISH_REASON_LENGTH: "length",
+    worker_pb2.FINISH_REASON_STOP: "stop",
+    worker_pb2.FINISH_REASON_CANCELLED: "abort",
+}
+FINAL_FLAG = "triton_final_response"
+PARAM_WORKER_ID = "kvmesh.worker_id"
+PARAM_CACHED_TOKENS = "kvmesh.cached_tokens"
+PARAM_MIGRATIONS = "kvmesh.migrations"
+
+Response = pb.ModelInferResponse | pb.ModelStreamInferResponse
+
+
+def set_int_param(response: pb.ModelInferResponse, key: str, value: int) -> None:
+    if value < 2**63:
+        response.parameters[key].int64_param = value
+    else:
+        response.parameters[key].uint64_param = value
+
+
+class ResponseWriter:
+    """Turns one request's engine responses into KServe responses."""
+
+    def __init__(
+        self,
+        llm: LlmRequest,
+        tokenizer: ModelTokenizer | None,
+        prompt_ids: list[int],
+        prompt_text: str,
+        state: GenerationState,
+        *,
+        model_version: str = "1",
+        unary: bool = False,
+    ) -> None:
+        self._llm = llm
+        self._state = state
+        self._unary = unary
+        self._stream = llm.stream
+        self._num_input = len(prompt_ids)
+        self._want_text = llm.wants("text_output")
+        self._want_finish = llm.wants("finish_reason")
+        self._want_num_in = llm.wants("num_input_tokens")
+        self._want_num_out = llm.wants("num_output_tokens")
+        self._want_ids = llm.wants("output_ids")
+        self._detok: IncrementalDetokenizer | None = None
+        if tokenizer is not None and (self._want_text or llm.sampling.stop):
+            self._detok = tokenizer.detokenizer(prompt_ids, llm.sampling.skip_special_tokens)
+        self._stops = (
+            StopStrings(llm.sampling.stop, llm.sampling.include_stop_str_in_output) if llm.sampling.stop else None
+        )
+        self._text_parts: list[str] = [] if llm.exclude_input or self._stream else [prompt_text]
+        self._ids: list[int] = []
+        self._model = llm.model
+        self._version = model_version
+        self.num_output_tokens = 0
+        self.finish_reason = ""
+        self.done = False
+
+    def on_engine(self, engine: worker_pb2.GenerateResponse) -> list[Response]:
+        """The KServe responses for one engine response (none, one, or one plus an empty final).
+
+        ModelInferResponse for a unary call, ModelStreamInferResponse on a stream.
+        """
+        ids = engine.token_ids
+        final = engine.finish_reason != 0
+        text = ""
+        if self._detok is not None:
+            text = self._detok.add(ids) if ids else ""
+            if final:
+                text += self._detok.flush()
+        stopped = False
+        if self._stops is not None:
+            text, stopped = self._stops.feed(text)
+            if final and not stopped:
+                text += self._stops.flush()
+        self.num_output_tokens += len(ids)
+        if stopped:
+            final = True
+            self.finish_reason = "stop"
+        elif final:
+            self.finish_reason = FINISH_REASONS.get(engine.finish_reason, "stop")
+        self.done = final
+        if self._stream:
+            return self._emit(text, ids, len(ids), final)
+        if text:
+            self._text_parts.append(text)
+        if self._want_ids:
+            self._ids.extend(ids)
+        if not final:
+            return []
+        return self._emit("".join(self._text_parts), self._ids, self.num_output_tokens, True)
+
+    def _new(self) -> tuple[Response, pb.ModelInferResponse]:
+        """A response to fill: a ModelInferResponse (unary) or a ModelStreamInferResponse wrapping one."""
+        if self._unary:
+            response = pb.ModelInferResponse(
+                model_name=self._model, model_version=self._version, id=self._llm.client_id
+            )
+            return response, response
+        outer = pb.ModelStreamInferResponse()
+        inner = outer.infer_response
+        inner.model_name = self._model
+        inner.model_version = self._version
+        inner.id = self._llm.client_id
+        return outer, inner
+
+    def _emit(self, text: str, ids: list[int] | object, num_tokens: int, final: bool) -> list[Response]:
+        message, response = self._new()
+        if self._want_text:
+            add_output(response, "text_output", "BYTES", (1,), encode_one_bytes(text.encode()))
+        if self._want_finish:
+            add_output(
+                response,
+                "finish_reason",
+                "BYTES",
+                (1,),
+                encode_one_bytes(self.finish_reason.encode() if final else b""),
+            )
+        if self._want_num_in:
+            add_output(response, "num_input_tokens", "UINT32", (1,), encode_numbers("UINT32", (self._num_input,)))
+        if self._want_num_out:
+            add_output(response, "num_output_tokens", "UINT32", (1,), encode_numbers("UINT32", (num_tokens,)))
+        if self._want_ids:
+            token_ids = list(ids)  # type: ignore[call-overload]
+            add_output(response, "output_ids", "INT32", (len(token_ids),), encode_numbers("INT32", token_ids))
+        if self._unary:
+            self._finalize(response)
+            return [message]
+        if not final:
+            response.parameters[FINAL_FLAG].bool_param = False
+            return [message]
+        if self._llm.empty_final:
+            response.parameters[FINAL_FLAG].bool_param = False
+            last_message, last = self._new()
+            self._finalize(last)
+            return [message, last_message]
+        self._finalize(response)
+        return [message]
+
+    def _finalize(self, response: pb.ModelInferResponse) -> None:
+        if not self._unary:
+            response.parameters[FINAL_FLAG].bool_param = True
+        set_int_param(response, PARAM_WORKER_ID, self._state.engine_id)
+        set_int_param(response, PARAM_CACHED_TOKENS, self._state.cached_tokens)
+        set_int_param(response, PARAM_MIGRATIONS, self._state.migrations)

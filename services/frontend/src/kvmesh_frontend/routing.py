@@ -1,0 +1,325 @@
+"""The router session client: one long-lived ``RouterService.Session`` stream, with failover.
+
+Router replicas register ``InstanceRecord{component="router", endpoint="router"}``. The client keeps
+one Session stream open to one replica (picked at random, so frontends spread over replicas) and
+multiplexes every request on it: a ``RouteQuery`` goes out, the matching ``RouteDecision`` comes
+back by request id; lifecycle updates (first token, finished) go to the replica that booked the
+request, on the same ordered stream.
+
+Failover: when the stream breaks (the replica died, or disappeared from discovery) every query
+still waiting for a decision is re-sent on a stream to another replica; the failed replica is
+avoided for a few seconds even if its record is still in discovery (a kill -9'd process keeps its
+record until its lease expires). Bookings made on a dead replica die with it; lifecycle updates
+for them are dropped.
+
+No leak: a query abandoned by its caller (cancelled, timed out) is followed at once by a FINISHED
+update, so the replica frees the booking if it made one; a decision nobody waits for is freed the
+same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+
+import grpc
+from kvmesh.channels import ChannelPool
+from kvmesh.discovery.base import Added, Removed, Snapshot, WatchEvent, parse_instance_key
+from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc
+
+from kvmesh_frontend.errors import unavailable
+
+log = logging.getLogger(__name__)
+
+_SUSPECT_S = 5.0
+_FINISHED = router_pb2.LIFECYCLE_STAGE_FINISHED
+_FIRST_TOKEN = router_pb2.LIFECYCLE_STAGE_FIRST_TOKEN
+_ROUTED = router_pb2.DECISION_OUTCOME_ROUTED
+
+
+class SessionBroken(Exception):
+    """The Session stream to a replica ended while a query waited for its decision."""
+
+
+class RouterSession:
+    """One Session stream to one router replica.
+
+    Writes are serialized (gRPC allows one outstanding write per call): a route query is written
+    inline by its caller when no write is in flight (it is on the request's critical path);
+    otherwise it and every lifecycle update go to an outbox that one drain task empties in order.
+    """
+
+    def __init__(
+        self,
+        replica_id: int,
+        address: str,
+        channel: grpc.aio.Channel,
+        on_closed: Callable[[RouterSession, str], None],
+    ) -> None:
+        self.replica_id = replica_id
+        self.address = address
+        self.closed = False
+        self.closing = False  # closed on purpose (replica left discovery, shutdown): not a failure
+        self.reason = ""
+        self._on_closed = on_closed
+        self._loop = asyncio.get_running_loop()
+        self._outbox: deque[router_pb2.SessionRequest] = deque()
+        self._writing = False
+        self._drainer: asyncio.Task[None] | None = None
+        self._pending: dict[str, asyncio.Future[router_pb2.RouteDecision]] = {}
+        self._call = router_pb2_grpc.RouterServiceStub(channel).Session()
+        self._reader = self._loop.create_task(self._read(), name=f"router-session-{replica_id:x}")
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _enqueue(self, message: router_pb2.SessionRequest) -> None:
+        self._outbox.append(message)
+        if not self._writing:
+            self._writing = True
+            self._drainer = self._loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            outbox = self._outbox
+            while outbox and not self.closed:
+                await self._call.write(outbox.popleft())
+        except Exception as exc:  # the stream broke: the reader reports why
+            self._write_failed(exc)
+        finally:
+            self._writing = False
+            self._drainer = None
+
+    async def _write_now(self, message: router_pb2.SessionRequest) -> None:
+        self._writing = True
+        try:
+            await self._call.write(message)
+        except Exception as exc:
+            self._write_failed(exc)
+        finally:
+            self._writing = False
+            if self._outbox and not self.closed:
+                self._writing = True
+                self._drainer = self._loop.create_task(self._drain())
+
+    def _write_failed(self, exc: BaseException) -> None:
+        if not self.closed:
+            self._call.cancel()
+            self._close(f"write failed: {exc!r}")
+
+    # -- reading ---------------------------------------------------------------------------------
+    async def _read(self) -> None:
+        reason = "the router ended the session"
+        pending = self._pending
+        try:
+            async for response in self._call:
+                decision = response.decision
+                future = pending.pop(decision.request_id, None)
+                if future is None:
+                    if decision.outcome == _ROUTED:  # nobody waits for it any more: free the booking
+                        self.lifecycle(decision.request_id, _FINISHED)
+                    continue
+                if not future.done():
+                    future.set_result(decision)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            reason = "closed by the frontend"
+        except Exception as exc:  # pragma: no cover - defensive: never leave waiters hanging
+            reason = f"session reader failed: {exc!r}"
+        finally:
+            self._close(reason)
+
+    def _close(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.reason = reason
+        self._outbox.clear()
+        pending, self._pending = self._pending, {}
+        error = SessionBroken(f"router replica {self.replica_id:x} at {self.address}: {reason}")
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._on_closed(self, reason)
+
+    # -- the API ---------------------------------------------------------------------------------
+    async def submit(self, query: router_pb2.RouteQuery) -> asyncio.Future[router_pb2.RouteDecision]:
+        """Send a query; the future resolves with its decision (or SessionBroken)."""
+        future: asyncio.Future[router_pb2.RouteDecision] = self._loop.create_future()
+        if self.closed:
+            future.set_exception(SessionBroken(f"router replica {self.replica_id:x}: {self.reason}"))
+            return future
+        self._pending[query.request_id] = future
+        message = router_pb2.SessionRequest(route=query)
+        if self._writing:
+            self._enqueue(message)
+        else:
+            await self._write_now(message)
+        return future
+
+    def lifecycle(self, request_id: str, stage: int) -> None:
+        """Report progress of a request this replica routed (dropped if the stream is gone)."""
+        if not self.closed:
+            self._enqueue(
+                router_pb2.SessionRequest(lifecycle=router_pb2.LifecycleUpdate(request_id=request_id, stage=stage))
+            )
+
+    def first_token(self, request_id: str) -> None:
+        self.lifecycle(request_id, _FIRST_TOKEN)
+
+    def finished(self, request_id: str) -> None:
+        self.lifecycle(request_id, _FINISHED)
+
+    def abandon(self, request_id: str) -> None:
+        """The caller no longer waits for this query: free whatever the replica booked for it."""
+        self._pending.pop(request_id, None)
+        self.lifecycle(request_id, _FINISHED)
+
+    async def close(self) -> None:
+        self.closing = True
+        self._call.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+        if self._drainer is not None:
+            self._drainer.cancel()
+
+
+def _timeout(future: asyncio.Future[router_pb2.RouteDecision], seconds: float) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError(f"no decision within {seconds:g}s"))
+
+
+class RouterClient:
+    """Routes requests through router replicas found in discovery, failing over between them."""
+
+    def __init__(self, pool: ChannelPool, namespace: str, route_timeout: float = 30.0) -> None:
+        self._pool = pool
+        self._namespace = namespace
+        self._timeout = route_timeout
+        self._replicas: dict[int, str] = {}  # replica id -> address
+        self._keys: dict[str, int] = {}
+        self._session: RouterSession | None = None
+        self._suspect: dict[int, float] = {}  # replica id -> monotonic time its session broke
+        self._closing: set[asyncio.Task[None]] = set()
+
+    # -- discovery ------------------------------------------------------------------------------
+    def apply(self, event: WatchEvent) -> None:
+        if isinstance(event, Snapshot):
+            for key in [k for k in self._keys if k not in event.records]:
+                self._remove(key)
+            for key, value in event.records.items():
+                self._add(key, value)
+        elif isinstance(event, Added):
+            self._add(event.key, event.value)
+        elif isinstance(event, Removed):
+            self._remove(event.key)
+
+    def _add(self, key: str, value: bytes) -> None:
+        try:
+            parsed = parse_instance_key(key)
+            record = discovery_pb2.InstanceRecord.FromString(value)
+        except Exception as exc:
+            log.warning("ignoring unreadable router record %s: %s", key, exc)
+            return
+        if parsed.namespace != self._namespace or parsed.component != "router":
+            return
+        replica_id = record.instance_id or parsed.instance_id
+        if replica_id not in self._replicas:
+            log.info("router replica %x at %s appeared", replica_id, record.address)
+        self._replicas[replica_id] = record.address
+        self._keys[key] = replica_id
+        session = self._session
+        if session is not None and session.replica_id == replica_id and session.address != record.address:
+            self._drop_session(session)
+
+    def _remove(self, key: str) -> None:
+        replica_id = self._keys.pop(key, None)
+        if replica_id is None:
+            return
+        self._replicas.pop(replica_id, None)
+        log.info("router replica %x left discovery", replica_id)
+        session = self._session
+        if session is not None and session.replica_id == replica_id:
+            self._drop_session(session)
+
+    def _drop_session(self, session: RouterSession) -> None:
+        self._session = None
+        task = asyncio.get_running_loop().create_task(session.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    @property
+    def replicas(self) -> dict[int, str]:
+        return dict(self._replicas)
+
+    # -- sessions -------------------------------------------------------------------------------
+    def _on_closed(self, session: RouterSession, reason: str) -> None:
+        if self._session is session:
+            self._session = None
+        if not session.closing and session.replica_id in self._replicas:
+            self._suspect[session.replica_id] = time.monotonic()
+            log.warning(
+                "router session to %x at %s broke (%s); failing over", session.replica_id, session.address, reason
+            )
+
+    def _current(self, tried: set[int]) -> RouterSession:
+        session = self._session
+        if session is not None and not session.closed and session.replica_id not in tried:
+            return session
+        candidates = [rid for rid in self._replicas if rid not in tried]
+        if not candidates:
+            if not self._replicas:
+                raise unavailable(f"no router replica is registered in namespace '{self._namespace}'")
+            raise unavailable(f"every router replica failed ({len(tried)} tried)")
+        now = time.monotonic()
+        healthy = [rid for rid in candidates if now - self._suspect.get(rid, -1e9) > _SUSPECT_S]
+        replica_id = random.choice(healthy or candidates)
+        address = self._replicas[replica_id]
+        session = RouterSession(replica_id, address, self._pool.get(address, address), self._on_closed)
+        if self._session is not None and not self._session.closed:
+            self._drop_session(self._session)
+        self._session = session
+        log.info("router session opened to replica %x at %s", replica_id, address)
+        return session
+
+    async def route(self, query: router_pb2.RouteQuery) -> tuple[router_pb2.RouteDecision, RouterSession]:
+        """The decision for one query and the session that booked it (UNAVAILABLE if no replica answers)."""
+        tried: set[int] = set()
+        loop = asyncio.get_running_loop()
+        while True:
+            session = self._current(tried)
+            try:
+                future = await session.submit(query)
+            except asyncio.CancelledError:
+                session.abandon(query.request_id)
+                raise
+            handle = loop.call_later(self._timeout, _timeout, future, self._timeout)
+            try:
+                decision = await future
+            except SessionBroken as exc:
+                tried.add(session.replica_id)
+                log.warning("route query %s: %s; trying another replica", query.request_id, exc)
+                if not [rid for rid in self._replicas if rid not in tried]:
+                    raise unavailable(f"no router replica could route the request: {exc}") from None
+                continue
+            except TimeoutError:
+                session.abandon(query.request_id)
+                raise unavailable(
+                    f"router replica {session.replica_id:x} at {session.address} gave no decision within "
+                    f"{self._timeout:g}s"
+                ) from None
+            except asyncio.CancelledError:
+                session.abandon(query.request_id)
+                raise
+            finally:
+                handle.cancel()
+            return decision, session
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

@@ -1,0 +1,273 @@
+"""``inference.GRPCInferenceService``: the KServe v2 / Triton-compatible front door.
+
+- Health: ServerLive (always), ServerReady (at least one model has a live engine and its
+  tokenizer settled), ModelReady (that model does).
+- Metadata: ServerMetadata, ModelMetadata and ModelConfig describe the LLM tensor contract; the
+  config is *decoupled* (one request, many responses) with every input optional, which is what
+  tritonclient, perf_analyzer and genai-perf need to stream.
+- Inference: ModelInfer (one response; errors are gRPC statuses) and ModelStreamInfer (many
+  requests in flight on one stream, demultiplexed by request ``id``; per-request errors come back
+  in-band as ``error_message`` = ``STATUS_NAME: message`` and do not end the stream).
+- ModelStatistics answers with per-model success/failure counts. Every other Triton RPC answers
+  UNIMPLEMENTED, saying why.
+
+Cancellation: when the client cancels or disconnects, the handler is cancelled and so is every
+request in flight on it; each request's cleanup cancels its engine stream and frees its booking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from inference import model_config_pb2 as mc
+
+from kvmesh_frontend.errors import FrontendError
+from kvmesh_frontend.pipeline import Frontend
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "kvmesh"
+PLATFORM = "kvmesh"
+EXTENSIONS = ("model_configuration", "parameters", "statistics")
+MODEL_VERSION = "1"
+
+# (name, datatype, dims) in ModelMetadata order; every input is optional in ModelConfig.
+INPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("text_input", "BYTES", (1,)),
+    ("input_ids", "INT32", (-1,)),
+    ("messages", "BYTES", (1,)),
+    ("stream", "BOOL", (1,)),
+    ("streaming", "BOOL", (1,)),
+    ("sampling_parameters", "BYTES", (1,)),
+    ("exclude_input_in_output", "BOOL", (1,)),
+    ("return_finish_reason", "BOOL", (1,)),
+    ("return_num_input_tokens", "BOOL", (1,)),
+    ("return_num_output_tokens", "BOOL", (1,)),
+    ("max_tokens", "INT32", (1,)),
+    ("min_length", "INT32", (1,)),
+)
+OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
+    ("text_output", "BYTES", (-1,)),
+    ("finish_reason", "BYTES", (-1,)),
+    ("num_input_tokens", "UINT32", (1,)),
+    ("num_output_tokens", "UINT32", (-1,)),
+    ("output_ids", "INT32", (-1,)),
+)
+_CONFIG_TYPES = {"BYTES": mc.TYPE_STRING, "BOOL": mc.TYPE_BOOL, "INT32": mc.TYPE_INT32, "UINT32": mc.TYPE_UINT32}
+
+
+def model_metadata(name: str) -> pb.ModelMetadataResponse:
+    return pb.ModelMetadataResponse(
+        name=name,
+        versions=[MODEL_VERSION],
+        platform=PLATFORM,
+        inputs=[pb.ModelMetadataResponse.TensorMetadata(name=n, datatype=d, shape=s) for n, d, s in INPUTS],
+        outputs=[pb.ModelMetadataResponse.TensorMetadata(name=n, datatype=d, shape=s) for n, d, s in OUTPUTS],
+    )
+
+
+def model_config(name: str, parameters: dict[str, str] | None = None) -> mc.ModelConfig:
+    config = mc.ModelConfig(
+        name=name,
+        platform=PLATFORM,
+        backend=PLATFORM,
+        max_batch_size=0,
+        input=[mc.ModelInput(name=n, data_type=_CONFIG_TYPES[d], dims=s, optional=True) for n, d, s in INPUTS],
+        output=[mc.ModelOutput(name=n, data_type=_CONFIG_TYPES[d], dims=s) for n, d, s in OUTPUTS],
+        model_transaction_policy=mc.ModelTransactionPolicy(decoupled=True),
+    )
+    for key, value in (parameters or {}).items():
+        config.parameters[key].string_value = value
+    return config
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, frontend: Frontend, version: str) -> None:
+        self._frontend = frontend
+        self._registry = frontend.registry
+        self._version = version
+
+    # -- health and metadata --------------------------------------------------------------------
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._registry.any_ready())
+
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelReadyResponse:
+        entry = self._registry.get(request.name)
+        return pb.ModelReadyResponse(ready=entry is not None and entry.ready)
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=self._version, extensions=EXTENSIONS)
+
+    async def _known(self, name: str, context: grpc.aio.ServicerContext) -> Any:
+        entry = self._registry.get(name)
+        if entry is None or not entry.cards:
+            names = ", ".join(self._registry.names()) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model '{name}' is not served here (known models: {names})")
+        return entry
+
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        await self._known(request.name, context)
+        return model_metadata(request.name)
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelConfigResponse:
+        entry = await self._known(request.name, context)
+        parameters = {
+            "block_size": str(entry.block_size),
+            "context_length": str(entry.context_length),
+            "engines": str(len(entry.cards)),
+        }
+        return pb.ModelConfigResponse(config=model_config(request.name, parameters))
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelStatisticsResponse:
+        if request.name:
+            await self._known(request.name, context)
+            names = [request.name]
+        else:
+            names = self._registry.names()
+        response = pb.ModelStatisticsResponse()
+        for name in names:
+            stats = self._frontend.stats.get(name)
+            entry = response.model_stats.add(name=name, version=MODEL_VERSION)
+            if stats is None:
+                continue
+            count = stats.success_count
+            entry.last_inference = stats.last_inference_ms
+            entry.inference_count = count
+            entry.execution_count = count
+            entry.inference_stats.success.count = count
+            entry.inference_stats.success.ns = stats.success_ns
+            entry.inference_stats.fail.count = stats.fail_count
+            entry.inference_stats.fail.ns = stats.fail_ns
+        return response
+
+    # -- inference ------------------------------------------------------------------------------
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInferResponse:
+        try:
+            result: pb.ModelInferResponse | None = None
+            async with aclosing(self._frontend.infer(request, unary=True)) as responses:
+                async for response in responses:
+                    assert isinstance(response, pb.ModelInferResponse)
+                    result = response
+            if result is None:  # pragma: no cover - infer always yields once or raises
+                raise FrontendError(grpc.StatusCode.INTERNAL, "no response was produced")
+            return result
+        except FrontendError as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # pragma: no cover - abort raises
+
+    async def ModelStreamInfer(
+        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        # Each request runs in its own task and writes its responses itself; a lock serializes the
+        # writes (gRPC allows one at a time), which costs nothing when uncontended and applies the
+        # client's flow control to every request's engine stream.
+        tasks: set[asyncio.Task[None]] = set()
+        frontend = self._frontend
+        lock = asyncio.Lock()
+        write = context.write
+        loop = asyncio.get_running_loop()
+
+        async def serve(request: pb.ModelInferRequest) -> None:
+            try:
+                async with aclosing(frontend.infer(request, unary=False)) as responses:
+                    async for response in responses:
+                        async with lock:
+                            await write(response)
+            except FrontendError as exc:
+                error = pb.ModelStreamInferResponse(
+                    error_message=exc.in_band(), infer_response=_error_response(request)
+                )
+                async with lock:
+                    await write(error)
+
+        def done(task: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            if not task.cancelled() and task.exception() is not None:  # the client is gone mid-write
+                log.debug("stream request ended: %r", task.exception())
+
+        try:
+            async for request in request_iterator:
+                task = loop.create_task(serve(request))
+                tasks.add(task)
+                task.add_done_callback(done)
+            while tasks:  # the client half-closed: finish what is in flight
+                await asyncio.wait(list(tasks))
+        finally:
+            for task in list(tasks):
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- the rest of Triton's service -------------------------------------------------------------
+    async def _unimplemented(self, context: grpc.aio.ServicerContext, rpc: str, why: str) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"kvmesh-frontend does not implement {rpc}: {why}")
+
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "RepositoryIndex", _NO_REPOSITORY)
+
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "RepositoryModelLoad", _NO_REPOSITORY)
+
+    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "RepositoryModelUnload", _NO_REPOSITORY)
+
+    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "SystemSharedMemoryStatus", _NO_SHM)
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "SystemSharedMemoryRegister", _NO_SHM)
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "SystemSharedMemoryUnregister", _NO_SHM)
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "CudaSharedMemoryStatus", _NO_SHM)
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "CudaSharedMemoryRegister", _NO_SHM)
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "CudaSharedMemoryUnregister", _NO_SHM)
+
+    async def TraceSetting(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "TraceSetting", "tracing is configured with --otel-exporter")
+
+    async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._unimplemented(context, "LogSettings", "logging is configured with --log-level")
+
+
+_NO_REPOSITORY = "models come and go with the workers' model cards in discovery"
+_NO_SHM = "tensors travel in the request; shared-memory regions are not supported"
+
+
+def _error_response(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    """The ``infer_response`` of an in-band error: names the failed request; it is that request's last."""
+    response = pb.ModelInferResponse(model_name=request.model_name, model_version=request.model_version, id=request.id)
+    response.parameters["triton_final_response"].bool_param = True
+    return response

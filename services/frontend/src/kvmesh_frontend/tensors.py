@@ -1,0 +1,210 @@
+"""The KServe v2 tensor codec: request inputs to Python values, Python values to response outputs.
+
+Inputs arrive either as typed ``contents`` (one repeated field per datatype family) or as
+``raw_input_contents`` (one little-endian byte string per input, in the order of ``inputs``; BYTES
+elements are each a 4-byte little-endian length followed by the bytes). A request uses one form
+for every input, never both. Every error names the tensor and says what is wrong, and is an
+INVALID_ARGUMENT :class:`~kvmesh_frontend.errors.FrontendError`.
+
+Outputs are always written as ``raw_output_contents`` (what Triton itself does and what
+``tritonclient``'s ``InferResult.as_numpy`` reads for every datatype).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from inference import grpc_service_pb2 as pb
+
+from kvmesh_frontend.errors import invalid
+
+# Element size in bytes of each fixed-size datatype (BYTES is variable).
+ELEMENT_SIZE: dict[str, int] = {
+    "BOOL": 1,
+    "UINT8": 1,
+    "UINT16": 2,
+    "UINT32": 4,
+    "UINT64": 8,
+    "INT8": 1,
+    "INT16": 2,
+    "INT32": 4,
+    "INT64": 8,
+    "FP16": 2,
+    "FP32": 4,
+    "FP64": 8,
+    "BF16": 2,
+}
+DATATYPES = frozenset([*ELEMENT_SIZE, "BYTES"])
+
+# The typed-contents field each datatype must use.
+CONTENTS_FIELD: dict[str, str] = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+_NUMPY: dict[str, str] = {
+    "UINT8": "<u1",
+    "UINT16": "<u2",
+    "UINT32": "<u4",
+    "UINT64": "<u8",
+    "INT8": "<i1",
+    "INT16": "<i2",
+    "INT32": "<i4",
+    "INT64": "<i8",
+    "FP16": "<f2",
+    "FP32": "<f4",
+    "FP64": "<f8",
+}
+
+_LEN = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    """One decoded input: its elements flattened in row-major order as Python values."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    values: list[Any]
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def element_count(name: str, shape: Sequence[int]) -> int:
+    """Elements a shape holds; negative dimensions are an error (an empty shape is a scalar)."""
+    for dim in shape:
+        if dim < 0:
+            raise invalid(f"input '{name}': shape {list(shape)} has a negative dimension")
+    return math.prod(shape)
+
+
+def decode_inputs(request: pb.ModelInferRequest) -> dict[str, Tensor]:
+    """Decode every input of a request (typed or raw), checking datatypes, shapes and sizes."""
+    inputs = request.inputs
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(inputs):
+        raise invalid(
+            f"raw_input_contents has {len(raw)} entries but the request has {len(inputs)} inputs; "
+            "when raw_input_contents is used every input must be in it, in the order of 'inputs'"
+        )
+    out: dict[str, Tensor] = {}
+    for index, tensor in enumerate(inputs):
+        name = tensor.name
+        if not name:
+            raise invalid(f"input #{index} has no name")
+        if name in out:
+            raise invalid(f"input '{name}' is given twice")
+        datatype = tensor.datatype
+        if datatype not in DATATYPES:
+            raise invalid(f"input '{name}': unknown datatype {datatype!r}")
+        shape = tuple(tensor.shape)
+        count = element_count(name, shape)
+        if raw:
+            if tensor.HasField("contents") and tensor.contents.ListFields():
+                raise invalid(f"input '{name}': typed contents and raw_input_contents cannot be mixed")
+            values = decode_raw(name, datatype, raw[index])
+        else:
+            values = _decode_typed(name, datatype, tensor.contents)
+        if len(values) != count:
+            raise invalid(f"input '{name}': shape {list(shape)} holds {count} element(s) but {len(values)} were sent")
+        out[name] = Tensor(name, datatype, shape, values)
+    return out
+
+
+def _decode_typed(name: str, datatype: str, contents: pb.InferTensorContents) -> list[Any]:
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise invalid(f"input '{name}': datatype {datatype} must be sent in raw_input_contents")
+    for descriptor, _value in contents.ListFields():
+        if descriptor.name != field:
+            raise invalid(
+                f"input '{name}': datatype {datatype} goes in contents.{field}, not contents.{descriptor.name}"
+            )
+    return list(getattr(contents, field))
+
+
+def decode_raw(name: str, datatype: str, data: bytes) -> list[Any]:
+    """Elements of one raw tensor (little-endian; BYTES length-prefixed with no trailing bytes)."""
+    if datatype == "BYTES":
+        return decode_bytes_raw(name, data)
+    size = ELEMENT_SIZE[datatype]
+    if len(data) % size:
+        raise invalid(
+            f"input '{name}': raw data of {len(data)} bytes is not a multiple of "
+            f"the {size}-byte {datatype} element size"
+        )
+    if datatype == "BOOL":
+        return [b != 0 for b in data]
+    if datatype == "BF16":
+        halves = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
+        return halves.view(np.float32).tolist()
+    return np.frombuffer(data, dtype=_NUMPY[datatype]).tolist()
+
+
+def decode_bytes_raw(name: str, data: bytes) -> list[bytes]:
+    items: list[bytes] = []
+    pos, end = 0, len(data)
+    unpack = _LEN.unpack_from
+    while pos < end:
+        if end - pos < 4:
+            raise invalid(f"input '{name}': raw BYTES element #{len(items)} is cut inside its 4-byte length prefix")
+        (length,) = unpack(data, pos)
+        pos += 4
+        if length > end - pos:
+            raise invalid(
+                f"input '{name}': raw BYTES element #{len(items)} declares {length} bytes but only {end - pos} remain"
+            )
+        items.append(data[pos : pos + length])
+        pos += length
+    return items
+
+
+# -- outputs -----------------------------------------------------------------------------------
+def encode_bytes(items: Iterable[bytes]) -> bytes:
+    """Raw BYTES tensor: each element as a 4-byte little-endian length, then the bytes."""
+    pack = _LEN.pack
+    return b"".join(pack(len(item)) + item for item in items)
+
+
+def encode_one_bytes(item: bytes) -> bytes:
+    return _LEN.pack(len(item)) + item
+
+
+def encode_numbers(datatype: str, values: Sequence[int | float]) -> bytes:
+    if datatype == "BOOL":
+        return bytes(1 if v else 0 for v in values)
+    return np.asarray(values, dtype=_NUMPY[datatype]).tobytes()
+
+
+def add_output(response: pb.ModelInferResponse, name: str, datatype: str, shape: Sequence[int], raw: bytes) -> None:
+    """Append one output tensor (raw form) to a response."""
+    response.outputs.add(name=name, datatype=datatype, shape=shape)
+    response.raw_output_contents.append(raw)
+
+
+def output_values(response: pb.ModelInferResponse, name: str) -> list[Any] | None:
+    """Decode one output of a response (tests and the benchmark read responses with it)."""
+    for index, output in enumerate(response.outputs):
+        if output.name != name:
+            continue
+        if index < len(response.raw_output_contents):
+            return decode_raw(name, output.datatype, response.raw_output_contents[index])
+        return _decode_typed(name, output.datatype, output.contents)
+    return None

@@ -1,0 +1,241 @@
+"""Prompt and output text: HF ``tokenizers``, the jinja2 chat template, incremental detokenization, stop strings.
+
+- :class:`ModelTokenizer` wraps one model's ``tokenizer.json`` (+ ``tokenizer_config.json``
+  for the chat template and special tokens), built once per ``files_digest``.
+- :class:`IncrementalDetokenizer` turns batches of output token ids into text deltas and never
+  emits half of a UTF-8 character: a delta that would end in U+FFFD (an incomplete byte sequence)
+  is held until the next tokens complete it. It decodes a short sliding window (the tokens since
+  the last emitted boundary), once per engine response, not once per token.
+- :class:`StopStrings` cuts the text at the first stop string, holding back any tail that could
+  be the start of one, so a stop string split across deltas is still caught and never leaks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+REPLACEMENT = "\ufffd"
+# Prompt tokens the detokenizer keeps as left context, so that the first output token decodes
+# with its leading space (SentencePiece-style decoders drop a leading space at a string's start).
+_CONTEXT_TOKENS = 5
+_MAX_HELD_TOKENS = 4
+
+
+class ChatTemplateError(Exception):
+    """The template could not be rendered for these messages (the message says why)."""
+
+
+def _special_token(config: dict[str, Any], key: str) -> str | None:
+    value = config.get(key)
+    if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile an HF chat template the way ``transformers`` does (sandboxed, trimmed blocks)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _pick_template(value: Any) -> str | None:
+    """``chat_template`` is a string, or a list of ``{name, template}`` (use "default")."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {item.get("name"): item.get("template") for item in value if isinstance(item, dict)}
+        chosen = named.get("default") or next(iter(named.values()), None)
+        return chosen if isinstance(chosen, str) else None
+    return None
+
+
+class ModelTokenizer:
+    """One model's tokenizer, chat template and special tokens."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        tokenizer_config: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        config = tokenizer_config or {}
+        self.special_tokens = {
+            key: token
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (token := _special_token(config, key)) is not None
+        }
+        source = chat_template if chat_template is not None else _pick_template(config.get("chat_template"))
+        self.chat_template_source = source
+        self._template = compile_chat_template(source) if source else None
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes]) -> ModelTokenizer:
+        """Build from the files a model card serves (``tokenizer.json`` required)."""
+        config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else None
+        template = files["chat_template.jinja"].decode() if "chat_template.jinja" in files else None
+        return cls(files["tokenizer.json"].decode(), config, template)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for chat ``messages`` (raises ChatTemplateError)."""
+        if self._template is None:
+            raise ChatTemplateError("the model has no chat template")
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from None
+
+    def detokenizer(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids[-_CONTEXT_TOKENS:], skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Output token ids in, text deltas out; never splits a UTF-8 character.
+
+    ``ids[prefix:read]`` is already-emitted context, ``ids[read:]`` is not emitted yet. Each
+    :meth:`add` decodes the window twice (context alone, context + new) and emits the difference,
+    unless it ends in U+FFFD: then the bytes of a character are still incomplete and the tokens
+    wait for the next batch.
+    """
+
+    __slots__ = ("_decode", "_ids", "_prefix", "_read", "_skip")
+
+    def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self._decode = tokenizer.decode
+        self._ids: list[int] = list(context_ids)
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._skip = skip_special_tokens
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append new tokens; return the text they complete (possibly empty)."""
+        if not token_ids:
+            return ""
+        ids = self._ids
+        ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of the output: whatever is still held (incomplete bytes decode as U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        ids = self._ids
+        end = len(ids)
+        if self._read >= end:
+            return ""
+        decode = self._decode
+        prefix_text = decode(ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        full_text = decode(ids[self._prefix :], skip_special_tokens=self._skip)
+        if not final:
+            if full_text.endswith(REPLACEMENT):
+                # The batch ends inside a character: emit up to the last complete one and keep
+                # the tail. A UTF-8 character has at most 4 bytes and every token at least one,
+                # so a tail of 4+ tokens still ending in U+FFFD is invalid bytes, not an
+                # incomplete character: then everything goes out as it is.
+                cut = end - 1
+                while cut > self._read:
+                    text = decode(ids[self._prefix : cut], skip_special_tokens=self._skip)
+                    if not text.endswith(REPLACEMENT):
+                        break
+                    cut -= 1
+                if end - cut < _MAX_HELD_TOKENS:
+                    if cut == self._read:
+                        return ""
+                    end, full_text = cut, text
+            elif len(full_text) <= len(prefix_text):
+                # Tokens that render nothing (special or unknown ids): nothing to emit. Move on,
+                # keeping a short context so the window stays small.
+                self._read = end
+                if self._read - self._prefix > _CONTEXT_TOKENS * 4:
+                    self._prefix = self._read - _CONTEXT_TOKENS
+                return ""
+        # Context that ends inside a character (an input_ids prompt can) decodes to U+FFFD; the
+        # new text then starts at the end of the context's complete characters.
+        start = len(prefix_text.rstrip(REPLACEMENT)) if prefix_text.endswith(REPLACEMENT) else len(prefix_text)
+        delta = full_text[start:]
+        self._prefix = self._read
+        self._read = end
+        if self._prefix > 1024:  # keep the list short on very long outputs
+            drop = self._prefix
+            del ids[:drop]
+            self._prefix = 0
+            self._read -= drop
+        return delta
+
+
+class StopStrings:
+    """Cuts output text at the first stop string; holds back tails that may begin one."""
+
+    __slots__ = ("_held", "_include", "_stops")
+
+    def __init__(self, stops: Sequence[str], include_in_output: bool = False) -> None:
+        self._stops = tuple(stops)
+        self._include = include_in_output
+        self._held = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was hit)."""
+        text = self._held + delta if self._held else delta
+        if not text:
+            return "", False
+        best, best_stop = -1, ""
+        for stop in self._stops:
+            at = text.find(stop)
+            if at != -1 and (best == -1 or at < best):
+                best, best_stop = at, stop
+        if best != -1:
+            self._held = ""
+            return text[: best + len(best_stop)] if self._include else text[:best], True
+        hold = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(text)), hold, -1):
+                if text.endswith(stop[:k]):
+                    hold = k
+                    break
+        if hold:
+            self._held = text[-hold:]
+            return text[:-hold], False
+        self._held = ""
+        return text, False
+
+    def flush(self) -> str:
+        """At the end of the output: the held tail was not a stop string after all."""
+        held, self._held = self._held, ""
+        return held

@@ -1,0 +1,151 @@
+"""Real daemons (worker, router, frontend subprocesses), checked with kvmesh's own stubs.
+
+What the stock-client tests cannot see without our stubs: the engine's own view (WatchLoad) and its
+own tokens (a direct Generate with the same prompt and seed must produce what the frontend relayed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from inference import grpc_service_pb2 as pb
+from inference import grpc_service_pb2_grpc as pb_grpc
+from kvmesh.discovery import model_prefix, open_discovery
+from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh_frontend.tensors import output_values
+
+from tests.frontend.frontend_fakes import bytes_input, ids_input, llm_request
+from tests.support.daemons import Daemon
+from tests.support.etcd import free_port
+
+pytestmark = pytest.mark.e2e
+MODEL = "kvmesh-mock"
+
+
+class Deployment:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.url = f"file://{tmp / 'discovery'}"
+        self.ns = f"fe{uuid.uuid4().hex[:8]}"
+        self.daemons: list[Daemon] = []
+
+    def start(self, name: str, *args: str) -> Daemon:
+        port = free_port()
+        common = ["--discovery", self.url, "--namespace", self.ns, "--grpc-port", str(port), "--lease-ttl", "2"]
+        daemon = Daemon(name, [*common, *args], self.tmp, port)
+        self.daemons.append(daemon)
+        return daemon.wait_serving()
+
+    def close(self) -> None:
+        for daemon in reversed(self.daemons):
+            daemon.close()
+
+    async def card(self) -> discovery_pb2.ModelCard:
+        disc = await open_discovery(self.url)
+        try:
+            records = await disc.get_prefix(model_prefix(self.ns))
+        finally:
+            await disc.close()
+        return discovery_pb2.ModelCard.FromString(next(iter(records.values())))
+
+
+@pytest.fixture
+def deployment(tmp_path: Path) -> Iterator[tuple[Deployment, Daemon, Daemon]]:
+    for module in ("kvmesh_worker.main", "kvmesh_router.main"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not available")
+    dep = Deployment(tmp_path)
+    try:
+        worker = dep.start("kvmesh-worker", "--speedup-ratio", "1", "--block-size", "16", "--num-gpu-blocks", "4096")
+        dep.start("kvmesh-router", "--router-mode", "kv")
+        frontend = dep.start("kvmesh-frontend")
+        yield dep, worker, frontend
+    finally:
+        dep.close()
+
+
+async def wait_ready(stub: pb_grpc.GRPCInferenceServiceStub) -> None:
+    for _ in range(200):
+        if (await stub.ModelReady(pb.ModelReadyRequest(name=MODEL))).ready:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("model not ready")
+
+
+async def test_frontend_relays_the_engines_tokens_exactly(deployment) -> None:
+    dep, worker, frontend = deployment
+    async with grpc.aio.insecure_channel(frontend.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        await wait_ready(stub)
+        prompt = list(range(100, 164))
+        request = llm_request(None, model=MODEL, sampling={"max_tokens": 24, "seed": 42, "ignore_eos": True},
+                              extra=[ids_input(prompt)])  # fmt: skip
+        request.outputs.add(name="output_ids")
+        via_frontend = output_values(await stub.ModelInfer(request), "output_ids")
+    card = await dep.card()
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        direct = []
+        call = worker_pb2_grpc.WorkerServiceStub(channel).Generate(worker_pb2.GenerateRequest(
+            request_id="direct", engine_id=card.engine_id, token_ids=prompt,
+            sampling=worker_pb2.SamplingOptions(max_tokens=24, seed=42, ignore_eos=True)))  # fmt: skip
+        async for response in call:
+            direct.extend(response.token_ids)
+    assert via_frontend == direct and len(direct) == 24
+
+
+async def test_chat_request_with_the_models_own_template(deployment) -> None:
+    _, _, frontend = deployment
+    async with grpc.aio.insecure_channel(frontend.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        await wait_ready(stub)
+        messages = [{"role": "user", "content": "Héllo — 日本"}]
+        request = llm_request(None, model=MODEL, sampling={"max_tokens": 8, "ignore_eos": True},
+                              extra=[bytes_input("messages", json.dumps(messages))])  # fmt: skip
+        request.outputs.add(name="num_output_tokens")
+        response = await stub.ModelInfer(request)
+        assert output_values(response, "num_output_tokens") == [8]
+
+
+async def test_cancel_returns_the_engines_blocks_within_a_second(deployment) -> None:
+    _, worker, frontend = deployment
+    loop = asyncio.get_running_loop()
+    async with (
+        grpc.aio.insecure_channel(frontend.address) as fe_channel,
+        grpc.aio.insecure_channel(worker.address) as worker_channel,
+    ):
+        stub = pb_grpc.GRPCInferenceServiceStub(fe_channel)
+        await wait_ready(stub)
+        watch = worker_pb2_grpc.WorkerServiceStub(worker_channel).WatchLoad(worker_pb2.WatchLoadRequest())
+        load = {}
+
+        async def follow() -> None:
+            async for message in watch:
+                for engine in message.loads:
+                    load[engine.engine_id] = (engine.active_blocks, engine.running, loop.time())
+
+        follower = asyncio.create_task(follow())
+        while not load:
+            await asyncio.sleep(0.01)
+        before = sum(v[0] for v in load.values())
+        call = stub.ModelStreamInfer()
+        await call.write(llm_request(" ".join(["long prompt"] * 150), model=MODEL, stream=True,
+                                     sampling={"max_tokens": 5000, "ignore_eos": True}))  # fmt: skip
+        for _ in range(5):
+            assert not (await call.read()).error_message
+        busy_deadline = loop.time() + 5
+        while sum(v[0] for v in load.values()) <= before:  # load updates are coalesced by the worker
+            assert loop.time() < busy_deadline, "the engine never showed the request's blocks"
+            await asyncio.sleep(0.01)
+        cancelled_at = loop.time()
+        call.cancel()
+        while sum(v[0] for v in load.values()) != before or any(v[1] for v in load.values()):
+            assert loop.time() - cancelled_at < 1.0, f"blocks still held 1 s after the cancel: {load}"
+            await asyncio.sleep(0.01)
+        follower.cancel()

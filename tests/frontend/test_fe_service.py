@@ -1,0 +1,591 @@
+"""The servicer in process: real frontend modules, real gRPC, contract-faithful worker and router peers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from inference import grpc_service_pb2 as pb
+from kvmesh.discovery.base import Removed, Snapshot, model_key
+from kvmesh.v1 import router_pb2, worker_pb2
+from kvmesh_frontend.errors import FrontendError
+from kvmesh_frontend.generation import EngineBuffer
+from kvmesh_frontend.tensors import output_values
+
+from tests.frontend.frontend_fakes import (
+    MODEL,
+    NS,
+    OUTPUT_TEXT,
+    FakeRouter,
+    FakeWorker,
+    FrontendHarness,
+    bool_input,
+    bytes_input,
+    ids_input,
+    llm_request,
+    output_tokens,
+    to_raw,
+    tokenizer_files,
+)
+from tests.frontend.frontend_fakes import free_port as _free_port
+
+ENGINES = [0x11, 0x22]
+
+
+@pytest.fixture
+async def mesh():
+    worker = FakeWorker(ENGINES)
+    await worker.start()
+    router = FakeRouter({e: worker.address for e in ENGINES})
+    await router.start()
+    fe = FrontendHarness()
+    await fe.start()
+    fe.add_cards(worker)
+    fe.add_router(router, 0xAA)
+    await fe.wait_ready()
+    yield fe, worker, router
+    await fe.stop()
+    await router.stop()
+    await worker.stop()
+
+
+def text_of(response: pb.ModelInferResponse) -> str:
+    values = output_values(response, "text_output")
+    return values[0].decode() if values else ""
+
+
+def param(response: pb.ModelInferResponse, key: str):
+    p = response.parameters[key]
+    return getattr(p, p.WhichOneof("parameter_choice"))
+
+
+async def no_leaks(worker: FakeWorker, router: FakeRouter, within: float = 1.0) -> None:
+    """Every engine stream ended and every booking was freed (lifecycle updates are asynchronous)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while (worker.active or router.bookings) and loop.time() < deadline:
+        await asyncio.sleep(0.005)
+    assert not worker.active, worker.active
+    assert not router.bookings, router.bookings
+
+
+async def stream_all(fe: FrontendHarness, requests: list[pb.ModelInferRequest]) -> list[pb.ModelStreamInferResponse]:
+    """Send every request on one stream; collect until each request got its final response."""
+    call = fe.stub.ModelStreamInfer()
+    for request in requests:
+        await call.write(request)
+    pending = {r.id for r in requests}
+    out = []
+    while pending:
+        message = await asyncio.wait_for(call.read(), 10)
+        assert message is not grpc.aio.EOF
+        out.append(message)
+        r = message.infer_response
+        if r.parameters["triton_final_response"].bool_param:
+            pending.discard(r.id)
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+    return out
+
+
+# -- health and metadata -------------------------------------------------------------------------
+async def test_readiness_follows_the_model_cards(mesh) -> None:
+    fe, worker, _ = mesh
+    stub = fe.stub
+    assert (await stub.ServerLive(pb.ServerLiveRequest())).live
+    assert (await stub.ServerReady(pb.ServerReadyRequest())).ready
+    assert (await stub.ModelReady(pb.ModelReadyRequest(name=MODEL))).ready
+    assert not (await stub.ModelReady(pb.ModelReadyRequest(name="other"))).ready
+    fe.remove_cards(worker)
+    assert not (await stub.ServerReady(pb.ServerReadyRequest())).ready
+    assert not (await stub.ModelReady(pb.ModelReadyRequest(name=MODEL))).ready
+    fe.add_cards(worker)
+    assert (await stub.ModelReady(pb.ModelReadyRequest(name=MODEL))).ready
+    # a fresh snapshot that lacks a card removes it
+    fe.registry.apply(Snapshot({model_key(NS, MODEL, 0x11): worker.card(0x11).SerializeToString()}))
+    assert fe.registry.engines(MODEL) == [0x11]
+    assert worker.file_fetches == 2  # tokenizer.json + tokenizer_config.json, once for every engine (same digest)
+
+
+async def test_metadata_and_decoupled_config(mesh) -> None:
+    fe, _, _ = mesh
+    meta = await fe.stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL))
+    inputs = {t.name: (t.datatype, list(t.shape)) for t in meta.inputs}
+    assert inputs["text_input"] == ("BYTES", [1]) and inputs["stream"] == ("BOOL", [1])
+    assert {"sampling_parameters", "exclude_input_in_output", "max_tokens", "input_ids", "messages"} <= set(inputs)
+    assert {t.name for t in meta.outputs} >= {"text_output", "finish_reason", "num_input_tokens", "num_output_tokens"}
+    config = (await fe.stub.ModelConfig(pb.ModelConfigRequest(name=MODEL))).config
+    assert config.model_transaction_policy.decoupled
+    assert all(i.optional for i in config.input)
+    assert config.parameters["block_size"].string_value == "4"
+    server = await fe.stub.ServerMetadata(pb.ServerMetadataRequest())
+    assert server.name == "kvmesh" and "model_configuration" in server.extensions
+    for rpc, req in ((fe.stub.ModelMetadata, pb.ModelMetadataRequest), (fe.stub.ModelConfig, pb.ModelConfigRequest)):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await rpc(req(name="nope"))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "model 'nope' is not served here (known models: fake-model)" in info.value.details()
+
+
+async def test_unimplemented_rpcs_say_why(mesh) -> None:
+    fe, _, _ = mesh
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await fe.stub.RepositoryIndex(pb.RepositoryIndexRequest())
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "does not implement RepositoryIndex" in info.value.details()
+
+
+# -- generation ----------------------------------------------------------------------------------
+async def test_model_infer_returns_prompt_and_completion(mesh) -> None:
+    fe, worker, router = mesh
+    request = llm_request("hello world", sampling={"max_tokens": 6}, extra=[bool_input("return_finish_reason", True)])
+    request.inputs.append(bool_input("return_num_output_tokens", True))
+    request.inputs.append(bool_input("return_num_input_tokens", True))
+    response = await fe.stub.ModelInfer(request)
+    expected = fe.registry.get(MODEL).assets.tokenizer.decode(output_tokens()[:6])
+    assert text_of(response) == "hello world" + expected  # not streaming: the prompt is repeated (Triton's rule)
+    assert output_values(response, "finish_reason") == [b"length"]
+    assert output_values(response, "num_output_tokens") == [6]
+    tok = fe.registry.get(MODEL).assets.tokenizer
+    assert output_values(response, "num_input_tokens") == [len(tok.encode("hello world"))]
+    assert response.id == "r1" and response.model_name == MODEL
+    assert param(response, "kvmesh.worker_id") in ENGINES
+    assert param(response, "kvmesh.cached_tokens") == 4 * min(2, len(tok.encode("hello world")) // 4)
+    await no_leaks(worker, router)
+    sent = worker.requests[-1]
+    assert list(sent.token_ids) == [0, *fe.registry.get(MODEL).assets.tokenizer.encode("hello world", False)]
+    assert sent.sampling.max_tokens == 6
+
+
+async def test_streaming_deltas_final_flag_and_routing_parameters(mesh) -> None:
+    fe, worker, router = mesh
+    for b in worker.behaviour.values():
+        b.batch = 3
+        b.delay = 0.01  # the client keeps up: no coalescing
+    prompt = "hello world hello world hello"  # > one block: the router reports overlap
+    messages = await stream_all(fe, [llm_request(prompt, stream=True, sampling={"max_tokens": 10})])
+    assert all(not m.error_message for m in messages)
+    responses = [m.infer_response for m in messages]
+    assert len(responses) == 4  # one KServe response per engine response (3+3+3+1 tokens)
+    assert [r.parameters["triton_final_response"].bool_param for r in responses] == [False, False, False, True]
+    tok = fe.registry.get(MODEL).assets.tokenizer
+    assert "".join(text_of(r) for r in responses) == tok.decode(output_tokens()[:10])
+    final = responses[-1]
+    assert param(final, "kvmesh.worker_id") in ENGINES
+    assert param(final, "kvmesh.cached_tokens") == 2 * 4  # router overlap x block size
+    assert "kvmesh.worker_id" not in responses[0].parameters
+    query = router.queries[-1]
+    assert query.num_tokens == len(tok.encode(prompt)) and len(query.block_hashes) == query.num_tokens // 4
+    stages = [s for rid, s in router.lifecycle if rid == query.request_id]
+    assert stages == [router_pb2.LIFECYCLE_STAGE_FIRST_TOKEN, router_pb2.LIFECYCLE_STAGE_FINISHED]
+
+
+async def test_engine_responses_that_pile_up_are_merged() -> None:
+    closed = []
+    gate = asyncio.Event()
+
+    async def engine():
+        try:
+            yield worker_pb2.GenerateResponse(token_ids=[0], num_prompt_tokens=7)
+            await gate.wait()
+            for i in range(1, 10):
+                yield worker_pb2.GenerateResponse(token_ids=[i])
+            yield worker_pb2.GenerateResponse(token_ids=[10], finish_reason=worker_pb2.FINISH_REASON_LENGTH)
+        finally:
+            closed.append(True)
+
+    buffer = EngineBuffer(engine())
+    first = await buffer.next()  # the consumer is waiting: the first response alone
+    assert list(first.token_ids) == [0]
+    gate.set()
+    await asyncio.sleep(0.01)  # the consumer is busy (writing to its client) while the rest arrives
+    merged = await buffer.next()
+    assert list(merged.token_ids) == list(range(1, 11))
+    assert merged.finish_reason == worker_pb2.FINISH_REASON_LENGTH
+    assert await buffer.next() is None
+    await buffer.close()
+    assert closed == [True]
+
+
+async def test_engine_buffer_close_cancels_the_stream_and_errors_surface() -> None:
+    closed = []
+
+    async def endless():
+        try:
+            while True:
+                yield worker_pb2.GenerateResponse(token_ids=[1])
+                await asyncio.sleep(0.001)
+        finally:
+            closed.append(True)
+
+    buffer = EngineBuffer(endless())
+    assert (await buffer.next()).token_ids
+    await buffer.close()
+    assert closed == [True]
+
+    async def failing():
+        yield worker_pb2.GenerateResponse(token_ids=[1])
+        raise FrontendError(grpc.StatusCode.UNAVAILABLE, "gone")
+
+    buffer = EngineBuffer(failing())
+    await asyncio.sleep(0.01)
+    assert list((await buffer.next()).token_ids) == [1]
+    with pytest.raises(FrontendError, match="gone"):
+        await buffer.next()
+    await buffer.close()
+
+
+async def test_empty_final_response(mesh) -> None:
+    fe, _, _ = mesh
+    request = llm_request(
+        "hi", stream=True, sampling={"max_tokens": 2}, params={"triton_enable_empty_final_response": True}
+    )
+    responses = [m.infer_response for m in await stream_all(fe, [request])]
+    assert [r.parameters["triton_final_response"].bool_param for r in responses] == [False, False, True]
+    assert len(responses[-1].outputs) == 0 and "kvmesh.worker_id" in responses[-1].parameters
+
+
+async def test_non_streaming_on_the_stream_sends_one_response(mesh) -> None:
+    fe, _, _ = mesh
+    request = llm_request("hi", stream=False, exclude_input=True, sampling={"max_tokens": 5})
+    responses = [m.infer_response for m in await stream_all(fe, [request])]
+    assert len(responses) == 1 and responses[0].parameters["triton_final_response"].bool_param
+    tok = fe.registry.get(MODEL).assets.tokenizer
+    assert text_of(responses[0]) == tok.decode(output_tokens()[:5])
+
+
+async def test_32_concurrent_requests_on_one_stream_are_demultiplexed(mesh) -> None:
+    fe, worker, router = mesh
+    for b in worker.behaviour.values():
+        b.delay = 0.002
+    requests = [llm_request(f"prompt {i}", request_id=f"req-{i}", stream=True, sampling={"max_tokens": 3 + i % 5})
+                for i in range(32)]  # fmt: skip
+    messages = await stream_all(fe, requests)
+    by_id: dict[str, list[pb.ModelInferResponse]] = {}
+    for m in messages:
+        assert not m.error_message
+        by_id.setdefault(m.infer_response.id, []).append(m.infer_response)
+    tok = fe.registry.get(MODEL).assets.tokenizer
+    for i in range(32):
+        got = by_id[f"req-{i}"]
+        assert "".join(text_of(r) for r in got) == tok.decode(output_tokens()[: 3 + i % 5])
+        assert [r.parameters["triton_final_response"].bool_param for r in got][-1]
+    assert len({param(r[-1], "kvmesh.worker_id") for r in by_id.values()}) == 2  # round robin used both
+    await no_leaks(worker, router)
+
+
+async def test_input_ids_and_raw_inputs(mesh) -> None:
+    fe, worker, _ = mesh
+    request = llm_request(None, stream=True, sampling={"max_tokens": 4}, extra=[ids_input([5, 6, 7, 8, 9], "INT64")])
+    responses = [m.infer_response for m in await stream_all(fe, [to_raw(request)])]
+    assert list(worker.requests[-1].token_ids) == [5, 6, 7, 8, 9]
+    tok = fe.registry.get(MODEL).assets.tokenizer
+    assert "".join(text_of(r) for r in responses) == tok.decode(output_tokens()[:4])
+    request = llm_request(None, sampling={"max_tokens": 3}, extra=[ids_input([5, 6])])
+    request.outputs.add(name="output_ids")
+    response = await fe.stub.ModelInfer(request)
+    assert output_values(response, "output_ids") == output_tokens()[:3]
+    assert output_values(response, "text_output") is None
+
+
+async def test_messages_are_rendered_with_the_chat_template(mesh) -> None:
+    fe, worker, _ = mesh
+    messages = [{"role": "user", "content": "hello"}]
+    request = llm_request(
+        None, stream=True, sampling={"max_tokens": 2}, extra=[bytes_input("messages", json.dumps(messages))]
+    )
+    await stream_all(fe, [request])
+    tok = fe.registry.get(MODEL).assets.tokenizer
+    assert list(worker.requests[-1].token_ids) == tok.encode(
+        "<s><|user|>hello\n<|assistant|>", add_special_tokens=False
+    )
+    assert worker.requests[-1].token_ids[0] == 0  # exactly one BOS: the template's
+
+
+async def test_utf8_is_never_split_on_the_wire(mesh) -> None:
+    fe, worker, _ = mesh
+    tok_ids = fe.registry.get(MODEL).assets.tokenizer.encode(" 日本 🙂 ok", add_special_tokens=False)
+    for b in worker.behaviour.values():
+        b.tokens = tok_ids
+        b.delay = 0.005  # the client keeps up: one KServe response per engine response
+    responses = [
+        m.infer_response
+        for m in await stream_all(fe, [llm_request("x", stream=True, sampling={"max_tokens": len(tok_ids)})])
+    ]
+    texts = [text_of(r) for r in responses]
+    assert "".join(texts) == " 日本 🙂 ok"
+    assert all("\ufffd" not in t for t in texts)
+    assert len(responses) == len(tok_ids)  # still one response per engine response, some with empty text
+
+
+async def test_stop_string_ends_the_request_and_the_engine_stream(mesh) -> None:
+    fe, worker, router = mesh
+    for b in worker.behaviour.values():
+        b.delay = 0.005
+    request = llm_request("x", stream=True, sampling={"max_tokens": 400, "stop": ["lazy"]},
+                          extra=[bool_input("return_finish_reason", True)])  # fmt: skip
+    responses = [m.infer_response for m in await stream_all(fe, [request])]
+    text = "".join(text_of(r) for r in responses)
+    assert text == OUTPUT_TEXT[: OUTPUT_TEXT.index("lazy")]
+    assert output_values(responses[-1], "finish_reason") == [b"stop"]
+    await no_leaks(worker, router)
+    assert worker.cancelled  # the engine was told to stop
+
+
+# -- errors --------------------------------------------------------------------------------------
+async def expect_status(call, code: grpc.StatusCode, text: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    assert info.value.code() == code, info.value.details()
+    assert text in info.value.details(), info.value.details()
+
+
+async def test_model_infer_errors_are_statuses(mesh) -> None:
+    fe, worker, router = mesh
+    stub = fe.stub
+    await expect_status(stub.ModelInfer(llm_request("x", model="nope")), grpc.StatusCode.NOT_FOUND, "model 'nope'")
+    await expect_status(stub.ModelInfer(llm_request(None)), grpc.StatusCode.INVALID_ARGUMENT, "missing input")
+    await expect_status(stub.ModelInfer(llm_request("x", stream=True)), grpc.StatusCode.INVALID_ARGUMENT,
+                        "input 'stream': true needs ModelStreamInfer")  # fmt: skip
+    await expect_status(
+        stub.ModelInfer(llm_request(None, extra=[ids_input([1, 400])])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "token id 400 at index 1 is outside the vocabulary [0, 320)",
+    )
+    await expect_status(stub.ModelInfer(llm_request("x", sampling={"max_tokens": 5000})),
+                        grpc.StatusCode.INVALID_ARGUMENT, "exceeds the context length 4096")  # fmt: skip
+    await expect_status(stub.ModelInfer(llm_request("x", params={"kvmesh.worker_id": 99})),
+                        grpc.StatusCode.NOT_FOUND, "engine 99 does not serve model 'fake-model'")  # fmt: skip
+    router.outcome = router_pb2.DECISION_OUTCOME_REJECTED
+    await expect_status(stub.ModelInfer(llm_request("x")), grpc.StatusCode.RESOURCE_EXHAUSTED, "every engine is busy")
+    router.outcome = router_pb2.DECISION_OUTCOME_NO_ENGINE
+    await expect_status(stub.ModelInfer(llm_request("x")), grpc.StatusCode.UNAVAILABLE, "no live engine")
+    router.outcome = router_pb2.DECISION_OUTCOME_ROUTED
+    for b in worker.behaviour.values():
+        b.error = (grpc.StatusCode.INVALID_ARGUMENT, "prompt longer than max_model_len 100")
+    await expect_status(stub.ModelInfer(llm_request("x")), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len 100")
+    for b in worker.behaviour.values():
+        b.error = (grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue full")
+    await expect_status(stub.ModelInfer(llm_request("x")), grpc.StatusCode.RESOURCE_EXHAUSTED, "waiting queue full")
+    for b in worker.behaviour.values():
+        b.error = (grpc.StatusCode.DATA_LOSS, "boom")
+    await expect_status(stub.ModelInfer(llm_request("x")), grpc.StatusCode.INTERNAL, "request fe-")
+    fe.remove_cards(worker)
+    await expect_status(stub.ModelInfer(llm_request("x")), grpc.StatusCode.UNAVAILABLE, "has no live engine")
+    await no_leaks(worker, router)
+
+
+async def test_stream_errors_are_in_band_and_the_stream_goes_on(mesh) -> None:
+    fe, _, router = mesh
+    requests = [
+        llm_request("x", model="nope", request_id="a", stream=True),
+        llm_request("x", request_id="b", stream=True, exclude_input=False),
+        llm_request("x", request_id="c", stream=True, sampling={"max_tokens": 2}),
+    ]
+    messages = await stream_all(fe, requests)
+    errors = {m.infer_response.id: m.error_message for m in messages if m.error_message}
+    assert errors["a"].startswith("NOT_FOUND: model 'nope'")
+    assert errors["b"].startswith("INVALID_ARGUMENT: input 'exclude_input_in_output'")
+    assert [m.infer_response.id for m in messages if not m.error_message] == ["c", "c"]
+    fe.router.apply(Removed(router.record(0xAA)[0]))
+    messages = await stream_all(fe, [llm_request("x", request_id="d", stream=True)])
+    assert messages[0].error_message.startswith("UNAVAILABLE: no router replica is registered in namespace 'test'")
+
+
+# -- migration, cancellation, failover -------------------------------------------------------------
+async def test_migration_when_the_engine_dies_mid_stream(mesh) -> None:
+    fe, worker, router = mesh
+    worker.behaviour[0x11].die_after = 5
+    worker.behaviour[0x11].batch = 2
+    request = llm_request(
+        "hello world",
+        stream=True,
+        sampling={"max_tokens": 12},
+        params={"kvmesh.router_mode": "round_robin"},
+        extra=[bool_input("return_num_output_tokens", True)],
+    )
+    messages = await stream_all(fe, [request])
+    assert not [m for m in messages if m.error_message]
+    responses = [m.infer_response for m in messages]
+    assert sum(output_values(r, "num_output_tokens")[0] for r in responses) == 12
+    final = responses[-1]
+    assert param(final, "kvmesh.migrations") == 1 and param(final, "kvmesh.worker_id") == 0x22
+    first, second = router.queries[-2:]
+    assert list(second.excluded_engine_ids) == [0x11]
+    assert second.num_tokens == first.num_tokens + 5 and second.expected_output_tokens == 7
+    resumed = worker.requests[-1]
+    assert resumed.sampling.max_tokens == 7
+    assert list(resumed.token_ids) == list(worker.requests[-2].token_ids) + output_tokens()[:5]
+    tok = fe.registry.get(MODEL).assets.tokenizer
+    assert "".join(text_of(r) for r in responses) == tok.decode(output_tokens()[:5] + output_tokens()[:7])
+    await no_leaks(worker, router)
+
+
+async def test_migration_limit(mesh) -> None:
+    fe, worker, router = mesh
+    fe.generator.migration_limit = 1
+    for b in worker.behaviour.values():
+        b.die_after = 1
+    messages = await stream_all(fe, [llm_request("x", stream=True, sampling={"max_tokens": 8})])
+    assert messages[-1].error_message.startswith("UNAVAILABLE: request fe-")
+    assert "migration limit (1) is reached" in messages[-1].error_message
+    fe.generator.migration_limit = 3
+    messages = await stream_all(fe, [llm_request("x", request_id="z", stream=True, sampling={"max_tokens": 8})])
+    assert "no engine left to migrate to" in messages[-1].error_message  # both engines excluded
+    await no_leaks(worker, router)
+
+
+async def test_client_cancel_frees_the_engine_and_the_booking(mesh) -> None:
+    fe, worker, router = mesh
+    for b in worker.behaviour.values():
+        b.delay = 0.01
+    call = fe.stub.ModelStreamInfer()
+    for i in range(4):
+        await call.write(llm_request("x", request_id=f"c{i}", stream=True, sampling={"max_tokens": 1000}))
+    for _ in range(8):
+        await call.read()
+    assert len(worker.active) == 4 and len(router.bookings) == 4
+    call.cancel()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 1.0
+    while (worker.active or router.bookings) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    assert not worker.active and not router.bookings
+    assert len(worker.cancelled) == 4
+
+
+async def test_unary_cancel_frees_everything(mesh) -> None:
+    fe, worker, router = mesh
+    for b in worker.behaviour.values():
+        b.delay = 0.01
+    call = fe.stub.ModelInfer(llm_request("x", sampling={"max_tokens": 1000}))
+    while not worker.active:
+        await asyncio.sleep(0.005)
+    call.cancel()
+    for _ in range(100):
+        if not worker.active and not router.bookings:
+            break
+        await asyncio.sleep(0.01)
+    assert not worker.active and not router.bookings
+
+
+async def test_router_failover_to_another_replica(mesh) -> None:
+    fe, _, router = mesh
+    second = FakeRouter(dict(router.engines))
+    await second.start()
+    try:
+        fe.router_snapshot((router, 0xAA), (second, 0xBB))
+        await stream_all(fe, [llm_request("x", request_id="warm", stream=True, sampling={"max_tokens": 1})])
+        used, spare = (router, second) if fe.router._session.replica_id == 0xAA else (second, router)
+        # the replica stops answering, then dies with five queries waiting for decisions; its record
+        # stays in discovery (as after kill -9, until the lease expires)
+        used.silent = True
+        before = len(used.queries)
+        pending = asyncio.create_task(
+            stream_all(fe, [llm_request("x", request_id=f"f{i}", stream=True) for i in range(5)])
+        )
+        while len(used.queries) < before + 5:
+            await asyncio.sleep(0.005)
+        await used.stop()
+        messages = await pending
+        assert not [m for m in messages if m.error_message]
+        assert len(spare.queries) >= 5
+        await asyncio.sleep(0.05)
+        assert spare.queries and not spare.bookings
+    finally:
+        await second.stop()
+
+
+async def test_router_timeout_frees_the_booking(mesh) -> None:
+    fe, _, router = mesh
+    fe.router._timeout = 0.2
+    router.silent = True
+    messages = await stream_all(fe, [llm_request("x", stream=True)])
+    assert messages[0].error_message.startswith("UNAVAILABLE: router replica aa at")
+    await asyncio.sleep(0.05)
+    assert router.lifecycle[-1][1] == router_pb2.LIFECYCLE_STAGE_FINISHED
+
+
+async def test_router_that_has_not_seen_the_engine_yet_is_retried(mesh) -> None:
+    fe, worker, router = mesh
+    router.blind_for = 3  # discovery reached the frontend before the router
+    messages = await stream_all(fe, [llm_request("x", stream=True, sampling={"max_tokens": 2})])
+    assert not [m for m in messages if m.error_message]
+    assert len(router.queries) == 4
+    await no_leaks(worker, router)
+    # but a router that keeps saying so is believed after the grace period
+    router.blind_for = 1000
+    messages = await stream_all(fe, [llm_request("x", request_id="r2", stream=True)])
+    assert messages[0].error_message.startswith("UNAVAILABLE: model 'fake-model': no live engine can take the request")
+
+
+async def test_pinned_worker_goes_direct(mesh) -> None:
+    fe, _, router = mesh
+    responses = [
+        m.infer_response
+        for m in await stream_all(fe, [llm_request("x", stream=True, params={"kvmesh.worker_id": 0x22})])
+    ]
+    assert param(responses[-1], "kvmesh.worker_id") == 0x22
+    query = router.queries[-1]
+    assert query.pinned_engine_id == 0x22 and query.overrides.mode == router_pb2.ROUTER_MODE_DIRECT
+
+
+async def test_statistics_and_metrics(mesh) -> None:
+    fe, _, _ = mesh
+    await fe.stub.ModelInfer(llm_request("x", sampling={"max_tokens": 2}))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await fe.stub.ModelInfer(llm_request(None))
+    stats = await fe.stub.ModelStatistics(pb.ModelStatisticsRequest(name=MODEL))
+    s = stats.model_stats[0]
+    assert s.inference_count == 1 and s.inference_stats.success.count == 1 and s.inference_stats.fail.count == 1
+    assert fe.metrics.requests.labels(MODEL, "success")._value.get() == 1
+    assert fe.metrics.requests.labels(MODEL, "invalid_argument")._value.get() == 1
+
+
+async def test_tokenizer_less_model_needs_input_ids() -> None:
+    worker = FakeWorker([0x33], files={})
+    await worker.start()
+    router = FakeRouter({0x33: worker.address})
+    await router.start()
+    fe = FrontendHarness()
+    await fe.start()
+    try:
+        fe.add_cards(worker)
+        fe.add_router(router, 1)
+        await fe.wait_ready()
+        await expect_status(fe.stub.ModelInfer(llm_request("x")), grpc.StatusCode.INVALID_ARGUMENT,
+                            "model 'fake-model' serves no tokenizer; send 'input_ids' instead")  # fmt: skip
+        request = llm_request(None, sampling={"max_tokens": 2}, extra=[ids_input([1, 2])])
+        request.outputs.add(name="output_ids")
+        response = await fe.stub.ModelInfer(request)
+        assert len(output_values(response, "output_ids")) == 2
+    finally:
+        await fe.stop()
+        await router.stop()
+        await worker.stop()
+
+
+async def test_models_appear_live_and_share_tokenizer_downloads() -> None:
+    worker = FakeWorker([0x41, 0x42])
+    await worker.start()
+    fe = FrontendHarness()
+    await fe.start()
+    try:
+        assert not (await fe.stub.ServerReady(pb.ServerReadyRequest())).ready
+        fe.add_cards(worker, model="m1")
+        fe.add_cards(worker, model="m2")
+        await fe.wait_ready("m1")
+        await fe.wait_ready("m2")
+        assert (await fe.stub.ServerReady(pb.ServerReadyRequest())).ready
+        assert worker.file_fetches == 2  # same files digest: one download for both models
+        assert fe.registry.names() == ["m1", "m2"]
+        assert tokenizer_files()  # (the digest is derived from these files)
+    finally:
+        await fe.stop()
+        await worker.stop()
+
+
+def test_free_port_helper() -> None:
+    assert 0 < _free_port() < 65536

@@ -1,0 +1,138 @@
+"""Tokenizer wrapper, chat template, incremental detokenizer (UTF-8 safe) and stop strings."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from kvmesh_frontend.tokenization import ChatTemplateError, ModelTokenizer, StopStrings
+
+from tests.frontend.frontend_fakes import CHAT_TEMPLATE, tokenizer_files
+
+
+@pytest.fixture(scope="module")
+def tok() -> ModelTokenizer:
+    return ModelTokenizer.from_files(tokenizer_files())
+
+
+def stream(tok: ModelTokenizer, ids: list[int], batches: list[int], prompt: list[int] | None = None) -> list[str]:
+    detok = tok.detokenizer(prompt or [])
+    deltas, pos = [], 0
+    for size in batches:
+        deltas.append(detok.add(ids[pos : pos + size]))
+        pos += size
+    deltas.append(detok.add(ids[pos:]))
+    deltas.append(detok.flush())
+    return deltas
+
+
+def test_encode_adds_bos_and_decode_skips_it(tok: ModelTokenizer) -> None:
+    ids = tok.encode("hello world")
+    assert ids[0] == 0  # <s>
+    assert tok.decode(ids) == "hello world"
+    assert tok.encode("hello world", add_special_tokens=False) == ids[1:]
+
+
+def test_multibyte_character_split_across_tokens_is_emitted_whole(tok: ModelTokenizer) -> None:
+    text = " naïve 日本 ok 🙂!"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # non-ASCII characters are byte tokens: one character spans tokens
+    deltas = stream(tok, ids, [1] * len(ids))
+    assert "".join(deltas) == text
+    for delta in deltas:
+        assert "\ufffd" not in delta, deltas
+    # each non-ASCII character arrives in one delta, never cut
+    assert "日" in deltas or any("日" in d for d in deltas)
+    assert any("🙂" in d for d in deltas)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_any_batching_gives_the_same_text(tok: ModelTokenizer, seed: int) -> None:
+    text = " the quick 日本語 brown fox — ünïcödé ✓ 🙂🙃 done"
+    ids = tok.encode(text, add_special_tokens=False)
+    rng = random.Random(seed)
+    batches, left = [], len(ids)
+    while left > 0:
+        size = rng.randint(1, 5)
+        batches.append(size)
+        left -= size
+    deltas = stream(tok, ids, batches, prompt=tok.encode("prompt:"))
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_special_and_unknown_ids_render_nothing(tok: ModelTokenizer) -> None:
+    ids = tok.encode(" ok", add_special_tokens=False)
+    detok = tok.detokenizer([])
+    assert detok.add([1, 999_999, 1]) == ""  # </s> and an id outside the vocabulary
+    assert detok.add(ids) == " ok"
+    assert detok.flush() == ""
+
+
+def test_invalid_bytes_do_not_stall_the_stream(tok: ModelTokenizer) -> None:
+    # a lone continuation byte never completes: it is emitted once 4 tokens are held
+    lone = tok.encode("é", add_special_tokens=False)[1:]  # the second byte of é only
+    ascii_ids = tok.encode("abcdef", add_special_tokens=False)
+    detok = tok.detokenizer([])
+    out = detok.add(lone)
+    out += "".join(detok.add([i]) for i in ascii_ids)
+    out += detok.flush()
+    assert out.endswith("abcdef")
+
+
+def test_stop_strings_cut_the_text_and_catch_splits() -> None:
+    stops = StopStrings(["END", "\n\n"])
+    assert stops.feed("hello E") == ("hello ", False)  # "E" may start "END": held
+    assert stops.feed("N") == ("", False)
+    assert stops.feed("D and more") == ("", True)
+
+
+def test_stop_string_held_tail_is_released_when_it_is_not_a_stop() -> None:
+    stops = StopStrings(["END"])
+    assert stops.feed("the EN") == ("the ", False)
+    assert stops.feed("TRY") == ("ENTRY", False)
+    assert stops.feed("x EN") == ("x ", False)
+    assert stops.flush() == "EN"
+
+
+def test_stop_string_earliest_wins_and_may_be_included() -> None:
+    assert StopStrings(["b", "a"]).feed("xxabxx") == ("xx", True)
+    assert StopStrings(["ab"], include_in_output=True).feed("xxabyy") == ("xxab", True)
+
+
+def test_chat_template_renders_messages(tok: ModelTokenizer) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert tok.render_chat(messages) == "<s><|system|>be brief\n<|user|>hi\n<|assistant|>"
+    assert tok.render_chat(messages, add_generation_prompt=False).endswith("hi\n")
+
+
+def test_chat_template_list_form_and_errors() -> None:
+    files = tokenizer_files()
+    config = json.loads(files["tokenizer_config.json"])
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "TOOLS"},
+        {"name": "default", "template": "{% if messages[0]['role'] != 'user' %}"
+                                        "{{ raise_exception('first message must be from the user') }}{% endif %}"
+                                        "{{ messages | tojson }}"},
+    ]  # fmt: skip
+    files["tokenizer_config.json"] = json.dumps(config).encode()
+    tok = ModelTokenizer.from_files(files)
+    assert tok.render_chat([{"role": "user", "content": "日本"}]) == '[{"role": "user", "content": "日本"}]'
+    with pytest.raises(ChatTemplateError, match="first message must be from the user"):
+        tok.render_chat([{"role": "system", "content": "x"}])
+    broken = ModelTokenizer(files["tokenizer.json"].decode(), {}, "{{ messages[5]['x'] + 1 }}")
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        broken.render_chat([{"role": "user", "content": "x"}])
+
+
+def test_no_template_and_sandbox() -> None:
+    files = tokenizer_files()
+    plain = ModelTokenizer(files["tokenizer.json"].decode(), {})
+    assert not plain.has_chat_template
+    with pytest.raises(ChatTemplateError):
+        plain.render_chat([{"role": "user", "content": "x"}])
+    evil = ModelTokenizer(files["tokenizer.json"].decode(), {}, "{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ChatTemplateError):
+        evil.render_chat([{"role": "user", "content": "x"}])
+    assert CHAT_TEMPLATE  # the fixture's template is the one in tokenizer_config.json

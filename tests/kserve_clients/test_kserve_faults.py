@@ -1,0 +1,112 @@
+"""Engines coming and going, a worker killed mid-stream, a client that cancels: real processes, stock client."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import time
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from tests.kserve_clients.mesh import MODEL, Mesh, Outcome, absorb, engine_loads, llm_inputs, param, watch_blocks
+
+pytestmark = pytest.mark.e2e
+
+
+def test_readiness_follows_engines(fresh_mesh: Mesh) -> None:
+    mesh = fresh_mesh
+    mesh.router()
+    mesh.start_frontend()
+    with mesh.client() as client:
+        assert client.is_server_live()
+        assert not client.is_server_ready()
+        assert not client.is_model_ready(MODEL)
+    worker = mesh.worker()
+    mesh.wait_model(MODEL, ready=True, timeout=10)
+    with mesh.client() as client:
+        assert client.is_server_ready()
+    worker.close()  # graceful: the lease is revoked, the cards vanish at once
+    assert mesh.wait_model(MODEL, ready=False, timeout=5) < 2.0
+    worker = mesh.worker()
+    mesh.wait_model(MODEL, ready=True, timeout=10)
+    worker.signal(signal.SIGKILL)  # the cards vanish when the lease expires
+    assert mesh.wait_model(MODEL, ready=False, timeout=10) < mesh.lease_ttl + 2.0
+    with mesh.client() as client:
+        assert not client.is_server_ready()
+
+
+def _engines_known(mesh: Mesh, count: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    with mesh.client() as client:
+        while time.monotonic() < deadline:
+            config = client.get_model_config(MODEL).config
+            if config.parameters["engines"].string_value == str(count):
+                return
+            time.sleep(0.05)
+    raise AssertionError(f"the frontend does not see {count} engines")
+
+
+def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh) -> None:
+    mesh = fresh_mesh
+    workers = [mesh.worker(speedup=1.0), mesh.worker(speedup=1.0)]
+    mesh.router()
+    mesh.start_frontend()
+    mesh.wait_model(MODEL)
+    _engines_known(mesh, 2)
+    max_tokens = 300  # about 2 s of simulated decoding
+    results: queue.Queue = queue.Queue()
+    outcome = Outcome()
+    with grpcclient.InferenceServerClient(mesh.url_frontend) as client:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer(MODEL, llm_inputs(max_tokens=max_tokens), request_id="m1")
+        while outcome.num_tokens < 20:
+            result, error = results.get(timeout=30)
+            assert error is None, error
+            absorb(outcome, result)
+        loads = engine_loads(*(w.address for w in workers))
+        serving = [w for w in workers if any(e["running"] for e in loads[w.address])]
+        assert len(serving) == 1, loads
+        serving[0].signal(signal.SIGKILL)
+        while outcome.final is None:
+            result, error = results.get(timeout=30)
+            assert error is None, f"the client saw an error: {error}"
+            absorb(outcome, result)
+        client.stop_stream()
+    assert outcome.num_tokens == max_tokens
+    assert outcome.finish_reason == "length"
+    assert param(outcome.final, "kvmesh.migrations") == 1
+    survivor = next(w for w in workers if w is not serving[0])
+    assert param(outcome.final, "kvmesh.worker_id") == engine_loads(survivor.address)[survivor.address][0]["engine_id"]
+
+
+def test_cancel_frees_the_engine_within_a_second(fresh_mesh: Mesh) -> None:
+    mesh = fresh_mesh
+    worker = mesh.worker(speedup=1.0)
+    mesh.router()
+    mesh.start_frontend()
+    mesh.wait_model(MODEL)
+    before = engine_loads(worker.address)[worker.address][0]["active_blocks"]
+    results: queue.Queue = queue.Queue()
+    outcome = Outcome()
+    client = grpcclient.InferenceServerClient(mesh.url_frontend)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer(MODEL, llm_inputs(" ".join(["long prompt"] * 200), max_tokens=5000),
+                                  request_id="k1")  # fmt: skip
+        while outcome.num_tokens < 10:
+            result, error = results.get(timeout=30)
+            assert error is None, error
+            absorb(outcome, result)
+        busy = engine_loads(worker.address)[worker.address][0]["active_blocks"]
+        assert busy > before
+        probe = watch_blocks(worker.address, before, timeout=10)
+        cancelled_at = time.time()
+        client.stop_stream(cancel_requests=True)
+        out, err = probe.communicate(timeout=15)
+        assert probe.returncode == 0, (out, err)
+        freed = json.loads(out.strip().splitlines()[-1])
+        assert freed["at"] - cancelled_at < 1.0, f"blocks freed {freed['at'] - cancelled_at:.3f}s after the cancel"
+    finally:
+        client.close()
