@@ -24,5 +24,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     names = bench.add_subparsers(dest="benchmark", required=True)
     for name, (module, help_text) in BENCHMARKS.items():
         p = names.add_parser(name, help=help_text, add_help=False)
-        p.add_argument("args", nargs=argparse.REMAINDER)
+        p.add_argument("args", nargs=argparse.REMAINDER)  # unknown flags are appended by kvmesh_cli.main
         p.set_defaults(func=lambda args, module=module: int(importlib.import_module(module).main(args.args) or 0))

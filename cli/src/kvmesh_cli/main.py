@@ -34,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "benchmark", None) is None:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # benchmark flags belong to the benchmark's own parser
+        args.args = [*extra, *args.args]
     return int(args.func(args) or 0)
 
 

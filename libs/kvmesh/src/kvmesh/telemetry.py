@@ -49,14 +49,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc)
 
 
+class TextFormatter(logging.Formatter):
+    """Human-readable lines; ``[request_id]`` follows the level when one is being served."""
+
+    def __init__(self, daemon: str) -> None:
+        super().__init__(f"%(asctime)s {daemon} %(levelname)s %(name)s:%(request)s %(message)s")
+        self.converter = time.gmtime
+
+    def format(self, record: logging.LogRecord) -> str:
+        request_id = getattr(record, "request_id", "")
+        record.request = f" [{request_id}]" if request_id else ""
+        return super().format(record)
+
+
 def setup_logging(daemon: str, level: str = "info", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RequestIdFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {daemon} %(levelname)s %(name)s: %(message)s"))
-        handler.formatter.converter = time.gmtime  # type: ignore[union-attr]
+        handler.setFormatter(TextFormatter(daemon))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -3,17 +3,30 @@
 The loop is step → sleep → deliver: a pass's tokens and KV events exist only once the pass is
 over, so they are delivered after sleeping the pass's modelled duration (÷ ``speedup_ratio``;
 0 means no sleeping at all). Deadlines are absolute (``next += modelled``), so the time spent in
-Python does not accumulate as drift. An idle engine awaits an ``asyncio.Event`` and costs nothing:
-no polling, so a process can host a thousand of them.
+Python does not accumulate as drift; only after a stall longer than ``MAX_CATCH_UP_S`` (a starved
+process) does the schedule restart from now instead of rushing the following passes. The sleeps
+go through one ``DeadlineTimer`` per event loop (a Linux timerfd): uvloop's own timers round to
+whole milliseconds, which alone is ±10-20 % of a 6 ms decode pass. An idle engine awaits an
+``asyncio.Event`` and costs nothing: no polling, so a process can host a thousand of them.
 
 Subscribers of the KV journal register synchronously together with their snapshot or replay
-(the loop and the core share one thread), which is what makes "no gap, no duplicate" hold.
+(the loop and the core share one thread). The journal already holds the events of the pass in
+progress (the core records them at ``step()``), so a subscription remembers the first event id its
+replay or snapshot did not cover and drops the older ones when that pass is delivered: together
+this is what makes "no gap, no duplicate" hold.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import heapq
+import itertools
 import logging
+import os
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -25,6 +38,115 @@ log = logging.getLogger(__name__)
 
 # A subscriber that falls this many passes behind is cut off; it resumes from its last event id.
 SUBSCRIBER_QUEUE_PASSES = 4096
+# A pass that starts more than this late (the process was starved) restarts the schedule from now.
+MAX_CATCH_UP_S = 0.002
+# Deadlines this close together are served by one timer wakeup.
+_TIMER_SLACK_S = 20e-6
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = (("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long))
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = (("it_interval", _Timespec), ("it_value", _Timespec))
+
+
+def _timerfd_api() -> tuple[Callable[..., int], Callable[..., int]] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        create, settime = libc.timerfd_create, libc.timerfd_settime
+    except (OSError, AttributeError):
+        return None
+    create.argtypes, create.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    settime.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.POINTER(_Itimerspec), ctypes.c_void_p)
+    settime.restype = ctypes.c_int
+    return create, settime
+
+
+_TIMERFD = _timerfd_api()
+_CLOCK_MONOTONIC, _TFD_NONBLOCK, _TFD_CLOEXEC, _TFD_TIMER_ABSTIME = 1, os.O_NONBLOCK, os.O_CLOEXEC, 1
+
+
+class DeadlineTimer:
+    """Wakes coroutines at absolute ``time.monotonic()`` deadlines, to the microsecond.
+
+    One per event loop, shared by all its runners: a heap of deadlines and one timerfd (same
+    clock as ``time.monotonic``) armed at the earliest, watched by the loop like any socket. No
+    deadline, no wakeup. Without timerfd (not Linux) it falls back to the loop's own timers.
+    """
+
+    _by_loop: dict[asyncio.AbstractEventLoop, DeadlineTimer] = {}
+
+    @classmethod
+    def acquire(cls, loop: asyncio.AbstractEventLoop) -> DeadlineTimer:
+        timer = cls._by_loop.get(loop)
+        if timer is None:
+            timer = cls._by_loop[loop] = cls(loop)
+        timer._users += 1
+        return timer
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._users = 0
+        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+        self._armed_at = float("inf")
+        self._spec = _Itimerspec()
+        self._fd = -1
+        if _TIMERFD is not None:
+            fd = _TIMERFD[0](_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
+            if fd >= 0:
+                self._fd = fd
+                loop.add_reader(fd, self._on_fire)
+
+    def release(self) -> None:
+        self._users -= 1
+        if self._users > 0:
+            return
+        del self._by_loop[self._loop]
+        if self._fd >= 0:
+            if not self._loop.is_closed():
+                self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+    async def sleep_until(self, deadline: float) -> None:
+        if self._fd < 0:
+            delay = deadline - time.monotonic()
+            await asyncio.sleep(delay if delay > 0 else 0)
+            return
+        if deadline - time.monotonic() <= _TIMER_SLACK_S:
+            await asyncio.sleep(0)  # due already: just let other tasks run
+            return
+        future = self._loop.create_future()
+        heapq.heappush(self._heap, (deadline, next(self._seq), future))
+        if deadline < self._armed_at:
+            self._arm(deadline)
+        await future
+
+    def _arm(self, deadline: float) -> None:
+        self._armed_at = deadline
+        value = self._spec.it_value
+        value.tv_sec = int(deadline)
+        value.tv_nsec = int((deadline - value.tv_sec) * 1e9)
+        if _TIMERFD[1](self._fd, _TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) != 0:  # type: ignore[index]
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+
+    def _on_fire(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._fd, 8)
+        heap = self._heap
+        due = time.monotonic() + _TIMER_SLACK_S
+        while heap and heap[0][0] <= due:
+            future = heapq.heappop(heap)[2]
+            if not future.done():  # a cancelled sleeper leaves its entry behind
+                future.set_result(None)
+        self._armed_at = float("inf")
+        if heap:
+            self._arm(heap[0][0])
 
 
 class SubscriberTooSlow(Exception):
@@ -35,12 +157,19 @@ class SubscriberTooSlow(Exception):
 class KvSubscription:
     """Live KV events of one engine for one subscriber, after its initial replay or snapshot."""
 
+    # The first event id the subscriber has not been given (its replay or snapshot covers the rest).
+    next_event_id: int = 0
     queue: asyncio.Queue[list[KvEvent]] = field(default_factory=lambda: asyncio.Queue(SUBSCRIBER_QUEUE_PASSES))
     overflowed: bool = False
 
     def push(self, events: list[KvEvent]) -> None:
         if self.overflowed:
             return
+        if events[0].event_id < self.next_event_id:  # already in the replay or snapshot (the pass was in progress)
+            events = [e for e in events if e.event_id >= self.next_event_id]
+            if not events:
+                return
+        self.next_event_id = events[-1].event_id + 1
         try:
             self.queue.put_nowait(events)
         except asyncio.QueueFull:
@@ -70,18 +199,25 @@ class EngineRunner:
         self._subscribers: set[KvSubscription] = set()
         self._observers: list[PassObserver] = []
         self._task: asyncio.Task[None] | None = None
+        self._timer: DeadlineTimer | None = None
         self.passes = 0
         self.prefill_tokens = 0
         self.decode_tokens = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-{self.engine_id:x}")
+        loop = asyncio.get_running_loop()
+        self._timer = DeadlineTimer.acquire(loop)
+        self._task = loop.create_task(self._run(), name=f"engine-{self.engine_id:x}")
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._timer is not None:
+            self._timer.release()
+            self._timer = None
 
     def add_observer(self, observer: PassObserver) -> None:
         self._observers.append(observer)
@@ -109,7 +245,7 @@ class EngineRunner:
         """
         replay = self.core.events_since(start_event_id) if start_event_id is not None else None
         initial: CacheDump | list[KvEvent] = replay if replay is not None else self.core.dump_cache()
-        subscription = KvSubscription()
+        subscription = KvSubscription(next_event_id=self.core.next_event_id)
         self._subscribers.add(subscription)
         return initial, subscription
 
@@ -118,22 +254,26 @@ class EngineRunner:
 
     # -- the loop -------------------------------------------------------------------------------
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
+        timer = self._timer
+        assert timer is not None, "start() first"
+        clock = time.monotonic  # the loop's own clock is whole milliseconds under uvloop
+        scale = 1000.0 * self.speedup_ratio
         while True:
             await self._wake.wait()
             self._wake.clear()
-            deadline = loop.time()
+            deadline = clock()
             while self.core.has_unfinished():
-                started = loop.time()
+                started = clock()
                 out = self.core.step()
-                if self.speedup_ratio > 0:
-                    deadline = max(deadline, started) + out.metrics.duration_ms / 1000.0 / self.speedup_ratio
-                    delay = deadline - loop.time()
-                    await asyncio.sleep(delay if delay > 0 else 0)
+                if scale > 0:
+                    if started - deadline > MAX_CATCH_UP_S:
+                        deadline = started  # stalled: restart the schedule rather than rush the next passes
+                    deadline += out.metrics.duration_ms / scale
+                    await timer.sleep_until(deadline)
                 else:
                     await asyncio.sleep(0)  # let consumers run between passes
                 self._deliver(out.outputs, out.kv_events)
-                self._account(out.metrics, loop.time() - started)
+                self._account(out.metrics, clock() - started)
 
     def _deliver(self, outputs: list[RequestOutput], events: list[KvEvent]) -> None:
         streams = self._streams

@@ -71,7 +71,7 @@ def load_model_files(model_path: str | None, served_name: str | None = None) -> 
     digest = hashlib.sha256(b"".join(hashlib.sha256(files[n]).digest() for n in SERVED_FILES)).hexdigest()
     max_context = int(config.get("max_position_embeddings") or tok_config.get("model_max_length") or 0)
     return ModelFiles(
-        name=served_name or (DEFAULT_MODEL if not model_path else directory.name),
+        name=served_name or (DEFAULT_MODEL if not model_path else directory.resolve().name),  # '.' has no name
         files=files,
         vocab_size=vocab_size,
         eos_token_id=eos_id,

@@ -66,6 +66,11 @@ class _LoadWatcher:
             )
         self.changed.set()
 
+    def on_load_changed(self, engine_id: int) -> None:
+        if self.engine_ids is None or engine_id in self.engine_ids:
+            self.dirty.add(engine_id)
+            self.changed.set()
+
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(
@@ -135,6 +140,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         finally:
             if not finished:  # the caller cancelled or went away: free the blocks now
                 runner.abort(request_id)
+                # No pass may follow (an engine left idle does not step), so tell the watchers here.
+                for watcher in self._watchers:
+                    watcher.on_load_changed(runner.engine_id)
 
     # -- KV journal -----------------------------------------------------------------------------
     async def SubscribeKvEvents(
