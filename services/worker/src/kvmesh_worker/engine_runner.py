@@ -71,7 +71,7 @@ _CLOCK_MONOTONIC, _TFD_NONBLOCK, _TFD_CLOEXEC, _TFD_TIMER_ABSTIME = 1, os.O_NONB
 
 
 class DeadlineTimer:
-    """Wakes coroutines at absolute ``time.monotonic()`` deadlines, to the microsecond.
+    """Wakes coroutines at absolute ``time.monotonic()`` deadlines, with sub-millisecond precision.
 
     One per event loop, shared by all its runners: a heap of deadlines and one timerfd (same
     clock as ``time.monotonic``) armed at the earliest, watched by the loop like any socket. No

@@ -8,6 +8,7 @@ disappear from discovery together.
 
 from __future__ import annotations
 
+import gc
 import logging
 import struct
 import sys
@@ -174,6 +175,10 @@ async def serve(cfg: Config) -> int:
             )
         )
         await runtime.put(model_key(cfg.namespace, model.name, eid), cards[eid].SerializeToString())
+    # Everything built so far (modules, engines) lives as long as the process: keep it out of the
+    # cyclic GC's full collections, each of which otherwise stalls every engine for ~15 ms (1000 engines).
+    gc.collect()
+    gc.freeze()
     log.info(
         "serving %d %s engine(s) of model %s on %s (instance %x)",
         len(runners),

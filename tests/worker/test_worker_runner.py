@@ -1,0 +1,123 @@
+"""EngineRunner in-process: the real-time loop around the engine core, without gRPC.
+
+What the e2e tests cannot force deterministically is checked here: a KV subscriber that registers
+while a pass is in flight (its events are already in the journal but not delivered yet) gets every
+event exactly once, and the shared deadline timer wakes sleepers in deadline order, never early,
+and leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvmesh.kv_events import KvEvent
+from kvmesh_worker.engine import CacheDump, EngineConfig, EngineCore, EngineRequest
+from kvmesh_worker.engine_runner import DeadlineTimer, EngineRunner, KvSubscription
+
+CONFIG = EngineConfig(num_gpu_blocks=64, block_size=4, vocab_size=2048)
+
+
+async def _drain(subscription: KvSubscription, until_id: int) -> list[KvEvent]:
+    events: list[KvEvent] = []
+    while not events or events[-1].event_id < until_id - 1:
+        events += await asyncio.wait_for(subscription.next(), 5)
+    return events
+
+
+async def _finish(queue: asyncio.Queue) -> list[int]:
+    tokens: list[int] = []
+    while True:
+        output = await asyncio.wait_for(queue.get(), 10)
+        tokens += output.token_ids
+        if output.finished:
+            return tokens
+
+
+async def test_subscribing_while_a_pass_is_in_flight_gives_each_event_once():
+    core = EngineCore(CONFIG)
+    # speedup 0.1: the prefill pass sleeps ~170 ms between step() (events journaled) and delivery
+    runner = EngineRunner(7, core, speedup_ratio=0.1)
+    runner.start()
+    try:
+        queue = runner.submit(EngineRequest("a", list(range(10, 30)), max_tokens=6, ignore_eos=True))
+        while core.next_event_id == 0:  # the first pass has stepped ...
+            await asyncio.sleep(0.001)
+        assert runner.passes == 0  # ... and is not delivered yet
+        in_flight = core.next_event_id
+
+        replay, from_zero = runner.subscribe(0)
+        dump, from_snapshot = runner.subscribe(None)
+        mid, from_mid = runner.subscribe(in_flight)
+        assert isinstance(replay, list) and [e.event_id for e in replay] == list(range(in_flight))
+        assert isinstance(dump, CacheDump) and dump.next_event_id == in_flight
+        assert mid == []
+
+        assert len(await _finish(queue)) == 6
+        end = core.next_event_id
+        assert end > in_flight  # decode passes filled and stored more blocks
+        live = await _drain(from_zero, end)
+        assert [e.event_id for e in replay + live] == list(range(end))
+        assert [e.event_id for e in await _drain(from_snapshot, end)] == list(range(in_flight, end))
+        assert [e.event_id for e in await _drain(from_mid, end)] == list(range(in_flight, end))
+    finally:
+        await runner.stop()
+
+
+async def test_abort_frees_the_blocks_at_once_and_the_runner_goes_idle():
+    core = EngineCore(CONFIG)
+    runner = EngineRunner(8, core, speedup_ratio=0.5)
+    runner.start()
+    try:
+        queue = runner.submit(EngineRequest("long", list(range(10, 30)), max_tokens=200, ignore_eos=True))
+        first = await asyncio.wait_for(queue.get(), 10)
+        assert first.token_ids and core.load().active_blocks > 0
+        runner.abort("long")
+        assert core.load().active_blocks == 0 and not core.has_unfinished()
+        passes = runner.passes
+        await asyncio.sleep(0.05)
+        assert runner.passes <= passes + 1  # at most the pass already in flight completes
+        assert queue.empty()
+    finally:
+        await runner.stop()
+
+
+async def test_deadline_timer_wakes_in_deadline_order_never_early_and_cleans_up():
+    loop = asyncio.get_running_loop()
+    timer = DeadlineTimer.acquire(loop)
+    try:
+        woke: list[tuple[int, float, float]] = []
+
+        async def sleeper(tag: int, deadline: float) -> None:
+            await timer.sleep_until(deadline)
+            woke.append((tag, deadline, time.monotonic()))
+
+        now = time.monotonic()
+        cancelled = asyncio.create_task(sleeper(99, now + 0.015))
+        tasks = [asyncio.create_task(sleeper(tag, now + 0.01 * tag)) for tag in (3, 1, 2)]
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(*tasks)
+        assert [tag for tag, _, _ in woke] == [1, 2, 3]
+        assert all(at >= deadline - 50e-6 for _, deadline, at in woke)
+        await timer.sleep_until(time.monotonic() - 1)  # already due: returns at once
+        assert not timer._heap
+    finally:
+        timer.release()
+    assert loop not in DeadlineTimer._by_loop
+
+
+async def test_runners_share_one_timer_per_loop_and_release_it_on_stop():
+    loop = asyncio.get_running_loop()
+    runners = [EngineRunner(i, EngineCore(CONFIG), speedup_ratio=1.0) for i in range(3)]
+    for runner in runners:
+        runner.start()
+    assert len({id(runner._timer) for runner in runners}) == 1
+    queues = [
+        runner.submit(EngineRequest(f"r{i}", [5, 6, 7], max_tokens=3, ignore_eos=True))
+        for i, runner in enumerate(runners)
+    ]
+    assert [len(await _finish(q)) for q in queues] == [3, 3, 3]
+    for runner in runners:
+        await runner.stop()
+    assert loop not in DeadlineTimer._by_loop

@@ -1,0 +1,463 @@
+"""A real ``kvmesh-worker`` process over real gRPC: requests, load, discovery, model files, metrics.
+
+Two workers serve the whole module (starting one costs seconds on a shared machine):
+
+- ``worker``: two engines of the built-in model, no sleeping (``--speedup-ratio 0``), a
+  ``--max-model-len``, Prometheus on ``--metrics-port``;
+- ``slow_worker``: one engine of a copy of the built-in model under another name (its tokenizer
+  padded past the 1 MiB chunk size), slow (``--speedup-ratio 0.04``: 0.15-0.85 s per decode pass),
+  ``--max-num-seqs 1 --max-waiting-requests 1``, for cancellation and the queue bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import shutil
+import time
+import urllib.request
+
+import grpc
+import pytest
+from kvmesh.discovery import instance_prefix, model_prefix, open_discovery
+from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh_worker.model_files import BUILTIN_MODELS, DEFAULT_MODEL, SERVED_FILES, load_model_files
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.daemons import Daemon, run_cli
+from tests.support.etcd import free_port
+
+pytestmark = pytest.mark.e2e
+
+BUILTIN = BUILTIN_MODELS / DEFAULT_MODEL
+NUM_BLOCKS = 128
+BLOCK = 4
+MAX_MODEL_LEN = 256
+VOCAB = 2048  # the built-in model's
+
+
+def start(tmp, name: str, namespace: str, *extra: str) -> Daemon:
+    port = free_port()
+    metrics_port = free_port()
+    daemon = Daemon(
+        "kvmesh-worker",
+        [
+            "--discovery", f"file://{tmp / 'discovery'}",
+            "--namespace", namespace,
+            "--lease-ttl", "2",
+            "--drain-timeout", "1",
+            "--grpc-port", str(port),
+            "--metrics-port", str(metrics_port),
+            "--block-size", str(BLOCK),
+            *extra,
+        ],
+        tmp,
+        port,
+    )  # fmt: skip
+    daemon.metrics_port = metrics_port
+    daemon.discovery = f"file://{tmp / 'discovery'}"
+    daemon.namespace = namespace
+    daemon.model_dir = None
+    return daemon
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("worker")
+    daemon = start(
+        tmp,
+        "fast",
+        "wsvc",
+        "--num-engines", "2",
+        "--num-gpu-blocks", str(NUM_BLOCKS),
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--speedup-ratio", "0",
+    )  # fmt: skip
+    daemon.model_dir = BUILTIN
+    try:
+        yield daemon.wait_serving()
+    finally:
+        daemon.close()
+
+
+@pytest.fixture(scope="module")
+def slow_worker(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("slow-worker")
+    model_dir = tmp / "my-model"
+    shutil.copytree(BUILTIN, model_dir)
+    with open(model_dir / "tokenizer.json", "ab") as f:  # still valid JSON; now streamed in two chunks
+        f.write(b" " * (1 << 20) + b"\n")
+    daemon = start(
+        tmp,
+        "slow",
+        "wslow",
+        "--model-path", str(model_dir),
+        "--num-gpu-blocks", "256",
+        "--speedup-ratio", "0.04",
+        "--max-num-seqs", "1",
+        "--max-waiting-requests", "1",
+    )  # fmt: skip
+    daemon.model_dir = model_dir
+    try:
+        yield daemon.wait_serving()
+    finally:
+        daemon.close()
+
+
+_rids = itertools.count()
+
+
+def request(engine: int, tokens, max_tokens: int, **sampling) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(
+        request_id=f"t{next(_rids)}",
+        engine_id=engine,
+        token_ids=list(tokens),
+        sampling=worker_pb2.SamplingOptions(max_tokens=max_tokens, **sampling),
+    )
+
+
+async def engine_ids(stub) -> list[int]:
+    call = stub.WatchLoad(worker_pb2.WatchLoadRequest())
+    first = await call.read()
+    call.cancel()
+    return [load.engine_id for load in first.loads]
+
+
+@pytest.fixture
+async def channel(worker):
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        yield channel
+
+
+@pytest.fixture
+async def slow_channel(slow_worker):
+    async with grpc.aio.insecure_channel(slow_worker.address) as channel:
+        yield channel
+
+
+def scrape(daemon: Daemon) -> dict[tuple[str, str], float]:
+    """(sample name, engine label) -> value of every kvmesh_engine_* sample."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, sample.labels.get("engine", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("kvmesh_engine_")
+    }
+
+
+async def read_discovery(daemon: Daemon) -> tuple[dict[str, bytes], dict[str, bytes]]:
+    discovery = await open_discovery(daemon.discovery, ttl=2.0)
+    try:
+        return (
+            await discovery.get_prefix(instance_prefix(daemon.namespace, "worker")),
+            await discovery.get_prefix(model_prefix(daemon.namespace)),
+        )
+    finally:
+        await discovery.close()
+
+
+# -- generation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_tokens", [1, 2, 17, 100])
+async def test_ignore_eos_gives_exactly_max_tokens(channel, max_tokens):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engine = (await engine_ids(stub))[0]
+    responses = [r async for r in stub.Generate(request(engine, range(3, 40), max_tokens, ignore_eos=True))]
+    tokens = [t for r in responses for t in r.token_ids]
+    assert len(tokens) == max_tokens
+    assert all(0 <= t < VOCAB for t in tokens)
+    assert responses[0].num_prompt_tokens == 37
+    assert responses[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
+    assert all(r.finish_reason == worker_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
+
+
+async def test_a_request_at_exactly_the_context_length_is_served(channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engine = (await engine_ids(stub))[1]
+    prompt = [5 + i % 100 for i in range(MAX_MODEL_LEN - 10)]
+    tokens = [t async for r in stub.Generate(request(engine, prompt, 10, ignore_eos=True)) for t in r.token_ids]
+    assert len(tokens) == 10
+
+
+# -- validation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("tokens", "max_tokens", "limit"),
+    [
+        ([], 5, "no tokens"),
+        ([1, 2, VOCAB], 5, f"vocab_size={VOCAB}"),
+        ([1, 2, 3], 0, "max_tokens=0"),
+        (range(3, 200), MAX_MODEL_LEN - 196, f"context_length={MAX_MODEL_LEN}"),
+    ],
+    ids=["empty-prompt", "token-outside-vocab", "max-tokens-0", "beyond-context-length"],
+)
+async def test_bad_request_is_invalid_argument_naming_the_limit(channel, tokens, max_tokens, limit):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engine = (await engine_ids(stub))[0]
+    call = stub.Generate(request(engine, tokens, max_tokens, ignore_eos=True))
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await call.read()
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert limit in error.value.details()
+
+
+async def test_unknown_engine_is_not_found_on_every_rpc(channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    unknown = max(await engine_ids(stub)) + 1
+    streams = [
+        stub.Generate(request(unknown, [1, 2, 3], 1)),
+        stub.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest(engine_id=unknown)),
+        stub.WatchLoad(worker_pb2.WatchLoadRequest(engine_ids=[unknown])),
+        stub.GetModelFile(worker_pb2.GetModelFileRequest(engine_id=unknown, name="config.json")),
+    ]
+    for call in streams:
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await call.read()
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        assert f"{unknown:x}" in error.value.details()
+    for unary in (
+        stub.DumpKvIndex(worker_pb2.DumpKvIndexRequest(engine_id=unknown)),
+        stub.GetModelCard(worker_pb2.GetModelCardRequest(engine_id=unknown)),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await unary
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+# -- discovery, model card, model files ------------------------------------------------------------
+async def test_two_engines_are_distinct_instances_with_their_own_model_cards(worker, channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engines = await engine_ids(stub)
+    assert len(engines) == 2 and len(set(engines)) == 2
+    instances, models = await read_discovery(worker)
+    records = [discovery_pb2.InstanceRecord.FromString(v) for v in instances.values()]
+    cards = [discovery_pb2.ModelCard.FromString(v) for v in models.values()]
+
+    assert sorted(r.instance_id for r in records) == sorted(engines)
+    assert sorted(r.engine_index for r in records) == [0, 1]
+    assert len({r.lease_id for r in records}) == 1  # one process, one lease
+    assert all(r.address == worker.address and r.model == DEFAULT_MODEL for r in records)
+    assert all(r.role == discovery_pb2.WORKER_ROLE_AGGREGATED for r in records)
+    assert {r.metrics_address for r in records} == {f"127.0.0.1:{worker.metrics_port}"}
+
+    assert sorted(c.engine_id for c in cards) == sorted(engines)
+    for card in cards:
+        assert card.name == DEFAULT_MODEL
+        assert card.address == worker.address
+        assert (card.block_size, card.context_length, card.total_kv_blocks) == (BLOCK, MAX_MODEL_LEN, NUM_BLOCKS)
+        assert card.vocab_size == VOCAB
+        assert card.capabilities.kv_events and card.capabilities.engine_kind == "mocker"
+        assert list(card.files) == list(SERVED_FILES)
+        served = await stub.GetModelCard(worker_pb2.GetModelCardRequest(engine_id=card.engine_id))
+        assert served.card == card
+
+
+async def fetch_files(stub, engine: int, names) -> dict[str, bytes]:
+    files = {}
+    for name in names:
+        chunks = [c async for c in stub.GetModelFile(worker_pb2.GetModelFileRequest(engine_id=engine, name=name))]
+        data = b"".join(c.data for c in chunks)
+        assert chunks[0].total_size == len(data)
+        files[name] = data
+    return files
+
+
+async def test_get_model_file_returns_the_served_files_byte_identical(channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engine = (await engine_ids(stub))[1]
+    card = (await stub.GetModelCard(worker_pb2.GetModelCardRequest(engine_id=engine))).card
+    files = await fetch_files(stub, engine, card.files)
+    assert files == {name: (BUILTIN / name).read_bytes() for name in SERVED_FILES}
+    digest = hashlib.sha256(b"".join(hashlib.sha256(files[n]).digest() for n in SERVED_FILES)).hexdigest()
+    assert card.files_digest == digest
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await stub.GetModelFile(worker_pb2.GetModelFileRequest(engine_id=engine, name="../secret")).read()
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_model_path_is_served_under_its_directory_name(slow_worker, slow_channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(slow_channel)
+    (engine,) = await engine_ids(stub)
+    card = (await stub.GetModelCard(worker_pb2.GetModelCardRequest(engine_id=engine))).card
+    assert card.name == "my-model"
+    instances, models = await read_discovery(slow_worker)
+    assert [discovery_pb2.ModelCard.FromString(v) for v in models.values()] == [card]
+    assert [discovery_pb2.InstanceRecord.FromString(v).model for v in instances.values()] == ["my-model"]
+    files = await fetch_files(stub, engine, card.files)
+    assert len(files["tokenizer.json"]) > 1 << 20  # more than one chunk
+    assert files == {name: (slow_worker.model_dir / name).read_bytes() for name in SERVED_FILES}
+
+
+def test_model_path_dot_is_named_after_the_directory(tmp_path, monkeypatch):
+    model_dir = tmp_path / "here-model"
+    shutil.copytree(BUILTIN, model_dir)
+    monkeypatch.chdir(model_dir)
+    assert load_model_files(".").name == "here-model"  # not "", which no discovery key accepts
+    assert load_model_files(".", "alias").name == "alias"
+
+
+@pytest.mark.parametrize("breakage", ["missing-tokenizer", "invalid-json"])
+def test_broken_model_path_exits_2_with_one_line(tmp_path, breakage):
+    model_dir = tmp_path / "broken"
+    shutil.copytree(BUILTIN, model_dir)
+    if breakage == "missing-tokenizer":
+        (model_dir / "tokenizer.json").unlink()
+    else:
+        (model_dir / "config.json").write_text("{not json")
+    result = run_cli(
+        "kvmesh-worker", "--discovery", f"file://{tmp_path / 'discovery'}", "--model-path", str(model_dir), timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvmesh-worker: error: --model-path"), result.stderr
+    assert str(model_dir) in lines[0]
+
+
+# -- load and metrics ------------------------------------------------------------------------------
+async def test_prometheus_shows_per_engine_gauges(worker, channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engines = await engine_ids(stub)
+    async for _ in stub.Generate(request(engines[0], range(3, 40), 5, ignore_eos=True)):
+        pass
+    samples = scrape(worker)
+    for engine in engines:
+        label = f"{engine:x}"
+        for gauge in (
+            "active_blocks",
+            "cached_blocks",
+            "waiting_requests",
+            "running_requests",
+            "queued_prefill_tokens",
+        ):
+            assert (f"kvmesh_engine_{gauge}", label) in samples, gauge
+        assert samples["kvmesh_engine_total_blocks", label] == NUM_BLOCKS
+        assert samples["kvmesh_engine_active_blocks", label] == 0  # idle
+    first = f"{engines[0]:x}"
+    assert samples["kvmesh_engine_passes_total", first] >= 5
+    assert samples["kvmesh_engine_decode_tokens_total", first] >= 4
+    assert samples["kvmesh_engine_cached_blocks", first] >= 37 // BLOCK
+
+
+async def test_watch_load_streams_loads_and_forward_pass_metrics(channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engines = await engine_ids(stub)
+    watch = stub.WatchLoad(worker_pb2.WatchLoadRequest(engine_ids=[engines[1]], forward_pass_metrics=True))
+    first = await watch.read()
+    assert [load.engine_id for load in first.loads] == [engines[1]]
+    assert first.loads[0].total_blocks == NUM_BLOCKS
+    async for _ in stub.Generate(request(engines[0], range(3, 20), 3, ignore_eos=True)):  # not watched
+        pass
+    async for _ in stub.Generate(request(engines[1], range(3, 40), 6, ignore_eos=True)):
+        pass
+    passes: list[worker_pb2.ForwardPassMetrics] = []
+    async with asyncio.timeout(10):
+        while sum(p.decode_tokens for p in passes) < 5:
+            message = await watch.read()
+            assert all(load.engine_id == engines[1] for load in message.loads)
+            passes.extend(message.passes)
+    watch.cancel()
+    assert {p.engine_id for p in passes} == {engines[1]}
+    assert passes[0].prefill_tokens == 37 and passes[0].num_prefill_requests == 1 and passes[0].batch_size == 1
+    assert all(p.modelled_ms > 0 and p.wall_ms >= 0 and p.end_unix_s > 0 for p in passes)
+
+
+# -- cancellation and the queue bound (slow worker) -------------------------------------------------
+class LoadWatch:
+    """Every load snapshot of one engine, timestamped on arrival."""
+
+    def __init__(self, stub, engine: int) -> None:
+        self.call = stub.WatchLoad(worker_pb2.WatchLoadRequest(engine_ids=[engine]))
+        self.loads: list[tuple[float, worker_pb2.EngineLoad]] = []
+        self.task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        async for message in self.call:
+            now = time.monotonic()
+            self.loads.extend((now, load) for load in message.loads)
+
+    async def wait_for(self, predicate, after: float = 0.0, timeout: float = 10.0) -> float:
+        """Arrival time of the first load after ``after`` that satisfies ``predicate``."""
+        async with asyncio.timeout(timeout):
+            while True:
+                for at, load in self.loads:
+                    if at >= after and predicate(load):
+                        return at
+                assert not self.task.done(), "WatchLoad ended"
+                await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        self.call.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def idle(watch: LoadWatch) -> None:
+    await watch.wait_for(lambda load: load.running == 0 and load.waiting == 0 and load.active_blocks == 0)
+
+
+async def test_cancelling_generate_frees_its_blocks_within_one_second(slow_worker, slow_channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(slow_channel)
+    (engine,) = await engine_ids(stub)
+    label = f"{engine:x}"
+    watch = LoadWatch(stub, engine)
+    try:
+        await idle(watch)
+        before = watch.loads[-1][1].active_blocks
+        # 920 prompt tokens fill 90 % of the cache: each decode pass then takes ~0.85 s at speedup 0.04
+        prompt = [3 + i % 2000 for i in range(920)]
+        call = stub.Generate(request(engine, prompt, 80, ignore_eos=True))
+        first = await call.read()
+        assert first.token_ids and first.num_prompt_tokens == len(prompt)
+        await watch.wait_for(lambda load: load.active_blocks >= len(prompt) // BLOCK)
+        passes = scrape(slow_worker)["kvmesh_engine_passes_total", label]
+
+        call.cancel()
+        cancelled_at = time.monotonic()
+        freed_at = await watch.wait_for(lambda load: load.active_blocks == before, after=cancelled_at)
+        metrics = scrape(slow_worker)
+        assert freed_at - cancelled_at < 1.0
+        # reported at the abort, not when the pass in flight ends (it may be long, or the last one)
+        assert metrics["kvmesh_engine_passes_total", label] == passes
+        assert metrics["kvmesh_engine_active_blocks", label] == before
+        # the blocks were released, not destroyed: the prompt's full blocks are still cached
+        dump = await stub.DumpKvIndex(worker_pb2.DumpKvIndexRequest(engine_id=engine))
+        assert sum(len(s.block_hashes) for s in dump.snapshot.stored) >= len(prompt) // BLOCK
+        await idle(watch)
+    finally:
+        await watch.close()
+
+
+async def test_waiting_queue_beyond_its_bound_is_resource_exhausted(slow_channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(slow_channel)
+    (engine,) = await engine_ids(stub)
+    watch = LoadWatch(stub, engine)
+    calls = []
+    try:
+        await idle(watch)
+        running = stub.Generate(request(engine, range(3, 20), 500, ignore_eos=True))
+        calls.append(running)
+        await running.read()  # admitted: it is the one running sequence (--max-num-seqs 1)
+        waiting = stub.Generate(request(engine, range(3, 20), 500, ignore_eos=True))
+        calls.append(waiting)
+        await watch.wait_for(lambda load: load.waiting == 1)
+
+        flood = [stub.Generate(request(engine, range(3, 20), 5, ignore_eos=True)) for _ in range(6)]
+        calls.extend(flood)
+        for call in flood:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await call.read()
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_waiting_requests=1" in error.value.details()
+
+        running.cancel()  # the waiting request gets the sequence slot: the queue has room again
+        await waiting.read()
+        accepted = stub.Generate(request(engine, range(3, 20), 2, ignore_eos=True))
+        calls.append(accepted)
+        waiting.cancel()
+        tokens = [t async for r in accepted for t in r.token_ids]
+        assert len(tokens) == 2
+        await idle(watch)
+    finally:
+        for call in calls:
+            call.cancel()
+        await watch.close()
