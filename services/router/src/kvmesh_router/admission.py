@@ -1,0 +1,352 @@
+"""Admission: the one place where a request is matched, checked for overload, assigned and booked.
+
+:meth:`Admission.decide` is a single synchronous call: prefix overlaps -> eligible engines -> busy
+filter -> selector (side-effect free) -> booking in the slot tracker (and, in approximate mode, the
+prediction). Because selection and booking happen in one call that never yields, no two decisions can
+see the same pre-booking load (Dynamo's ``admission_gate``): in an asyncio daemon, call it without an
+``await`` in between; in a simulation, call it in event order. Nothing here does I/O or reads a clock.
+
+Busy thresholds (all optional, Dynamo ``worker_monitor.rs``; an engine is busy if ANY fires):
+
+- ``active_prefill_tokens``: booked prefill tokens > the absolute threshold;
+- ``active_prefill_tokens_frac``: booked prefill tokens > frac * the engine's ``max_num_batched_tokens``
+  (10,000,000 if it did not report one);
+- ``kv_usage_frac``: max(booked active blocks, engine-reported used blocks) > frac * ``total_blocks``.
+
+Busy engines are skipped; the request is rejected (:class:`Rejection`, the frontend's
+RESOURCE_EXHAUSTED) only when *every* eligible engine is busy. A pinned request considers only its
+engine. A request id has at most one booking: deciding for a booked id raises
+:class:`DuplicateRequestError`.
+
+The :class:`Decision` reports the overlap achieved on the chosen engine and the best overlap any
+registered engine offered, for the "decision quality" metric (achieved / best).
+
+Modes and overlap sources:
+
+- event mode: ``index`` is the :class:`~kvmesh_router.indexer.KvIndexer` fed by the engines' events (owned
+  by the ingest side; admission only reads it);
+- approximate mode: pass an :class:`~kvmesh_router.approx.ApproxIndexer` as both ``index`` and
+  ``predictor``: every decision is recorded as predicted blocks;
+- both: a real ``index`` plus a side ``predictor``; an engine's overlap is the larger of the two.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+
+from kvmesh_router.approx import DecisionPredictor
+from kvmesh_router.cost import COST_POLICIES, CostBatch, RouterConfigOverride, RouterPolicyConfig
+from kvmesh_router.indexer import PrefixIndex
+from kvmesh_router.selection import (
+    MODES,
+    RoutingError,
+    SelectionContext,
+    Selector,
+    UnknownEngineError,
+    make_selector,
+)
+from kvmesh_router.slot_tracker import SlotTracker
+
+__all__ = [
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "Admission",
+    "BusyThresholds",
+    "Decision",
+    "DuplicateRequestError",
+    "EngineSpec",
+    "RejectReason",
+    "Rejection",
+    "RouteRequest",
+]
+
+#: Dynamo's stand-in for engines that do not report ``max_num_batched_tokens``.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 10_000_000
+
+
+class DuplicateRequestError(RoutingError):
+    """The request id already has an active booking."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """A routable engine: its id, KV capacity and block size."""
+
+    engine_id: int
+    total_blocks: int
+    block_size: int
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.total_blocks <= 0 or self.block_size <= 0:
+            raise ValueError(f"engine {self.engine_id}: total_blocks and block_size must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class BusyThresholds:
+    """Overload thresholds; None disables a check (all are off by default)."""
+
+    active_prefill_tokens: int | None = None
+    active_prefill_tokens_frac: float | None = None
+    kv_usage_frac: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return (
+            self.active_prefill_tokens is not None
+            or self.active_prefill_tokens_frac is not None
+            or self.kv_usage_frac is not None
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the router needs to place a request.
+
+    ``seq_hashes`` are the chained sequence hashes of the prompt's full blocks; ``isl_tokens`` the prompt
+    length. ``pinned_engine`` forces direct routing; ``allowed_engines`` / ``excluded_engines`` restrict
+    the candidates (e.g. a migration retry excludes the engine that failed).
+    """
+
+    request_id: str
+    seq_hashes: Sequence[int]
+    isl_tokens: int
+    expected_output_tokens: int | None = None
+    pinned_engine: int | None = None
+    allowed_engines: frozenset[int] | None = None
+    excluded_engines: frozenset[int] = field(default_factory=frozenset)
+    override: RouterConfigOverride | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The request was booked on ``engine_id``."""
+
+    request_id: str
+    engine_id: int
+    overlap_blocks: int  # cached prefix blocks on the chosen engine
+    best_overlap_blocks: int  # the best any registered engine offered
+    mode: str
+    cost: float | None = None
+
+    @property
+    def quality(self) -> float:
+        """Achieved / best overlap (1.0 when no engine had any overlap)."""
+        return 1.0 if self.best_overlap_blocks == 0 else self.overlap_blocks / self.best_overlap_blocks
+
+
+class RejectReason(enum.Enum):
+    ALL_BUSY = "all_busy"
+    NO_ENGINES = "no_engines"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """The request was not booked: every eligible engine is busy, or there is none."""
+
+    request_id: str
+    reason: RejectReason
+    busy_engines: tuple[int, ...] = ()
+
+    @property
+    def message(self) -> str:
+        if self.reason is RejectReason.NO_ENGINES:
+            return "no eligible engine is registered"
+        return f"all {len(self.busy_engines)} eligible engines are over their busy thresholds"
+
+
+class Admission:
+    """Serialized select + book over registered engines. See the module docstring."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        slots: SlotTracker,
+        *,
+        config: RouterPolicyConfig | None = None,
+        thresholds: BusyThresholds | None = None,
+        rng: random.Random | None = None,
+        predictor: DecisionPredictor | None = None,
+    ) -> None:
+        self.index = index
+        self.slots = slots
+        self.predictor = predictor
+        self.config = config or RouterPolicyConfig()
+        self.thresholds = thresholds or BusyThresholds()
+        self.rng = rng if rng is not None else random.Random()
+        self._specs: dict[int, EngineSpec] = {}
+        self._block_size: dict[int, int] = {}
+        self._sorted: list[int] = []
+        self._reported_used: dict[int, int] = {}
+        self._selectors: dict[str, Selector] = {mode: make_selector(mode) for mode in MODES}
+
+    # ------------------------------------------------------------------ engines
+
+    def add_engine(self, spec: EngineSpec) -> None:
+        """Register (or update) a routable engine."""
+        if spec.engine_id not in self._specs:
+            self._sorted.append(spec.engine_id)
+            self._sorted.sort()
+        self._specs[spec.engine_id] = spec
+        self._block_size[spec.engine_id] = spec.block_size
+        self.slots.add_engine(spec.engine_id, spec.block_size)
+
+    def remove_engine(self, engine_id: int) -> list[str]:
+        """Stop routing to an engine; drops its bookings (returned) and predictions. The event indexer is
+        not touched (its owner removes the engine there)."""
+        if self._specs.pop(engine_id, None) is None:
+            return []
+        del self._block_size[engine_id]
+        self._sorted.remove(engine_id)
+        self._reported_used.pop(engine_id, None)
+        if self.predictor is not None:
+            self.predictor.remove_engine(engine_id)
+        return self.slots.remove_engine(engine_id)
+
+    def engines(self) -> list[int]:
+        return list(self._sorted)
+
+    def engine_spec(self, engine_id: int) -> EngineSpec | None:
+        return self._specs.get(engine_id)
+
+    def report_kv_usage(self, engine_id: int, used_blocks: int | None) -> None:
+        """An engine's own figure of used KV blocks (``kv_used_blocks``); None forgets it."""
+        if used_blocks is None:
+            self._reported_used.pop(engine_id, None)
+        else:
+            self._reported_used[engine_id] = used_blocks
+
+    def set_thresholds(self, thresholds: BusyThresholds) -> None:
+        self.thresholds = thresholds
+
+    def is_busy(self, engine_id: int) -> bool:
+        """Whether an engine is over any busy threshold right now."""
+        spec = self._specs.get(engine_id)
+        return spec is not None and self._busy(spec)
+
+    def _busy(self, spec: EngineSpec) -> bool:
+        t = self.thresholds
+        slots = self.slots
+        e = spec.engine_id
+        if t.active_prefill_tokens is not None or t.active_prefill_tokens_frac is not None:
+            prefill = slots.active_prefill_tokens(e)
+            if t.active_prefill_tokens is not None and prefill > t.active_prefill_tokens:
+                return True
+            if t.active_prefill_tokens_frac is not None:
+                budget = spec.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+                if prefill > t.active_prefill_tokens_frac * budget:
+                    return True
+        if t.kv_usage_frac is not None:
+            used = max(slots.active_blocks(e), self._reported_used.get(e, 0))
+            if used > t.kv_usage_frac * spec.total_blocks:
+                return True
+        return False
+
+    # ------------------------------------------------------------------ decisions
+
+    def overlaps(self, seq_hashes: Sequence[int]) -> dict[int, int]:
+        """Cached leading blocks per engine (index, or the max of index and predictor)."""
+        overlaps = self.index.find_matches(seq_hashes)
+        predictor = self.predictor
+        if predictor is not None and predictor is not self.index:
+            for e, n in predictor.find_matches(seq_hashes).items():
+                if n > overlaps.get(e, 0):
+                    overlaps[e] = n
+        return overlaps
+
+    def decide(self, request: RouteRequest, now: float) -> Decision | Rejection:
+        """Select an engine for ``request`` and book it there, in one step; or reject it.
+
+        Raises :class:`UnknownEngineError` for a pinned engine that is not registered or not allowed,
+        :class:`DuplicateRequestError` for an id that is already booked, :class:`RoutingError` for an
+        unusable request (``direct`` mode without a pinned engine, an invalid policy override). Nothing is
+        booked when it raises or rejects.
+        """
+        rid = request.request_id
+        slots = self.slots
+        if slots.has_request(rid):
+            raise DuplicateRequestError(f"request {rid!r} is already booked")
+        try:
+            config = self.config.with_override(request.override)
+        except ValueError as e:
+            raise RoutingError(f"invalid policy override: {e}") from None
+        if config.cost_policy not in COST_POLICIES:
+            raise RoutingError(f"unknown cost policy {config.cost_policy!r}")
+        slots.expire(now)
+        if self.predictor is not None:
+            self.predictor.expire(now)
+
+        pinned = request.pinned_engine
+        allowed = request.allowed_engines
+        excluded = request.excluded_engines
+        if pinned is not None:
+            mode = "direct"
+            if pinned not in self._specs:
+                raise UnknownEngineError(pinned)
+            if (allowed is not None and pinned not in allowed) or pinned in excluded:
+                raise UnknownEngineError(pinned, "is not allowed for this request")
+            eligible: Sequence[int] = [pinned]
+        else:
+            mode = config.mode
+            if mode == "direct":
+                raise RoutingError("routing mode 'direct' needs a pinned engine")
+            eligible = self._sorted
+            if allowed is not None or excluded:
+                eligible = [e for e in eligible if (allowed is None or e in allowed) and e not in excluded]
+        if not eligible:
+            return Rejection(rid, RejectReason.NO_ENGINES)
+
+        seq_hashes = request.seq_hashes
+        overlaps = self.overlaps(seq_hashes)
+        specs = self._specs
+        best = 0
+        for e, n in overlaps.items():
+            if n > best and e in specs:
+                best = n
+
+        if self.thresholds.enabled:
+            available = [e for e in eligible if not self._busy(specs[e])]
+            if not available:
+                return Rejection(rid, RejectReason.ALL_BUSY, tuple(eligible))
+        else:
+            available = eligible
+
+        isl = request.isl_tokens
+        n_blocks = len(seq_hashes)
+        block_size = self._block_size
+
+        def inputs(engines: Sequence[int]) -> CostBatch:
+            active, prefill, requests, already = slots.candidate_columns(seq_hashes, engines)
+            return CostBatch(
+                engines,
+                list(map(block_size.__getitem__, engines)),
+                isl,
+                n_blocks,
+                list(map(overlaps.get, engines, repeat(0))) if overlaps else [0] * len(engines),
+                prefill,
+                active,
+                [a + n_blocks - k for a, k in zip(active, already, strict=True)],
+                requests,
+            )
+
+        ctx = SelectionContext(available, config, self.rng, inputs, overlaps, pinned)
+        choice = self._selectors[mode].select(ctx)
+        engine = choice.engine_id
+        overlap = overlaps.get(engine, 0)
+        slots.add_request(rid, engine, seq_hashes, isl, overlap, request.expected_output_tokens, now=now)
+        if self.predictor is not None:
+            self.predictor.record(engine, seq_hashes, now)
+        return Decision(rid, engine, overlap, best, mode, choice.cost)
+
+    # ------------------------------------------------------------------ lifecycle (pass-through)
+
+    def mark_prefill_completed(self, request_id: str) -> bool:
+        """First token seen for ``request_id``; False if unknown."""
+        return self.slots.mark_prefill_completed(request_id)
+
+    def free(self, request_id: str, engine_id: int | None = None) -> bool:
+        """``request_id`` ended (completed, failed, cancelled); False if unknown or on another engine."""
+        return self.slots.free(request_id, engine_id)

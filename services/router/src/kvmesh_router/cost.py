@@ -1,0 +1,259 @@
+"""The router's cost function: how much it would cost to send a request to an engine (lower wins).
+
+Default policy ``"dynamo"`` (Dynamo ``scheduling/selector.rs``, the documented linear cost)::
+
+    prefill_blocks = (active_prefill_tokens + max(0, isl - overlap_blocks * block_size)) / block_size
+    decode_blocks  = active_blocks + blocks of this request not already active on the engine
+    cost           = overlap_score_weight * prefill_blocks + decode_blocks
+
+``overlap_blocks`` are the request's leading blocks already cached on the engine (from the indexer or the
+approximate predictor): the prefill work it saves. ``decode_blocks`` is the memory the engine would hold.
+``overlap_score_weight`` (default 1.0) trades cache affinity against load spreading.
+
+Policies are pluggable: anything with ``name`` and ``cost(inputs, fleet, config) -> float`` satisfies
+:class:`CostPolicy`; :func:`register_cost_policy` makes it selectable by name through
+``RouterPolicyConfig.cost_policy`` (globally or per request), so a new policy runs side by side with
+Dynamo's. :class:`FleetContext` gives a policy fleet-relative facts (e.g. the least prefill backlog among
+the candidates) for load-aware variants; ``RouterPolicyConfig.params`` carries their extra knobs.
+
+Selection hands a policy the candidates as a :class:`CostBatch` (one column per input). A policy may
+add ``costs(batch, fleet, config) -> list[float]`` to score the whole batch at once (``"dynamo"`` does:
+with a thousand engines, building a :class:`CostInputs` per candidate costs more than the arithmetic);
+:func:`policy_costs` falls back to ``cost`` per row otherwise. Both must agree exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+__all__ = [
+    "COST_POLICIES",
+    "MODES",
+    "CostBatch",
+    "CostInputs",
+    "CostPolicy",
+    "DynamoCost",
+    "FleetContext",
+    "RouterConfigOverride",
+    "RouterPolicyConfig",
+    "dynamo_cost",
+    "fleet_context",
+    "get_cost_policy",
+    "policy_costs",
+    "register_cost_policy",
+]
+
+MODES = ("kv", "round_robin", "random", "power_of_two", "direct")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterPolicyConfig:
+    """Global routing policy; a request may override parts of it with :class:`RouterConfigOverride`.
+
+    - ``mode``: ``kv`` (cost-based, default), ``round_robin``, ``random``, ``power_of_two``, ``direct``.
+    - ``cost_policy``: name of a registered :class:`CostPolicy` (``"dynamo"``).
+    - ``overlap_score_weight``: weight of the prefill term (Dynamo ``--router-kv-overlap-score-weight``).
+    - ``temperature``: 0 = argmin with a random tie-break; > 0 = softmax sampling over range-normalised
+      costs (Dynamo ``--router-temperature``).
+    - ``params``: extra knobs for non-default policies (ignored by ``"dynamo"``).
+    """
+
+    mode: str = "kv"
+    cost_policy: str = "dynamo"
+    overlap_score_weight: float = 1.0
+    temperature: float = 0.0
+    params: Mapping[str, float] = field(default_factory=dict, hash=False, compare=True)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown routing mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if not (self.overlap_score_weight >= 0 and math.isfinite(self.overlap_score_weight)):
+            raise ValueError(f"overlap_score_weight must be finite and >= 0, got {self.overlap_score_weight}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+
+    def with_override(self, override: RouterConfigOverride | None) -> RouterPolicyConfig:
+        """This config with the override's set fields applied (``params`` are merged key by key)."""
+        if override is None:
+            return self
+        changes: dict[str, Any] = {}
+        if override.cost_policy is not None:
+            changes["cost_policy"] = override.cost_policy
+        if override.overlap_score_weight is not None:
+            changes["overlap_score_weight"] = override.overlap_score_weight
+        if override.temperature is not None:
+            changes["temperature"] = override.temperature
+        if override.params:
+            changes["params"] = {**self.params, **override.params}
+        return replace(self, **changes) if changes else self
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfigOverride:
+    """Per-request policy override (Dynamo ``RouterConfigOverride`` / ``nvext``); None = keep the global."""
+
+    cost_policy: str | None = None
+    overlap_score_weight: float | None = None
+    temperature: float | None = None
+    params: Mapping[str, float] = field(default_factory=dict, hash=False)
+
+
+@dataclass(slots=True)
+class CostInputs:
+    """What a cost policy knows about one candidate engine for one request."""
+
+    engine_id: int
+    block_size: int
+    isl_tokens: int
+    request_blocks: int  # full blocks of the prompt (len of its sequence hashes)
+    overlap_blocks: int  # leading blocks cached on the engine
+    active_prefill_tokens: int
+    active_blocks: int
+    potential_decode_blocks: int  # active_blocks + request blocks not already active there
+    active_requests: int = 0
+
+
+@dataclass(slots=True)
+class CostBatch:
+    """The candidates of one decision, column by column (index ``i`` of every column is candidate ``i``)."""
+
+    engine_ids: Sequence[int]
+    block_size: Sequence[int]
+    isl_tokens: int
+    request_blocks: int
+    overlap_blocks: Sequence[int]
+    active_prefill_tokens: Sequence[int]
+    active_blocks: Sequence[int]
+    potential_decode_blocks: Sequence[int]
+    active_requests: Sequence[int]
+
+    def __len__(self) -> int:
+        return len(self.engine_ids)
+
+    def row(self, i: int) -> CostInputs:
+        return CostInputs(
+            self.engine_ids[i],
+            self.block_size[i],
+            self.isl_tokens,
+            self.request_blocks,
+            self.overlap_blocks[i],
+            self.active_prefill_tokens[i],
+            self.active_blocks[i],
+            self.potential_decode_blocks[i],
+            self.active_requests[i],
+        )
+
+    def rows(self) -> list[CostInputs]:
+        return [self.row(i) for i in range(len(self.engine_ids))]
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[CostInputs]) -> CostBatch:
+        """Columns of ``rows`` (which must describe the same request: one ISL, one block count)."""
+        if not rows:
+            return cls([], [], 0, 0, [], [], [], [], [])
+        isl, n = rows[0].isl_tokens, rows[0].request_blocks
+        if any(r.isl_tokens != isl or r.request_blocks != n for r in rows):
+            raise ValueError("a CostBatch describes one request: rows disagree on isl_tokens / request_blocks")
+        return cls(
+            [r.engine_id for r in rows],
+            [r.block_size for r in rows],
+            isl,
+            n,
+            [r.overlap_blocks for r in rows],
+            [r.active_prefill_tokens for r in rows],
+            [r.active_blocks for r in rows],
+            [r.potential_decode_blocks for r in rows],
+            [r.active_requests for r in rows],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FleetContext:
+    """Facts about the whole candidate set of one decision (for fleet-relative policies)."""
+
+    candidates: int
+    min_active_prefill_tokens: int
+    max_overlap_blocks: int
+
+
+class CostPolicy(Protocol):
+    """A routing cost: lower is better. Must be a pure function of its arguments."""
+
+    name: str
+
+    def cost(self, c: CostInputs, fleet: FleetContext, config: RouterPolicyConfig) -> float: ...
+
+
+def fleet_context(batch: CostBatch) -> FleetContext:
+    """Fleet-relative facts of a (non-empty) candidate batch."""
+    return FleetContext(len(batch), min(batch.active_prefill_tokens), max(batch.overlap_blocks))
+
+
+def policy_costs(policy: CostPolicy, batch: CostBatch, fleet: FleetContext, config: RouterPolicyConfig) -> list[float]:
+    """Every candidate's cost: the policy's batch ``costs`` if it has one, else ``cost`` row by row."""
+    batch_costs = getattr(policy, "costs", None)
+    if batch_costs is not None:
+        return batch_costs(batch, fleet, config)  # type: ignore[no-any-return]
+    cost = policy.cost
+    return [cost(row, fleet, config) for row in batch.rows()]
+
+
+def dynamo_cost(
+    *,
+    isl_tokens: int,
+    overlap_blocks: int,
+    block_size: int,
+    active_prefill_tokens: int,
+    potential_decode_blocks: int,
+    overlap_score_weight: float = 1.0,
+) -> float:
+    """Dynamo's linear cost with explicit arguments (see the module docstring)."""
+    new_prefill = isl_tokens - overlap_blocks * block_size
+    prefill_blocks = (active_prefill_tokens + (new_prefill if new_prefill > 0 else 0)) / block_size
+    return overlap_score_weight * prefill_blocks + potential_decode_blocks
+
+
+class DynamoCost:
+    """``overlap_score_weight * prefill_blocks + decode_blocks`` (Dynamo's default)."""
+
+    name = "dynamo"
+
+    def cost(self, c: CostInputs, fleet: FleetContext, config: RouterPolicyConfig) -> float:
+        new_prefill = c.isl_tokens - c.overlap_blocks * c.block_size
+        prefill_blocks = (c.active_prefill_tokens + (new_prefill if new_prefill > 0 else 0)) / c.block_size
+        return config.overlap_score_weight * prefill_blocks + c.potential_decode_blocks
+
+    def costs(self, batch: CostBatch, fleet: FleetContext, config: RouterPolicyConfig) -> list[float]:
+        """:meth:`cost` of every candidate, bit-for-bit (same operations in the same order)."""
+        w = config.overlap_score_weight
+        isl = batch.isl_tokens
+        return [
+            w * ((p + (isl - o * bs if isl > o * bs else 0)) / bs) + d
+            for p, o, bs, d in zip(
+                batch.active_prefill_tokens,
+                batch.overlap_blocks,
+                batch.block_size,
+                batch.potential_decode_blocks,
+                strict=True,
+            )
+        ]
+
+
+COST_POLICIES: dict[str, CostPolicy] = {"dynamo": DynamoCost()}
+
+
+def register_cost_policy(policy: CostPolicy, *, replace: bool = False) -> None:
+    """Make ``policy`` selectable as ``RouterPolicyConfig(cost_policy=policy.name)``."""
+    if policy.name in COST_POLICIES and not replace:
+        raise ValueError(f"cost policy {policy.name!r} is already registered")
+    COST_POLICIES[policy.name] = policy
+
+
+def get_cost_policy(name: str) -> CostPolicy:
+    try:
+        return COST_POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown cost policy {name!r}; registered: {', '.join(sorted(COST_POLICIES))}") from None

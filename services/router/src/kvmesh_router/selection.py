@@ -1,0 +1,258 @@
+"""Selectors: pick one engine for one request, per routing mode. They never book anything.
+
+Modes (``RouterPolicyConfig.mode``):
+
+- ``kv``: the cost policy (:mod:`kvmesh_router.cost`) scores every candidate; temperature 0 takes the
+  argmin with a uniformly random tie-break, temperature T > 0 samples ``p_i ∝ exp(-(c_i / range) / T)``
+  over the range-normalised costs (shifted by the best cost for stability; all-equal costs -> uniform).
+- ``round_robin``: the next engine id after the previous pick, in ascending id order (robust to the
+  candidate set changing between calls).
+- ``random``: uniform.
+- ``power_of_two``: two distinct random candidates; the one with the lower current load wins, load =
+  ``active_blocks + active_prefill_tokens / block_size`` (booked decode memory plus queued prefill, in
+  blocks; cache overlap is deliberately ignored: this is the cache-blind baseline).
+- ``direct``: the request pins its engine; an engine that is not a candidate raises
+  :class:`UnknownEngineError`.
+
+All randomness comes from the ``random.Random`` in the :class:`SelectionContext` (seed it for
+deterministic tests and simulations). The only state a selector keeps is round robin's cursor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple, Protocol
+
+from kvmesh_router.cost import (
+    MODES,
+    CostBatch,
+    CostInputs,
+    RouterPolicyConfig,
+    fleet_context,
+    get_cost_policy,
+    policy_costs,
+)
+
+__all__ = [
+    "MODES",
+    "Choice",
+    "DirectSelector",
+    "KvSelector",
+    "PowerOfTwoSelector",
+    "RandomSelector",
+    "RoundRobinSelector",
+    "RoutingError",
+    "SelectionContext",
+    "Selector",
+    "UnknownEngineError",
+    "argmin_index",
+    "make_selector",
+    "pick_index",
+    "softmax_index",
+    "softmax_probabilities",
+]
+
+
+class RoutingError(Exception):
+    """A request cannot be routed as asked (a caller error, not overload)."""
+
+
+class UnknownEngineError(RoutingError, LookupError):
+    """The request pins an engine that is not registered (or not allowed for it)."""
+
+    def __init__(self, engine_id: int | None, reason: str = "is not a known engine") -> None:
+        self.engine_id = engine_id
+        super().__init__(f"pinned engine {engine_id} {reason}")
+
+
+class Choice(NamedTuple):
+    """A selector's pick; ``cost`` is the policy cost (kv), the load (power_of_two), else None."""
+
+    engine_id: int
+    cost: float | None = None
+
+
+class SelectionContext:
+    """One decision as selectors see it: the candidates, the policy, the rng and lazily built load inputs.
+
+    ``engines`` are the eligible, non-busy candidates in ascending id order. ``inputs_fn`` builds the
+    :class:`CostBatch` of a subset of them (selectors that ignore load never pay for it).
+    """
+
+    __slots__ = ("_inputs_fn", "config", "engines", "overlaps", "pinned_engine", "rng")
+
+    def __init__(
+        self,
+        engines: Sequence[int],
+        config: RouterPolicyConfig,
+        rng: random.Random,
+        inputs_fn: Callable[[Sequence[int]], CostBatch],
+        overlaps: Mapping[int, int] | None = None,
+        pinned_engine: int | None = None,
+    ) -> None:
+        self.engines = engines
+        self.config = config
+        self.rng = rng
+        self._inputs_fn = inputs_fn
+        self.overlaps = overlaps or {}
+        self.pinned_engine = pinned_engine
+
+    def inputs(self, engines: Sequence[int] | None = None) -> CostBatch:
+        """Cost inputs of ``engines`` (default: every candidate), in that order."""
+        return self._inputs_fn(self.engines if engines is None else engines)
+
+    @classmethod
+    def from_inputs(
+        cls,
+        inputs: Sequence[CostInputs],
+        config: RouterPolicyConfig | None = None,
+        rng: random.Random | None = None,
+        pinned_engine: int | None = None,
+    ) -> SelectionContext:
+        """A context over precomputed inputs (tests, offline analysis)."""
+        by_id = {c.engine_id: c for c in inputs}
+        return cls(
+            sorted(by_id),
+            config or RouterPolicyConfig(),
+            rng or random.Random(0),
+            lambda engines: CostBatch.from_rows([by_id[e] for e in engines]),
+            {c.engine_id: c.overlap_blocks for c in inputs},
+            pinned_engine,
+        )
+
+
+class Selector(Protocol):
+    name: str
+
+    def select(self, ctx: SelectionContext) -> Choice: ...
+
+
+# ---------------------------------------------------------------------- cost -> index
+
+
+def argmin_index(costs: Sequence[float], rng: random.Random) -> int:
+    """Index of the lowest cost; ties broken uniformly at random."""
+    best = min(costs)
+    tied = [i for i, c in enumerate(costs) if c == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:
+    """``p_i ∝ exp(-(c_i / range) / T)`` with range = max - min; uniform when all costs are equal."""
+    lo = min(costs)
+    spread = max(costs) - lo
+    if spread <= 0 or not math.isfinite(spread):
+        return [1.0 / len(costs)] * len(costs)
+    scale = 1.0 / (spread * temperature)
+    weights = [math.exp(-(c - lo) * scale) for c in costs]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def softmax_index(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
+    """Sample an index from :func:`softmax_probabilities` (cumulative sum against ``U[0, 1)``)."""
+    probs = softmax_probabilities(costs, temperature)
+    r = rng.random()
+    acc = 0.0
+    for i, p in enumerate(probs):
+        acc += p
+        if r < acc:
+            return i
+    return len(probs) - 1
+
+
+def pick_index(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
+    """Temperature 0: :func:`argmin_index`; otherwise :func:`softmax_index`."""
+    if not costs:
+        raise ValueError("no candidates")
+    if temperature <= 0 or len(costs) == 1:
+        return argmin_index(costs, rng)
+    return softmax_index(costs, temperature, rng)
+
+
+# ---------------------------------------------------------------------- selectors
+
+
+class KvSelector:
+    name = "kv"
+
+    def select(self, ctx: SelectionContext) -> Choice:
+        batch = ctx.inputs()
+        if not len(batch):
+            raise ValueError("no candidates")
+        config = ctx.config
+        costs = policy_costs(get_cost_policy(config.cost_policy), batch, fleet_context(batch), config)
+        i = pick_index(costs, config.temperature, ctx.rng)
+        return Choice(batch.engine_ids[i], costs[i])
+
+
+class RoundRobinSelector:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._last: int | None = None
+
+    def select(self, ctx: SelectionContext) -> Choice:
+        engines = sorted(ctx.engines)
+        if not engines:
+            raise ValueError("no candidates")
+        i = 0 if self._last is None else bisect.bisect_right(engines, self._last)
+        engine = engines[i % len(engines)]
+        self._last = engine
+        return Choice(engine)
+
+
+class RandomSelector:
+    name = "random"
+
+    def select(self, ctx: SelectionContext) -> Choice:
+        if not ctx.engines:
+            raise ValueError("no candidates")
+        return Choice(ctx.rng.choice(ctx.engines))
+
+
+class PowerOfTwoSelector:
+    name = "power_of_two"
+
+    def select(self, ctx: SelectionContext) -> Choice:
+        engines = ctx.engines
+        if not engines:
+            raise ValueError("no candidates")
+        picks = [engines[0]] if len(engines) == 1 else ctx.rng.sample(engines, 2)
+        b = ctx.inputs(picks)
+        loads = [a + p / bs for a, p, bs in zip(b.active_blocks, b.active_prefill_tokens, b.block_size, strict=True)]
+        i = 1 if len(loads) == 2 and loads[1] < loads[0] else 0
+        return Choice(picks[i], loads[i])
+
+
+class DirectSelector:
+    name = "direct"
+
+    def select(self, ctx: SelectionContext) -> Choice:
+        engine = ctx.pinned_engine
+        if engine is None:
+            raise RoutingError("direct routing needs a pinned engine")
+        if engine not in ctx.engines:
+            raise UnknownEngineError(engine)
+        return Choice(engine)
+
+
+_SELECTORS: dict[str, type[Selector]] = {
+    "kv": KvSelector,
+    "round_robin": RoundRobinSelector,
+    "random": RandomSelector,
+    "power_of_two": PowerOfTwoSelector,
+    "direct": DirectSelector,
+}
+assert set(_SELECTORS) == set(MODES)
+
+
+def make_selector(mode: str) -> Selector:
+    """A fresh selector for ``mode`` (one per admission: round robin keeps a cursor)."""
+    try:
+        return _SELECTORS[mode]()
+    except KeyError:
+        raise ValueError(f"unknown routing mode {mode!r}; expected one of {', '.join(MODES)}") from None

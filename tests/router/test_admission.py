@@ -1,0 +1,287 @@
+"""Admission: select + book in one step, busy thresholds, rejection, and Dynamo's routing scenario."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kvmesh.hashing import sequence_hashes
+from kvmesh.kv_events import BlocksStored, StoredBlock
+from kvmesh_router.admission import (
+    Admission,
+    BusyThresholds,
+    Decision,
+    DuplicateRequestError,
+    EngineSpec,
+    Rejection,
+    RejectReason,
+    RouteRequest,
+)
+from kvmesh_router.approx import ApproxIndexer
+from kvmesh_router.cost import RouterConfigOverride, RouterPolicyConfig
+from kvmesh_router.indexer import KvIndexer
+from kvmesh_router.selection import RoutingError, UnknownEngineError
+from kvmesh_router.slot_tracker import SlotTracker
+
+BS = 4
+A_, B_ = 1, 2  # engine ids "a" and "b"
+LOCAL = {name: 4000 + i for i, name in enumerate("ABCDEFGHIJKLMNOP")}
+
+
+def seq(*names: str) -> list[int]:
+    return sequence_hashes([LOCAL[n] for n in names])
+
+
+def request(rid: str, *names: str, pinned: int | None = None, **kw) -> RouteRequest:
+    return RouteRequest(rid, seq(*names), len(names) * BS, pinned_engine=pinned, **kw)
+
+
+class FakeEngine:
+    """Caches every prompt it serves and emits the Stored event a real engine would (no eviction)."""
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+
+    def serve(self, names: tuple[str, ...]) -> BlocksStored | None:
+        hashes = seq(*names)
+        k = 0
+        while k < len(hashes) and hashes[k] in self.held:
+            k += 1
+        if k == len(hashes):
+            return None
+        self.held.update(hashes[k:])
+        blocks = tuple(StoredBlock(hashes[i], LOCAL[names[i]]) for i in range(k, len(names)))
+        return BlocksStored(hashes[k - 1] if k else None, blocks)
+
+
+def make(index=None, predictor=None, engines=(A_, B_), total_blocks=1000, seed=0, **kw) -> Admission:
+    adm = Admission(
+        index if index is not None else KvIndexer(),
+        SlotTracker(BS),
+        rng=random.Random(seed),
+        predictor=predictor,
+        **kw,
+    )
+    for e in engines:
+        adm.add_engine(EngineSpec(e, total_blocks=total_blocks, block_size=BS))
+    return adm
+
+
+def decided(result: Decision | Rejection) -> Decision:
+    assert isinstance(result, Decision), result
+    return result
+
+
+# ---------------------------------------------------------------------- Dynamo's decision scenario
+
+
+def test_dynamo_scenario_with_kv_events():
+    """Seed a with [A,B] and [A,C,D], b with [A,C,E]; then [A,C,D,F] -> a and [A,C,E,G] -> b."""
+    index = KvIndexer()
+    adm = make(index)
+    engines = {A_: FakeEngine(), B_: FakeEngine()}
+
+    def run(rid, names, pinned, now):
+        d = decided(adm.decide(request(rid, *names, pinned=pinned), now))
+        ev = engines[d.engine_id].serve(names)  # the engine caches the prompt and publishes its event
+        if ev is not None:
+            assert index.apply(d.engine_id, ev) is None
+        return d
+
+    for i, (names, engine) in enumerate([(("A", "B"), A_), (("A", "C", "D"), A_), (("A", "C", "E"), B_)]):
+        d = run(f"seed{i}", names, engine, float(i))
+        assert d.engine_id == engine and d.mode == "direct"
+        adm.free(d.request_id)  # seed requests complete
+    assert index.find_matches(seq("A", "C", "D", "F")) == {A_: 3, B_: 2}
+
+    d1 = run("q1", ("A", "C", "D", "F"), None, 10.0)
+    assert (d1.engine_id, d1.overlap_blocks, d1.best_overlap_blocks, d1.mode) == (A_, 3, 3, "kv")
+    # a: (0 + 16 - 12)/4 + 4 = 5; b: (0 + 16 - 8)/4 + 4 = 6
+    assert d1.cost == 5.0
+    d2 = run("q2", ("A", "C", "E", "G"), None, 11.0)
+    # a (busy with q1): (4 + 16 - 8)/4 + (4 + 2) = 9; b: (0 + 16 - 12)/4 + 4 = 5
+    assert (d2.engine_id, d2.overlap_blocks, d2.cost) == (B_, 3, 5.0)
+
+
+def test_dynamo_scenario_in_approximate_mode():
+    """No KV events: the router's own decisions populate the predicted index."""
+    approx = ApproxIndexer()
+    adm = make(approx, predictor=approx)
+    for i, (names, engine) in enumerate([(("A", "B"), A_), (("A", "C", "D"), A_), (("A", "C", "E"), B_)]):
+        d = decided(adm.decide(request(f"seed{i}", *names, pinned=engine), float(i)))
+        adm.free(d.request_id)
+    assert approx.find_matches(seq("A", "C", "D", "F")) == {A_: 3, B_: 2}
+    d1 = decided(adm.decide(request("q1", "A", "C", "D", "F"), 10.0))
+    assert (d1.engine_id, d1.overlap_blocks) == (A_, 3)
+    d2 = decided(adm.decide(request("q2", "A", "C", "E", "G"), 11.0))
+    assert (d2.engine_id, d2.overlap_blocks) == (B_, 3)
+    # The decisions themselves became predictions ...
+    assert approx.find_matches(seq("A", "C", "E", "G")) == {A_: 2, B_: 4}
+    # ... which expire 120 s after they were made.
+    approx.expire(200.0)
+    assert approx.find_matches(seq("A", "C", "E", "G")) == {}
+
+
+def test_side_predictor_next_to_the_event_index_takes_the_larger_overlap():
+    index = KvIndexer()
+    index.apply(A_, BlocksStored(None, (StoredBlock(seq("A")[0], LOCAL["A"]),)))
+    predictor = ApproxIndexer()
+    adm = make(index, predictor=predictor)
+    predictor.record(B_, seq("A", "B"), now=0.0)
+    assert adm.overlaps(seq("A", "B", "C")) == {A_: 1, B_: 2}
+    d = decided(adm.decide(request("r", "A", "B", "C"), 1.0))
+    assert (d.engine_id, d.overlap_blocks, d.best_overlap_blocks) == (B_, 2, 2)
+    assert predictor.find_matches(seq("A", "B", "C")) == {B_: 3}
+
+
+# ---------------------------------------------------------------------- serialized select + book
+
+
+def test_booking_is_visible_to_the_next_decision():
+    # No cache anywhere; the first booking adds 16 prefill tokens to its engine, so an identical second
+    # request costs (16 + 16)/4 + 4 = 12 there and 16/4 + 4 = 8 on the idle engine.
+    for seed in range(5):
+        adm = make(seed=seed)
+        first = decided(adm.decide(request("r1", "A", "B", "C", "D"), 0.0))
+        second = decided(adm.decide(request("r2", "A", "B", "C", "D"), 0.0))
+        assert {first.engine_id, second.engine_id} == {A_, B_}
+        assert second.cost == 8.0
+        assert adm.slots.active_prefill_tokens(first.engine_id) == 16
+
+
+def test_round_robin_mode_books_too():
+    adm = make(config=RouterPolicyConfig(mode="round_robin"), engines=(5, 6, 7))
+    picks = [decided(adm.decide(request(f"r{i}", "A"), 0.0)).engine_id for i in range(4)]
+    assert picks == [5, 6, 7, 5]
+    assert adm.slots.active_requests(5) == 2
+
+
+def test_duplicate_request_id_is_refused_until_freed():
+    adm = make()
+    decided(adm.decide(request("r", "A"), 0.0))
+    with pytest.raises(DuplicateRequestError):
+        adm.decide(request("r", "B"), 0.0)
+    assert adm.free("r")
+    decided(adm.decide(request("r", "B"), 1.0))
+
+
+def test_decision_quality_compares_with_the_best_overlap_in_the_fleet():
+    index = KvIndexer()
+    index.apply(B_, BlocksStored(None, tuple(StoredBlock(h, 0) for h in seq("A", "B"))))
+    adm = make(index, config=RouterPolicyConfig(mode="round_robin"))
+    d = decided(adm.decide(request("r", "A", "B", "C"), 0.0))  # round robin starts at a
+    assert (d.engine_id, d.overlap_blocks, d.best_overlap_blocks, d.quality) == (A_, 0, 2, 0.0)
+    d = decided(adm.decide(request("s", "A", "B", "C", pinned=B_), 0.0))
+    assert d.quality == 1.0
+    assert decided(adm.decide(request("t", "P"), 0.0)).quality == 1.0  # nothing cached anywhere
+
+
+# ---------------------------------------------------------------------- pinning and restrictions
+
+
+def test_direct_routing_and_its_errors():
+    adm = make()
+    assert decided(adm.decide(request("r1", "A", pinned=B_), 0.0)).engine_id == B_
+    with pytest.raises(UnknownEngineError):
+        adm.decide(request("r2", "A", pinned=99), 0.0)
+    with pytest.raises(UnknownEngineError):
+        adm.decide(request("r3", "A", pinned=B_, excluded_engines=frozenset({B_})), 0.0)
+    with pytest.raises(RoutingError):
+        adm.decide(request("r5", "A", override=RouterConfigOverride(temperature=-1.0)), 0.0)
+    with pytest.raises(RoutingError):
+        adm.decide(request("r6", "A", override=RouterConfigOverride(cost_policy="nope")), 0.0)
+    direct_mode = make(config=RouterPolicyConfig(mode="direct"))
+    with pytest.raises(RoutingError):
+        direct_mode.decide(request("r4", "A"), 0.0)
+    assert not adm.slots.has_request("r2") and not adm.slots.has_request("r3")
+
+
+def test_allowed_and_excluded_engines_restrict_the_candidates():
+    adm = make(engines=(1, 2, 3))
+    for i in range(6):
+        d = decided(adm.decide(request(f"x{i}", "A", "BC"[i % 2], excluded_engines=frozenset({1})), 0.0))
+        assert d.engine_id != 1
+    for i in range(6):
+        d = decided(adm.decide(request(f"y{i}", "D", allowed_engines=frozenset({3})), 0.0))
+        assert d.engine_id == 3
+    rej = adm.decide(request("z", "A", allowed_engines=frozenset({9})), 0.0)
+    assert isinstance(rej, Rejection) and rej.reason is RejectReason.NO_ENGINES
+
+
+def test_per_request_override_reaches_the_cost():
+    index = KvIndexer()
+    index.apply(A_, BlocksStored(None, tuple(StoredBlock(h, 0) for h in seq("A", "B", "C", "D"))))
+    adm = make(index)
+    adm.decide(request("bg", *"EFGHIJ", pinned=A_), 0.0)  # 6 unrelated active blocks on a, prefill done
+    adm.mark_prefill_completed("bg")
+    # a: 0 prefill blocks + (6 active + 4 new) = 10;  b: 4 + 4 = 8 with weight 1 ... -> b
+    assert decided(adm.decide(request("w1", "A", "B", "C", "D"), 0.0)).engine_id == B_
+    adm.free("w1")
+    # weight 3: a = 0 + 10 = 10; b = 12 + 4 = 16 -> a
+    heavy = RouterConfigOverride(overlap_score_weight=3.0)
+    assert decided(adm.decide(request("w3", "A", "B", "C", "D", override=heavy), 0.0)).engine_id == A_
+
+
+# ---------------------------------------------------------------------- busy thresholds
+
+
+def test_busy_engines_are_skipped_and_rejection_comes_only_when_all_are_busy():
+    adm = make(thresholds=BusyThresholds(active_prefill_tokens=10))
+    first = decided(adm.decide(request("r1", "A", "B", "C"), 0.0))  # 12 prefill tokens: now busy
+    assert adm.is_busy(first.engine_id)
+    second = decided(adm.decide(request("r2", "A", "B", "C"), 0.0))
+    assert second.engine_id != first.engine_id  # the busy engine is skipped
+    rej = adm.decide(request("r3", "A"), 0.0)
+    assert isinstance(rej, Rejection) and rej.reason is RejectReason.ALL_BUSY
+    assert rej.busy_engines == (A_, B_) and "2" in rej.message
+    assert not adm.slots.has_request("r3")
+    adm.mark_prefill_completed("r1")  # first token: engine no longer busy
+    assert decided(adm.decide(request("r3", "A"), 1.0)).engine_id == first.engine_id
+
+
+def test_a_pinned_request_checks_only_its_engine():
+    adm = make(thresholds=BusyThresholds(active_prefill_tokens=10))
+    decided(adm.decide(request("r1", "A", "B", "C", pinned=A_), 0.0))
+    rej = adm.decide(request("r2", "D", pinned=A_), 0.0)
+    assert isinstance(rej, Rejection) and rej.busy_engines == (A_,)
+    assert decided(adm.decide(request("r3", "D", pinned=B_), 0.0)).engine_id == B_
+
+
+def test_kv_usage_threshold_uses_booked_blocks_and_engine_reports():
+    adm = make(thresholds=BusyThresholds(kv_usage_frac=0.5), total_blocks=8)
+    adm.report_kv_usage(A_, 5)  # the engine says 5 of 8 blocks are in use: over 50%
+    assert adm.is_busy(A_) and not adm.is_busy(B_)
+    d = decided(adm.decide(request("r1", "A", "B", "C", "D", "E"), 0.0))  # 5 active blocks on b
+    assert d.engine_id == B_
+    rej = adm.decide(request("r2", "F"), 0.0)
+    assert isinstance(rej, Rejection)
+    adm.report_kv_usage(A_, None)
+    assert decided(adm.decide(request("r2", "F"), 0.0)).engine_id == A_
+
+
+def test_prefill_fraction_threshold_uses_max_num_batched_tokens():
+    adm = make(engines=(), thresholds=BusyThresholds(active_prefill_tokens_frac=0.5))
+    adm.add_engine(EngineSpec(A_, total_blocks=100, block_size=BS, max_num_batched_tokens=16))
+    decided(adm.decide(request("r1", "A", "B"), 0.0))  # 8 tokens = 0.5 * 16: not over
+    assert not adm.is_busy(A_)
+    decided(adm.decide(request("r2", "C"), 0.0))
+    assert adm.is_busy(A_)
+
+
+def test_no_engines_and_engine_removal():
+    adm = make(engines=())
+    rej = adm.decide(request("r", "A"), 0.0)
+    assert isinstance(rej, Rejection) and rej.reason is RejectReason.NO_ENGINES
+    adm = make()
+    decided(adm.decide(request("r1", "A", pinned=A_), 0.0))
+    assert adm.remove_engine(A_) == ["r1"]
+    assert adm.engines() == [B_] and adm.remove_engine(A_) == []
+    assert decided(adm.decide(request("r2", "A"), 0.0)).engine_id == B_
+
+
+def test_stale_bookings_expire_through_decide():
+    adm = make(engines=(A_,))
+    decided(adm.decide(request("r1", "A", "B"), 0.0))
+    decided(adm.decide(request("r2", "C"), 400.0))
+    assert not adm.slots.has_request("r1")
+    assert adm.slots.active_blocks(A_) == 1

@@ -1,0 +1,224 @@
+"""The cost function and the selectors of every routing mode (no booking here: selectors are pure)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+from kvmesh_router.cost import (
+    COST_POLICIES,
+    CostBatch,
+    CostInputs,
+    DynamoCost,
+    FleetContext,
+    RouterConfigOverride,
+    RouterPolicyConfig,
+    dynamo_cost,
+    fleet_context,
+    get_cost_policy,
+    policy_costs,
+    register_cost_policy,
+)
+from kvmesh_router.selection import (
+    KvSelector,
+    PowerOfTwoSelector,
+    RandomSelector,
+    RoundRobinSelector,
+    RoutingError,
+    SelectionContext,
+    UnknownEngineError,
+    make_selector,
+    pick_index,
+    softmax_probabilities,
+)
+
+BS = 4
+FLEET = FleetContext(candidates=3, min_active_prefill_tokens=0, max_overlap_blocks=3)
+
+
+def inputs(engine, *, overlap=0, prefill=0, active=0, new=None, isl=16, blocks=4, requests=0):
+    """A candidate for a 16-token (4-block) request; ``new`` = request blocks not already active there."""
+    new = blocks if new is None else new
+    return CostInputs(engine, BS, isl, blocks, overlap, prefill, active, active + new, requests)
+
+
+# ---------------------------------------------------------------------- cost
+
+
+def test_dynamo_cost_by_hand_for_a_small_fleet():
+    # cost = w * (active_prefill + isl - overlap * bs) / bs + (active_blocks + new_blocks)
+    a = inputs(1, overlap=3, prefill=8, active=10, new=1)  # (8 + 16 - 12)/4 = 3   + 11 = 14
+    b = inputs(2, overlap=0, prefill=0, active=2, new=4)  # (0 + 16 - 0)/4 = 4    +  6 = 10
+    c = inputs(3, overlap=2, prefill=4, active=0, new=4)  # (4 + 16 - 8)/4 = 3    +  4 = 7
+    policy = get_cost_policy("dynamo")
+    w1 = RouterPolicyConfig()
+    assert [policy.cost(x, FLEET, w1) for x in (a, b, c)] == [14.0, 10.0, 7.0]
+    w2 = RouterPolicyConfig(overlap_score_weight=2.0)
+    assert [policy.cost(x, FLEET, w2) for x in (a, b, c)] == [17.0, 14.0, 10.0]
+    w0 = RouterPolicyConfig(overlap_score_weight=0.0)  # pure load balancing on decode blocks
+    assert [policy.cost(x, FLEET, w0) for x in (a, b, c)] == [11.0, 6.0, 4.0]
+    assert dynamo_cost(
+        isl_tokens=16, overlap_blocks=3, block_size=4, active_prefill_tokens=8, potential_decode_blocks=11
+    ) == pytest.approx(14.0)
+
+
+def test_batch_costs_equal_row_costs_exactly():
+    rng = random.Random(11)
+    rows = [
+        CostInputs(e, 16, 300, 18, rng.randrange(25), rng.randrange(5000), a, a + rng.randrange(19), rng.randrange(9))
+        for e, a in enumerate(rng.randrange(400) for _ in range(50))
+    ]
+    batch = CostBatch.from_rows(rows)
+    assert batch.rows() == rows
+    fleet = fleet_context(batch)
+    assert fleet == FleetContext(50, min(r.active_prefill_tokens for r in rows), max(r.overlap_blocks for r in rows))
+    policy = DynamoCost()
+    for config in (RouterPolicyConfig(), RouterPolicyConfig(overlap_score_weight=0.37)):
+        assert policy_costs(policy, batch, fleet, config) == [policy.cost(r, fleet, config) for r in rows]
+    with pytest.raises(ValueError):
+        CostBatch.from_rows([inputs(1), inputs(2, isl=20)])
+
+
+def test_kv_selector_picks_the_argmin_and_reports_its_cost():
+    ctx = SelectionContext.from_inputs(
+        [inputs(1, overlap=3, prefill=8, active=10, new=1), inputs(2, active=2), inputs(3, overlap=2, prefill=4)]
+    )
+    assert KvSelector().select(ctx) == (3, 7.0)
+
+
+def test_per_request_override_changes_the_weights():
+    base = RouterPolicyConfig(overlap_score_weight=1.0)
+    over = base.with_override(RouterConfigOverride(overlap_score_weight=0.0, temperature=0.5))
+    assert (over.overlap_score_weight, over.temperature, over.mode) == (0.0, 0.5, "kv")
+    assert base.with_override(None) is base and base.with_override(RouterConfigOverride()) is base
+    # weight 1: the cached engine wins on prefill; weight 0: the idle one wins on decode load
+    cands = [inputs(1, overlap=4, active=6, new=0), inputs(2, active=0)]  # w=1: 6 vs 8; w=0: 6 vs 4
+    assert KvSelector().select(SelectionContext.from_inputs(cands, base)).engine_id == 1
+    zero = base.with_override(RouterConfigOverride(overlap_score_weight=0.0))
+    assert KvSelector().select(SelectionContext.from_inputs(cands, zero)).engine_id == 2
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        RouterPolicyConfig(mode="fastest")
+    with pytest.raises(ValueError):
+        RouterPolicyConfig(temperature=-1)
+    with pytest.raises(ValueError):
+        RouterPolicyConfig(overlap_score_weight=math.nan)
+    with pytest.raises(ValueError):
+        get_cost_policy("nope")
+
+
+def test_cost_policies_are_pluggable_and_selectable_by_name():
+    class FewestRequests:
+        name = "test_fewest_requests"
+
+        def cost(self, c, fleet, config):
+            return float(c.active_requests)
+
+    register_cost_policy(FewestRequests())
+    try:
+        with pytest.raises(ValueError):
+            register_cost_policy(FewestRequests())
+        cands = [inputs(1, requests=5), inputs(2, requests=1, active=50)]
+        dynamo = SelectionContext.from_inputs(cands)
+        custom = SelectionContext.from_inputs(cands, RouterPolicyConfig(cost_policy="test_fewest_requests"))
+        assert KvSelector().select(dynamo).engine_id == 1
+        assert KvSelector().select(custom).engine_id == 2
+    finally:
+        del COST_POLICIES["test_fewest_requests"]
+    assert isinstance(COST_POLICIES["dynamo"], DynamoCost)
+
+
+# ---------------------------------------------------------------------- temperature
+
+
+def test_temperature_zero_breaks_ties_uniformly_at_random():
+    rng = random.Random(7)
+    costs = [5.0, 3.0, 3.0, 9.0, 3.0]
+    counts = Counter(pick_index(costs, 0.0, rng) for _ in range(3000))
+    assert set(counts) == {1, 2, 4}
+    assert all(800 < counts[i] < 1200 for i in (1, 2, 4))
+    assert pick_index([4.0, 1.0, 2.0], 0.0, rng) == 1
+
+
+def test_positive_temperature_samples_follow_the_softmax_of_normalised_costs():
+    costs = [10.0, 12.0, 14.0]  # range 4 -> normalised 0, .5, 1; T = 0.5 -> p ∝ 1, e^-1, e^-2
+    expected = [1.0, math.exp(-1), math.exp(-2)]
+    expected = [x / sum(expected) for x in expected]
+    assert softmax_probabilities(costs, 0.5) == pytest.approx(expected)
+    rng = random.Random(1234)
+    n = 20000
+    counts = Counter(pick_index(costs, 0.5, rng) for _ in range(n))
+    for i, p in enumerate(expected):
+        assert counts[i] / n == pytest.approx(p, abs=0.015)
+
+
+def test_softmax_of_equal_costs_is_uniform_and_high_temperature_flattens():
+    assert softmax_probabilities([3.0, 3.0, 3.0, 3.0], 0.1) == [0.25] * 4
+    hot = softmax_probabilities([0.0, 100.0], 100.0)
+    assert hot[0] == pytest.approx(0.5, abs=0.01)
+    cold = softmax_probabilities([0.0, 100.0], 0.01)
+    assert cold[0] > 0.999
+
+
+# ---------------------------------------------------------------------- modes
+
+
+def _ctx(engines, rng=None, pinned=None, loads=None):
+    loads = loads or {}
+    by_id = {e: inputs(e, active=loads.get(e, 0)) for e in engines}
+    return SelectionContext(
+        sorted(engines),
+        RouterPolicyConfig(),
+        rng or random.Random(0),
+        lambda es: CostBatch.from_rows([by_id[e] for e in es]),
+        pinned_engine=pinned,
+    )
+
+
+def test_round_robin_cycles_in_id_order_and_survives_membership_changes():
+    rr = RoundRobinSelector()
+    assert [rr.select(_ctx([3, 1, 2])).engine_id for _ in range(7)] == [1, 2, 3, 1, 2, 3, 1]
+    # engine 2 leaves: continue after the last pick (1) with the next id present
+    assert [rr.select(_ctx([1, 3])).engine_id for _ in range(3)] == [3, 1, 3]
+
+
+def test_random_is_seeded_and_covers_all_engines():
+    def run(seed):
+        rng = random.Random(seed)
+        return [RandomSelector().select(_ctx([1, 2, 3], rng)).engine_id for _ in range(100)]
+
+    assert run(5) == run(5)
+    assert set(run(5)) == {1, 2, 3}
+
+
+def test_power_of_two_picks_the_less_loaded_of_two_random_candidates():
+    rng = random.Random(3)
+    sel = PowerOfTwoSelector()
+    # Two engines: both are always sampled, the lighter always wins.
+    assert {sel.select(_ctx([1, 2], rng, loads={1: 10, 2: 3})).engine_id for _ in range(50)} == {2}
+    # Three engines: the heaviest loses to either other; the lightest wins whenever it is sampled.
+    picks = Counter(sel.select(_ctx([1, 2, 3], rng, loads={1: 10, 2: 3, 3: 5})).engine_id for _ in range(600))
+    assert picks[1] == 0
+    assert picks[2] > picks[3] > 0
+    assert sel.select(_ctx([7], rng)).engine_id == 7
+
+
+def test_direct_pins_and_rejects_unknown_engines():
+    sel = make_selector("direct")
+    assert sel.select(_ctx([1, 2, 3], pinned=2)).engine_id == 2
+    with pytest.raises(UnknownEngineError) as err:
+        sel.select(_ctx([1, 2, 3], pinned=9))
+    assert err.value.engine_id == 9 and "9" in str(err.value)
+    with pytest.raises(RoutingError):
+        sel.select(_ctx([1, 2, 3]))
+
+
+def test_make_selector_knows_every_mode():
+    for mode in ("kv", "round_robin", "random", "power_of_two", "direct"):
+        assert make_selector(mode).name == mode
+    with pytest.raises(ValueError):
+        make_selector("fastest")
