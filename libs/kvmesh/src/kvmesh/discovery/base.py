@@ -1,0 +1,323 @@
+"""Discovery interface shared by the backends: errors, watch events, key layout, the abstract store.
+
+A backend (etcd, file) implements the small :class:`Discovery` surface plus the four lease
+primitives the backend-independent keeper (:mod:`kvmesh.discovery.lease`) drives: grant,
+keepalive, revoke and put-under-lease. Everything above this module (daemons, routers, frontends)
+only sees :class:`Discovery`, :class:`~kvmesh.discovery.lease.Lease` and the event types.
+
+Key layout (values are opaque bytes; callers store serialized ``kvmesh.v1`` protobuf records)::
+
+    v1/instances/{namespace}/{component}/{endpoint}/{instance_id:x}
+    v1/models/{namespace}/{model}/{instance_id:x}
+
+Each name segment is percent-encoded (``urllib.parse.quote(name, safe="")``), so a model name
+such as ``Qwen/Qwen3-0.6B`` stays one segment (``Qwen%2FQwen3-0.6B``) and every key parses back.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import quote, unquote
+
+if TYPE_CHECKING:
+    from kvmesh.discovery.lease import Lease
+
+__all__ = [
+    "INSTANCES_ROOT",
+    "MODELS_ROOT",
+    "Added",
+    "Discovery",
+    "DiscoveryError",
+    "DiscoveryUnavailable",
+    "InstanceKey",
+    "ModelKey",
+    "Removed",
+    "Snapshot",
+    "WatchEvent",
+    "instance_key",
+    "instance_prefix",
+    "model_key",
+    "model_prefix",
+    "parse_instance_key",
+    "parse_model_key",
+]
+
+
+T = TypeVar("T")
+
+
+async def bounded(aw: Awaitable[T], timeout: float) -> T:
+    """``await aw`` for at most ``timeout`` seconds (TimeoutError after).
+
+    Uses ``asyncio.timeout`` rather than ``asyncio.wait_for``: on Python 3.11 ``wait_for`` can swallow
+    a cancellation that races with the inner call's completion, which turns ``task.cancel()`` into a
+    no-op and hangs whoever awaits the cancelled task.
+    """
+    async with asyncio.timeout(timeout):
+        return await aw
+
+
+def raise_if_cancelling() -> None:
+    """Re-raise a cancellation some library swallowed (see :func:`bounded`), so loops still stop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+# -- errors ------------------------------------------------------------------------------------
+class DiscoveryError(Exception):
+    """A discovery operation failed (bad request, lease revoked, corrupt record...)."""
+
+
+class DiscoveryUnavailable(DiscoveryError):
+    """The backend cannot be reached or used right now (etcd down, directory unusable).
+
+    The message is one actionable line, fit to print as a daemon's exit reason.
+    """
+
+
+# -- watch events ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The complete set of live records under the watched prefix.
+
+    Always the first event of :meth:`Discovery.list_and_watch`; yielded again after any resync
+    (reconnect, compaction, unreadable directory). Consumers replace their state with it (diff
+    it against what they had: keys missing from it are gone).
+    """
+
+    records: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Added:
+    """A record appeared or its value changed (an upsert)."""
+
+    key: str
+    value: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """A record disappeared: deleted, its lease revoked, or its lease expired."""
+
+    key: str
+
+
+WatchEvent = Snapshot | Added | Removed
+
+
+# -- key layout --------------------------------------------------------------------------------
+INSTANCES_ROOT = "v1/instances/"
+MODELS_ROOT = "v1/models/"
+
+
+def _seg(name: str, what: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"discovery key: {what} must be a non-empty string, got {name!r}")
+    return quote(name, safe="")
+
+
+def _id(instance_id: int) -> str:
+    if not isinstance(instance_id, int) or instance_id < 0:
+        raise ValueError(f"discovery key: instance_id must be a non-negative int, got {instance_id!r}")
+    return f"{instance_id:x}"
+
+
+def instance_prefix(namespace: str, component: str | None = None, endpoint: str | None = None) -> str:
+    """Watch prefix for a namespace, a component of it, or one endpoint of a component (ends in '/')."""
+    parts = [_seg(namespace, "namespace")]
+    if component is not None:
+        parts.append(_seg(component, "component"))
+        if endpoint is not None:
+            parts.append(_seg(endpoint, "endpoint"))
+    elif endpoint is not None:
+        raise ValueError("discovery key: endpoint given without component")
+    return INSTANCES_ROOT + "/".join(parts) + "/"
+
+
+def instance_key(namespace: str, component: str, endpoint: str, instance_id: int) -> str:
+    """``v1/instances/{namespace}/{component}/{endpoint}/{instance_id:x}``."""
+    return instance_prefix(namespace, component, endpoint) + _id(instance_id)
+
+
+def model_prefix(namespace: str, model: str | None = None) -> str:
+    """Watch prefix for every model card of a namespace, or of one model (ends in '/')."""
+    parts = [_seg(namespace, "namespace")]
+    if model is not None:
+        parts.append(_seg(model, "model"))
+    return MODELS_ROOT + "/".join(parts) + "/"
+
+
+def model_key(namespace: str, model: str, instance_id: int) -> str:
+    """``v1/models/{namespace}/{model}/{instance_id:x}`` (model percent-encoded)."""
+    return model_prefix(namespace, model) + _id(instance_id)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceKey:
+    namespace: str
+    component: str
+    endpoint: str
+    instance_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelKey:
+    namespace: str
+    model: str
+    instance_id: int
+
+
+def _split(key: str, root: str, n: int) -> list[str]:
+    if not key.startswith(root):
+        raise ValueError(f"not a {root}* key: {key!r}")
+    parts = key[len(root) :].split("/")
+    if len(parts) != n or not all(parts):
+        raise ValueError(f"malformed discovery key {key!r}")
+    return parts
+
+
+def parse_instance_key(key: str) -> InstanceKey:
+    """Inverse of :func:`instance_key`; raises ValueError on anything else."""
+    ns, comp, ep, iid = _split(key, INSTANCES_ROOT, 4)
+    try:
+        instance_id = int(iid, 16)
+    except ValueError:
+        raise ValueError(f"malformed instance id in discovery key {key!r}") from None
+    return InstanceKey(unquote(ns), unquote(comp), unquote(ep), instance_id)
+
+
+def parse_model_key(key: str) -> ModelKey:
+    """Inverse of :func:`model_key`; raises ValueError on anything else."""
+    ns, model, iid = _split(key, MODELS_ROOT, 3)
+    try:
+        instance_id = int(iid, 16)
+    except ValueError:
+        raise ValueError(f"malformed instance id in discovery key {key!r}") from None
+    return ModelKey(unquote(ns), unquote(model), instance_id)
+
+
+# -- the store ---------------------------------------------------------------------------------
+class Discovery(abc.ABC):
+    """One connection to a discovery backend, shared by everything in a process.
+
+    Open it with :func:`kvmesh.discovery.open_discovery`. ``ttl`` is the default lease TTL,
+    ``keepalive_interval`` the default keepalive period (``ttl / 3``), ``op_timeout`` bounds
+    every single backend call (it is the ``connect_timeout`` given to ``open_discovery``).
+    """
+
+    url: str
+    ttl: float
+    keepalive_interval: float
+    op_timeout: float
+
+    def __init__(self, url: str, *, ttl: float, keepalive_interval: float | None, op_timeout: float) -> None:
+        from kvmesh.discovery.lease import LeasePolicy
+
+        policy = LeasePolicy(ttl, keepalive_interval)  # validates both
+        self.url = url
+        self.ttl = policy.ttl
+        self.keepalive_interval = policy.keepalive_interval
+        self.op_timeout = float(op_timeout)
+        self._leases: set[Lease] = set()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url} ttl={self.ttl:g}s>"
+
+    # -- public API ----------------------------------------------------------------------------
+    async def grant_lease(
+        self,
+        on_lost: Callable[[], None] | None = None,
+        on_renewed: Callable[[int], Awaitable[None]] | None = None,
+        *,
+        ttl: float | None = None,
+    ) -> Lease:
+        """Grant a lease and start its keeper; raises DiscoveryUnavailable if the first grant fails.
+
+        ``on_lost()`` is called synchronously (from the keeper task) the moment the lease cannot be
+        proven alive; ``on_renewed(new_id)`` runs as a task after a re-grant has re-put every record.
+        See :mod:`kvmesh.discovery.lease` for the exact policy.
+        """
+        from kvmesh.discovery.lease import Lease
+
+        self._check_open()
+        lease = Lease(
+            self,
+            ttl=self.ttl if ttl is None else ttl,
+            keepalive_interval=self.keepalive_interval if ttl is None else None,
+            op_timeout=self.op_timeout,
+            on_lost=on_lost,
+            on_renewed=on_renewed,
+        )
+        await lease._start()
+        self._leases.add(lease)
+        return lease
+
+    @abc.abstractmethod
+    def list_and_watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+        """Yield Snapshot first, then Added/Removed; after any resync, a fresh Snapshot.
+
+        It never ends by itself and never goes silently stale: backend errors are retried with a
+        short capped backoff and followed by a new Snapshot. Close it with ``aclose()`` (or use
+        ``contextlib.aclosing``) when done.
+        """
+
+    @abc.abstractmethod
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every live record under ``prefix``; raises DiscoveryUnavailable if the backend is down."""
+
+    async def close(self) -> None:
+        """Revoke every lease still held (best effort) and release the backend connection."""
+        if self._closed:
+            return
+        for lease in list(self._leases):
+            await lease.revoke()
+        self._closed = True
+        await self._close_backend()
+
+    async def __aenter__(self) -> Discovery:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DiscoveryError(f"{self!r} is closed")
+
+    # -- lease primitives the keeper drives (bounded by op_timeout by the caller) --------------
+    @abc.abstractmethod
+    async def _lease_grant(self, ttl: float) -> tuple[int, float]:
+        """Create a lease; return (lease id, TTL the backend granted in seconds)."""
+
+    @abc.abstractmethod
+    async def _lease_keepalive(self, lease_id: int) -> float:
+        """Renew the lease; return its TTL in seconds, or <= 0 if it no longer exists.
+
+        Raises DiscoveryUnavailable (or any exception) when the backend cannot answer.
+        """
+
+    @abc.abstractmethod
+    async def _lease_revoke(self, lease_id: int) -> None:
+        """Delete the lease and every record attached to it; a missing lease is not an error."""
+
+    @abc.abstractmethod
+    async def _put(self, key: str, value: bytes, lease_id: int) -> None:
+        """Write ``key`` attached to ``lease_id``; raise DiscoveryError if the lease does not exist."""
+
+    @abc.abstractmethod
+    async def _delete(self, key: str) -> None:
+        """Delete ``key`` (missing is fine)."""
+
+    @abc.abstractmethod
+    async def _close_backend(self) -> None:
+        """Release connections and background tasks."""
+
+    def _forget_lease(self, lease: Lease) -> None:
+        self._leases.discard(lease)

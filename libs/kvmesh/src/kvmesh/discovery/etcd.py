@@ -1,0 +1,305 @@
+"""etcd backend (client: ``aetcd`` 1.0.0, which has no keepalive, no watch resume and one endpoint).
+
+* Endpoints: ``etcd://host:port[,host:port...]``. ``open`` probes them in order (a linearizable
+  read, so a member without a leader does not count) and keeps the first that answers; on a
+  connectivity error the connection fails over to the next endpoint (round robin). With one
+  endpoint gRPC reconnects by itself; its reconnect backoff is capped at 1 s so RPCs work again
+  about a second after etcd is back (gRPC's default grows to 120 s).
+* Every unary RPC is bounded by ``op_timeout`` (``connect_timeout``); gRPC keepalive pings
+  (10 s, 5 s timeout) detect a dead server under a silent watch stream.
+* Leases: ``refresh_lease`` (one LeaseKeepAlive round trip) drives the keeper; a TTL of 0 means
+  the lease is gone. TTLs are whole seconds on etcd (ceil of the requested TTL, at least 1).
+* Watches: list (get_prefix at revision R), yield Snapshot, watch from R+1. A lost stream
+  (ConnectionFailedError), a compacted start revision (RevisionCompactedError) or a watch that
+  ends for any other reason restarts the cycle with a fresh list and a fresh Snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import aetcd
+import aetcd.exceptions as etcd_errors
+import grpc
+from aetcd.rtypes import EventKind
+
+from kvmesh.discovery.base import (
+    Added,
+    Discovery,
+    DiscoveryError,
+    DiscoveryUnavailable,
+    Removed,
+    Snapshot,
+    WatchEvent,
+    bounded,
+    raise_if_cancelling,
+)
+
+__all__ = ["EtcdDiscovery", "parse_etcd_endpoints"]
+
+log = logging.getLogger("kvmesh.discovery.etcd")
+
+T = TypeVar("T")
+
+# gRPC reconnect backoff starts at 0.1 s and is capped at 1 s (default cap: 120 s). Note that gRPC
+# uses min_reconnect_backoff as the *connect timeout* of one attempt: 2 s bounds an attempt against
+# a black-holed host without failing a slow-but-alive handshake.
+CHANNEL_OPTIONS: dict[str, Any] = {
+    "grpc.initial_reconnect_backoff_ms": 100,
+    "grpc.min_reconnect_backoff_ms": 2000,
+    "grpc.max_reconnect_backoff_ms": 1000,
+    "grpc.keepalive_time_ms": 10_000,
+    "grpc.keepalive_timeout_ms": 5_000,
+    "grpc.http2.max_pings_without_data": 0,
+}
+_CONNECTIVITY = (
+    etcd_errors.ConnectionFailedError,
+    etcd_errors.ConnectionTimeoutError,
+    etcd_errors.WatchTimeoutError,
+    TimeoutError,
+    OSError,
+    grpc.aio.UsageError,
+)
+_WATCH_BACKOFF_MAX = 1.0
+
+
+def parse_etcd_endpoints(url: str) -> list[tuple[str, int]]:
+    """``etcd://h1:p1,h2:p2`` -> [(h1, p1), (h2, p2)]; port defaults to 2379; IPv6 as ``[::1]:2379``."""
+    rest = url.removeprefix("etcd://")
+    netloc = rest.split("/", 1)[0].split("?", 1)[0]
+    if not netloc:
+        raise ValueError(f"discovery URL {url!r}: etcd:// needs host:port[,host:port]")
+    endpoints: list[tuple[str, int]] = []
+    for item in netloc.split(","):
+        item = item.strip()
+        if item.startswith("["):
+            host, _, tail = item[1:].partition("]")
+            port_text = tail.removeprefix(":")
+        elif item.count(":") == 1:
+            host, _, port_text = item.partition(":")
+        else:
+            host, port_text = item, ""
+        if not host:
+            raise ValueError(f"discovery URL {url!r}: empty etcd host in {item!r}")
+        try:
+            port = int(port_text) if port_text else 2379
+        except ValueError:
+            raise ValueError(f"discovery URL {url!r}: bad etcd port in {item!r}") from None
+        if not 0 < port < 65536:
+            raise ValueError(f"discovery URL {url!r}: etcd port out of range in {item!r}")
+        endpoints.append((host, port))
+    return endpoints
+
+
+def _fmt(ep: tuple[str, int]) -> str:
+    host, port = ep
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())[:300]
+
+
+class _Connection:
+    """The current aetcd client, with failover to the next endpoint on connectivity errors."""
+
+    def __init__(self, endpoints: list[tuple[str, int]], op_timeout: float) -> None:
+        self.endpoints = endpoints
+        self.op_timeout = op_timeout
+        self.index = 0
+        self.client: aetcd.Client | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def _make(self, index: int) -> aetcd.Client:
+        host, port = self.endpoints[index]
+        return aetcd.Client(host=host, port=port, timeout=self.op_timeout, options=dict(CHANNEL_OPTIONS))
+
+    @property
+    def endpoint(self) -> str:
+        return _fmt(self.endpoints[self.index])
+
+    async def open(self, connect_timeout: float) -> None:
+        deadline = time.monotonic() + connect_timeout
+        errors: list[str] = []
+        n = len(self.endpoints)
+        for i in range(n):
+            budget = (deadline - time.monotonic()) / (n - i)
+            client = self._make(i)
+            try:
+                await bounded(client.get(b"v1/"), max(budget, 0.05))
+            except Exception as exc:
+                errors.append(f"{_fmt(self.endpoints[i])}: {_one_line(exc) if str(exc) else 'timed out'}")
+                with contextlib.suppress(Exception):
+                    await bounded(client.close(), 1.0)
+                continue
+            self.index, self.client = i, client
+            return
+        where = ", ".join(_fmt(e) for e in self.endpoints)
+        raise DiscoveryUnavailable(
+            f"etcd unreachable at {where} within {connect_timeout:g}s ({'; '.join(errors)}); "
+            "start etcd there or use --discovery file:///<dir> for a single machine"
+        )
+
+    def failed(self, client: aetcd.Client | None) -> None:
+        """A connectivity error happened on ``client``: move to the next endpoint (if any)."""
+        if client is not self.client or len(self.endpoints) < 2:
+            return
+        old = self.client
+        self.index = (self.index + 1) % len(self.endpoints)
+        self.client = self._make(self.index)
+        log.warning("etcd: failing over to %s", self.endpoint)
+        if old is not None:
+            task = asyncio.ensure_future(self._close_client(old))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_client(client: aetcd.Client) -> None:
+        with contextlib.suppress(Exception):
+            await bounded(client.close(), 2.0)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self._close_client(self.client)
+            self.client = None
+        for task in list(self._closing):
+            with contextlib.suppress(Exception):
+                await task
+
+
+class EtcdDiscovery(Discovery):
+    """Discovery on an etcd cluster (see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        endpoints: list[tuple[str, int]],
+        *,
+        ttl: float,
+        keepalive_interval: float | None,
+        op_timeout: float,
+    ) -> None:
+        super().__init__(url, ttl=ttl, keepalive_interval=keepalive_interval, op_timeout=op_timeout)
+        self._conn = _Connection(endpoints, op_timeout)
+
+    @classmethod
+    async def open(
+        cls, url: str, *, ttl: float, connect_timeout: float, keepalive_interval: float | None = None
+    ) -> EtcdDiscovery:
+        self = cls(
+            url,
+            parse_etcd_endpoints(url),
+            ttl=ttl,
+            keepalive_interval=keepalive_interval,
+            op_timeout=connect_timeout,
+        )
+        await self._conn.open(connect_timeout)
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint currently in use (``host:port``)."""
+        return self._conn.endpoint
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _client(self) -> aetcd.Client:
+        self._check_open()
+        client = self._conn.client
+        if client is None:
+            raise DiscoveryError(f"{self!r} is closed")
+        return client
+
+    async def _call(self, what: str, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        client = self._client()
+        try:
+            return await bounded(fn(client), self.op_timeout)
+        except _CONNECTIVITY as exc:
+            self._conn.failed(client)
+            detail = _one_line(exc) if str(exc) else f"no answer within {self.op_timeout:g}s"
+            raise DiscoveryUnavailable(f"etcd {self._conn.endpoint}: {what} failed: {detail}") from exc
+        except etcd_errors.ClientError as exc:
+            raise DiscoveryError(f"etcd {what} failed: {_one_line(exc)}") from exc
+
+    # -- public API ----------------------------------------------------------------------------
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        result = await self._call("get_prefix", lambda c: c.get_prefix(prefix.encode()))
+        return {kv.key.decode(): bytes(kv.value) for kv in result}
+
+    async def list_and_watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+        raw = prefix.encode()
+        backoff = 0.1
+        failures = 0
+        while True:
+            raise_if_cancelling()
+            self._check_open()
+            client = self._conn.client
+            watch = None
+            try:
+                if client is None:
+                    raise DiscoveryError(f"{self!r} is closed")
+                listed = await bounded(client.get_prefix(raw), self.op_timeout)
+                records = {kv.key.decode(): bytes(kv.value) for kv in listed}
+                revision = listed.header.revision
+                if failures:
+                    log.info("etcd watch on %r: re-listed after %d failed attempt(s)", prefix, failures)
+                yield Snapshot(records)
+                backoff, failures = 0.1, 0
+                # Created after the Snapshot was consumed; start_revision closes the gap, and if that
+                # revision was compacted meanwhile etcd says so and we list again.
+                watch = await bounded(client.watch_prefix(raw, start_revision=revision + 1), self.op_timeout)
+                raise_if_cancelling()  # aetcd's watch creation uses wait_for, which can swallow a cancel
+                async for event in watch:
+                    key = event.kv.key.decode()
+                    if event.kind == EventKind.PUT:
+                        yield Added(key, bytes(event.kv.value))
+                    else:
+                        yield Removed(key)
+                log.debug("etcd watch on %r ended; re-listing", prefix)
+            except etcd_errors.RevisionCompactedError as exc:
+                log.info("etcd watch on %r: %s; re-listing", prefix, exc)
+            except DiscoveryError:
+                raise
+            except Exception as exc:  # stream lost, etcd down, closed client: re-list after a pause
+                if isinstance(exc, _CONNECTIVITY):
+                    self._conn.failed(client)
+                failures += 1
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                log.log(level, "etcd watch on %r interrupted (%s); re-listing until it answers", prefix, _one_line(exc))
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _WATCH_BACKOFF_MAX)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await bounded(watch.cancel(), 1.0)
+
+    async def _close_backend(self) -> None:
+        await self._conn.close()
+
+    # -- lease primitives ----------------------------------------------------------------------
+    async def _lease_grant(self, ttl: float) -> tuple[int, float]:
+        lease = await self._call("lease grant", lambda c: c.lease(max(1, math.ceil(ttl))))
+        return lease.id, float(lease.ttl)
+
+    async def _lease_keepalive(self, lease_id: int) -> float:
+        reply = await self._call("lease keepalive", lambda c: c.refresh_lease(lease_id))
+        return 0.0 if reply is None else float(reply.TTL)
+
+    async def _lease_revoke(self, lease_id: int) -> None:
+        try:
+            await self._call("lease revoke", lambda c: c.revoke_lease(lease_id))
+        except DiscoveryError as exc:
+            if isinstance(exc, DiscoveryUnavailable) or "not found" not in str(exc):
+                raise
+
+    async def _put(self, key: str, value: bytes, lease_id: int) -> None:
+        await self._call("put", lambda c: c.put(key.encode(), value, lease=lease_id))
+
+    async def _delete(self, key: str) -> None:
+        await self._call("delete", lambda c: c.delete(key.encode()))

@@ -1,0 +1,485 @@
+"""Embedded file backend: a directory shared by the processes of one machine, no server.
+
+Layout under the root directory (format version 1)::
+
+    leases/{lease_id:016x}.lease   one file per lease; JSON {"id", "ttl", "pid", "host", "created"};
+                                   its mtime is the heartbeat (the owner touches it every TTL/3)
+    kv/{seg}/{seg}/.../{seg}.rec   one file per key ("a/b/c" -> kv/a/b/c.rec); content: one JSON
+                                   header line {"key": ..., "lease": "<hex id>"} then the raw value
+
+* A record is **live** iff its lease file exists and was beaten within that lease's TTL
+  (``time.time() - mtime <= ttl``). Nothing else matters: a kill -9'd owner stops beating and
+  its records die after the TTL, without anyone deleting anything.
+* Every write is atomic: a temp file (name starting with '.') in the same directory, then
+  ``os.replace``. Lease files are created with ``os.link`` (fails if the id exists).
+* Key segments are percent-encoded (``quote(seg, safe="")``; '' -> '%', a leading '.' and a
+  trailing '.rec' are escaped) so any key maps to one path and never collides with a directory.
+* Watching is a polling scan (default every 0.1 s) that only re-reads files whose inode, size or
+  mtime changed; watchers see Added/Removed within TTL + poll interval.
+* Garbage collection: every open FileDiscovery sweeps once per TTL (at most every 5 s, at least
+  every 0.5 s): lease files stale for TTL + 1 s, records whose lease is dead or missing, and
+  temp files older than 60 s are deleted. A record is removed by renaming it aside first, so a
+  concurrent rewrite of the same key by a live lease is restored, never lost.
+* Keepalive = ``os.utime`` on the lease file after checking it still exists and is not stale
+  (a stale lease is dead for everyone: it must not come back). Clock: wall time, one machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from urllib.parse import parse_qs, quote, urlsplit
+
+from kvmesh.discovery.base import (
+    Added,
+    Discovery,
+    DiscoveryError,
+    DiscoveryUnavailable,
+    Removed,
+    Snapshot,
+    WatchEvent,
+    raise_if_cancelling,
+)
+
+__all__ = ["FileDiscovery", "default_file_root"]
+
+log = logging.getLogger("kvmesh.discovery.file")
+
+_LEASE_SUFFIX = ".lease"
+_RECORD_SUFFIX = ".rec"
+_GC_GRACE = 1.0
+_TMP_MAX_AGE = 60.0
+DEFAULT_POLL_INTERVAL = 0.1
+
+
+def default_file_root() -> Path:
+    """``$XDG_RUNTIME_DIR/kvmesh-discovery``, else ``/tmp/kvmesh-$UID/kvmesh-discovery``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvmesh-{os.getuid()}"
+    return Path(runtime) / "kvmesh-discovery"
+
+
+def _enc(segment: str) -> str:
+    q = quote(segment, safe="")
+    if not q:
+        return "%"
+    if q.startswith("."):
+        q = "%2E" + q[1:]
+    if q.endswith(_RECORD_SUFFIX):
+        q = q[: -len(_RECORD_SUFFIX)] + "%2E" + _RECORD_SUFFIX[1:]
+    if len(q) > 200:  # file names are limited to 255 bytes; "%%" never appears in quote() output
+        q = q[:100] + "%%" + hashlib.sha256(segment.encode()).hexdigest()
+    return q
+
+
+def _tmp_name(name: str) -> str:
+    return f".{name[:80]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+class _Store:
+    """Synchronous file operations (run in the event loop for single files, in a thread for scans)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.leases = root / "leases"
+        self.kv = root / "kv"
+        self._gc_ttls: dict[tuple[int, int], float] = {}
+
+    # -- paths ---------------------------------------------------------------------------------
+    def lease_path(self, lease_id: int) -> Path:
+        return self.leases / f"{lease_id:016x}{_LEASE_SUFFIX}"
+
+    def record_path(self, key: str) -> Path:
+        parts = key.split("/")
+        return self.kv.joinpath(*(_enc(p) for p in parts[:-1]), _enc(parts[-1]) + _RECORD_SUFFIX)
+
+    def scan_dir(self, prefix: str) -> Path:
+        """Directory holding every record under ``prefix`` (the last, partial segment is filtered)."""
+        return self.kv.joinpath(*(_enc(p) for p in prefix.split("/")[:-1]))
+
+    # -- setup ---------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        for d in (self.root, self.leases, self.kv):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        probe = self.root / _tmp_name("probe")
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+        probe.unlink()
+
+    # -- leases --------------------------------------------------------------------------------
+    def grant(self, ttl: float) -> int:
+        body = {"id": None, "ttl": ttl, "pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}
+        self.leases.mkdir(mode=0o700, parents=True, exist_ok=True)  # the directory may have been wiped
+        while True:
+            lease_id = secrets.randbits(63) or 1
+            body["id"] = f"{lease_id:x}"
+            tmp = self.leases / _tmp_name("lease")
+            tmp.write_bytes(json.dumps(body).encode())
+            try:
+                os.link(tmp, self.lease_path(lease_id))
+            except FileExistsError:
+                continue
+            finally:
+                tmp.unlink(missing_ok=True)
+            return lease_id
+
+    def keepalive(self, lease_id: int, ttl: float) -> float:
+        path = self.lease_path(lease_id)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return 0.0
+        if time.time() - st.st_mtime > ttl:
+            return 0.0  # watchers already consider it dead; it must not come back
+        try:
+            os.utime(path)
+        except FileNotFoundError:
+            return 0.0
+        return ttl
+
+    def revoke(self, lease_id: int) -> None:
+        self.lease_path(lease_id).unlink(missing_ok=True)  # every record of it is dead from now on
+        for path in self._walk(self.kv):
+            self._remove_record_if(path, lambda lid: lid == lease_id)
+
+    def lease_table(self, ttls: dict[tuple[int, int], float]) -> dict[int, tuple[float, float]]:
+        """lease id -> (mtime, ttl) for every lease file; ``ttls`` caches (inode, id) -> ttl per caller."""
+        out: dict[int, tuple[float, float]] = {}
+        seen: set[tuple[int, int]] = set()
+        try:
+            entries = list(os.scandir(self.leases))
+        except FileNotFoundError:
+            return out
+        for entry in entries:
+            name = entry.name
+            if not name.endswith(_LEASE_SUFFIX) or name.startswith("."):
+                continue
+            try:
+                lease_id = int(name[: -len(_LEASE_SUFFIX)], 16)
+                st = entry.stat()
+            except (ValueError, FileNotFoundError):
+                continue
+            cache_key = (st.st_ino, lease_id)
+            ttl = ttls.get(cache_key)
+            if ttl is None:
+                try:
+                    ttl = float(json.loads(Path(entry.path).read_bytes())["ttl"])
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue  # being created or corrupt: treat as absent
+                ttls[cache_key] = ttl
+            seen.add(cache_key)
+            out[lease_id] = (st.st_mtime, ttl)
+        for k in ttls.keys() - seen:
+            del ttls[k]
+        return out
+
+    # -- records -------------------------------------------------------------------------------
+    def put(self, key: str, value: bytes, lease_id: int) -> None:
+        if not self.lease_path(lease_id).exists():
+            raise DiscoveryError(f"lease {lease_id:x} not found")
+        path = self.record_path(key)
+        header = json.dumps({"key": key, "lease": f"{lease_id:x}"}, ensure_ascii=True).encode() + b"\n"
+        for attempt in range(2):
+            try:
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                tmp = path.parent / _tmp_name(path.name)
+                with open(tmp, "wb") as f:
+                    f.write(header + value)
+                os.replace(tmp, path)
+                return
+            except FileNotFoundError:  # directory removed under us: recreate once
+                if attempt:
+                    raise
+
+    def delete(self, key: str) -> None:
+        self.record_path(key).unlink(missing_ok=True)
+
+    @staticmethod
+    def read_record(path: str | Path) -> tuple[str, int, bytes]:
+        data = Path(path).read_bytes()
+        head, sep, value = data.partition(b"\n")
+        if not sep:
+            raise ValueError("no header")
+        meta = json.loads(head)
+        return str(meta["key"]), int(meta["lease"], 16), value
+
+    def _remove_record_if(self, path: str, dead: Callable[[int], bool]) -> None:
+        """Remove ``path`` if ``dead(lease_id)``; safe against a concurrent rewrite by a live lease."""
+        try:
+            _, lease_id, _ = self.read_record(path)
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError):
+            lease_id = -1
+        if not dead(lease_id):
+            return
+        aside = os.path.join(os.path.dirname(path), _tmp_name(os.path.basename(path)))
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        try:
+            _, now_lease, _ = self.read_record(aside)
+        except (OSError, ValueError, KeyError, TypeError):
+            now_lease = -1
+        if not dead(now_lease):
+            with contextlib.suppress(FileExistsError):  # unless an even newer write took its place
+                os.link(aside, path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(aside)
+
+    @staticmethod
+    def _walk(top: Path) -> list[str]:
+        out: list[str] = []
+        stack = [str(top)]
+        while stack:
+            d = stack.pop()
+            try:
+                entries = list(os.scandir(d))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for e in entries:
+                if e.name.startswith("."):
+                    continue
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                    elif e.name.endswith(_RECORD_SUFFIX):
+                        out.append(e.path)
+                except OSError:
+                    continue
+        return out
+
+    def gc(self) -> None:
+        now = time.time()
+        for lease_id, (mtime, ttl) in self.lease_table(self._gc_ttls).items():
+            if now - mtime > ttl + _GC_GRACE:
+                path = self.lease_path(lease_id)
+                with contextlib.suppress(FileNotFoundError):
+                    if time.time() - path.stat().st_mtime > ttl + _GC_GRACE:  # re-check: not beaten since
+                        path.unlink()
+                        log.info("file discovery: removed expired lease %x", lease_id)
+        leases = self.lease_table(self._gc_ttls)
+
+        def dead(lease_id: int) -> bool:
+            entry = leases.get(lease_id)
+            if entry is None:  # unknown to the table: maybe granted after it was read
+                return lease_id <= 0 or not self.lease_path(lease_id).exists()
+            mtime, ttl = entry
+            return time.time() - mtime > ttl + _GC_GRACE
+
+        for path in self._walk(self.kv):
+            self._remove_record_if(path, dead)
+        self._sweep_tmp(now)
+
+    def _sweep_tmp(self, now: float) -> None:
+        stack = [str(self.root)]
+        while stack:
+            d = stack.pop()
+            try:
+                entries = list(os.scandir(d))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for e in entries:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                    elif e.name.startswith(".") and e.name.endswith(".tmp") and now - e.stat().st_mtime > _TMP_MAX_AGE:
+                        os.unlink(e.path)
+                except OSError:
+                    continue
+
+
+class _Scanner:
+    """Live records under one prefix; re-reads only files whose (inode, size, mtime) changed."""
+
+    def __init__(self, store: _Store, prefix: str) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.top = store.scan_dir(prefix)
+        self._cache: dict[str, tuple[tuple[int, int, int], str, int, bytes]] = {}
+        self._ttls: dict[tuple[int, int], float] = {}
+
+    def scan(self) -> dict[str, bytes]:
+        leases = self.store.lease_table(self._ttls)
+        now = time.time()
+        out: dict[str, bytes] = {}
+        seen: set[str] = set()
+        for path in self.store._walk(self.top):
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+            cached = self._cache.get(path)
+            if cached is not None and cached[0] == sig:
+                _, key, lease_id, value = cached
+            else:
+                try:
+                    key, lease_id, value = self.store.read_record(path)
+                except FileNotFoundError:
+                    continue
+                except (OSError, ValueError, KeyError, TypeError):
+                    log.debug("file discovery: skipping unreadable record %s", path)
+                    continue
+                self._cache[path] = (sig, key, lease_id, value)
+            seen.add(path)
+            if not key.startswith(self.prefix):
+                continue
+            lease = leases.get(lease_id)
+            if lease is None or now - lease[0] > lease[1]:
+                continue
+            out[key] = value
+        for path in self._cache.keys() - seen:
+            del self._cache[path]
+        return out
+
+
+class FileDiscovery(Discovery):
+    """Discovery in a local directory (see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        root: Path,
+        *,
+        ttl: float,
+        keepalive_interval: float | None,
+        op_timeout: float,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+    ) -> None:
+        super().__init__(url, ttl=ttl, keepalive_interval=keepalive_interval, op_timeout=op_timeout)
+        self.root = root
+        self.poll_interval = poll_interval
+        self._store = _Store(root)
+        self._lease_ttl: dict[int, float] = {}
+        self._gc_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(
+        cls, url: str, *, ttl: float, connect_timeout: float, keepalive_interval: float | None = None
+    ) -> FileDiscovery:
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"discovery URL {url!r}: file URLs need an absolute path, e.g. file:///var/lib/kvmesh")
+        root = Path(parts.path) if parts.path else default_file_root()
+        if not root.is_absolute():
+            raise ValueError(f"discovery URL {url!r}: file URLs need an absolute path, e.g. file:///var/lib/kvmesh")
+        poll = DEFAULT_POLL_INTERVAL
+        query = parse_qs(parts.query)
+        if "poll" in query:
+            try:
+                poll = float(query["poll"][-1])
+            except ValueError:
+                raise ValueError(f"discovery URL {url!r}: poll must be seconds, e.g. ?poll=0.1") from None
+            if not 0 < poll <= 10:
+                raise ValueError(f"discovery URL {url!r}: poll must be in (0, 10] seconds")
+        self = cls(
+            url, root, ttl=ttl, keepalive_interval=keepalive_interval, op_timeout=connect_timeout, poll_interval=poll
+        )
+        try:
+            self._store.prepare()
+        except OSError as exc:
+            raise DiscoveryUnavailable(
+                f"discovery directory {root} is not usable ({exc.strerror or exc}); "
+                "pass a writable directory, e.g. --discovery file:///tmp/kvmesh"
+            ) from None
+        self._gc_task = asyncio.get_running_loop().create_task(self._gc_loop(), name=f"file-discovery-gc {root}")
+        return self
+
+    # -- public API ----------------------------------------------------------------------------
+    async def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        self._check_open()
+        try:
+            return await asyncio.to_thread(_Scanner(self._store, prefix).scan)
+        except OSError as exc:
+            raise DiscoveryUnavailable(f"discovery directory {self.root}: {exc}") from exc
+
+    async def list_and_watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+        scanner = _Scanner(self._store, prefix)
+        state: dict[str, bytes] | None = None
+        while True:
+            raise_if_cancelling()
+            self._check_open()
+            try:
+                current = await asyncio.to_thread(scanner.scan)
+            except OSError as exc:
+                if state is not None:
+                    log.warning("file discovery: cannot scan %s (%s); will resync", self.root, exc)
+                state = None  # after recovery, a fresh Snapshot
+                await asyncio.sleep(max(self.poll_interval, 0.5))
+                continue
+            if state is None:
+                state = current
+                yield Snapshot(dict(current))
+            else:
+                previous, state = state, current
+                for key in previous.keys() - current.keys():
+                    yield Removed(key)
+                for key, value in current.items():
+                    if previous.get(key) != value:
+                        yield Added(key, value)
+            await asyncio.sleep(self.poll_interval)
+
+    async def _close_backend(self) -> None:
+        if self._gc_task is not None:
+            self._gc_task.cancel()
+            await asyncio.wait([self._gc_task], timeout=2.0)
+            self._gc_task = None
+
+    async def _gc_loop(self) -> None:
+        period = min(max(self.ttl, 0.5), 5.0)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await asyncio.to_thread(self._store.gc)
+            except Exception:
+                log.warning("file discovery: garbage collection failed", exc_info=True)
+
+    # -- lease primitives ----------------------------------------------------------------------
+    def _io(self, what: str, exc: OSError) -> DiscoveryUnavailable:
+        return DiscoveryUnavailable(f"discovery directory {self.root}: {what} failed: {exc.strerror or exc}")
+
+    async def _lease_grant(self, ttl: float) -> tuple[int, float]:
+        self._check_open()
+        try:
+            lease_id = self._store.grant(ttl)
+        except OSError as exc:
+            raise self._io("lease grant", exc) from exc
+        self._lease_ttl[lease_id] = ttl
+        return lease_id, ttl
+
+    async def _lease_keepalive(self, lease_id: int) -> float:
+        try:
+            return self._store.keepalive(lease_id, self._lease_ttl.get(lease_id, self.ttl))
+        except OSError as exc:
+            raise self._io("lease keepalive", exc) from exc
+
+    async def _lease_revoke(self, lease_id: int) -> None:
+        try:
+            await asyncio.to_thread(self._store.revoke, lease_id)
+        except OSError as exc:
+            raise self._io("lease revoke", exc) from exc
+        self._lease_ttl.pop(lease_id, None)
+
+    async def _put(self, key: str, value: bytes, lease_id: int) -> None:
+        self._check_open()
+        try:
+            self._store.put(key, value, lease_id)
+        except OSError as exc:
+            raise self._io(f"put {key!r}", exc) from exc
+
+    async def _delete(self, key: str) -> None:
+        self._check_open()
+        try:
+            self._store.delete(key)
+        except OSError as exc:
+            raise self._io(f"delete {key!r}", exc) from exc

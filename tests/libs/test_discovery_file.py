@@ -1,0 +1,135 @@
+"""File-backend specifics: on-disk layout, garbage collection, stale heartbeats, unusable directories."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from kvmesh.discovery import DiscoveryUnavailable, default_file_root, instance_key, instance_prefix, open_discovery
+from kvmesh.discovery.file import FileDiscovery
+
+
+async def test_layout_is_atomic_and_readable(tmp_path: Path, ns: str):
+    d = await open_discovery(f"file://{tmp_path}", ttl=2)
+    try:
+        lease = await d.grant_lease()
+        key = instance_key(ns, "worker", "generate", lease.id)
+        await lease.put(key, b"\x00binary\nvalue")
+        lease_file = tmp_path / "leases" / f"{lease.id:016x}.lease"
+        meta = json.loads(lease_file.read_text())
+        assert meta["id"] == f"{lease.id:x}" and meta["ttl"] == 2 and meta["pid"] == os.getpid()
+        record = tmp_path / "kv" / "v1" / "instances" / ns / "worker" / "generate" / f"{lease.id:x}.rec"
+        head, _, value = record.read_bytes().partition(b"\n")
+        assert json.loads(head) == {"key": key, "lease": f"{lease.id:x}"} and value == b"\x00binary\nvalue"
+        assert not [p for p in tmp_path.rglob(".*")], "no temp files left behind"
+        before = lease_file.stat().st_mtime
+        await asyncio.sleep(2 / 3 + 0.2)
+        assert lease_file.stat().st_mtime > before, "the owner beats its lease file every TTL/3"
+    finally:
+        await d.close()
+
+
+async def test_awkward_keys_map_to_distinct_files(tmp_path: Path):
+    d = await open_discovery(f"file://{tmp_path}", ttl=2)
+    keys = ["a/b", "a/b/c", "a/b.rec", "a/b.rec/c", "a//c", "a/./c", "a/../c", "a/.hidden", "a/" + "x" * 300, "a/%"]
+    try:
+        lease = await d.grant_lease()
+        for i, k in enumerate(keys):
+            await lease.put(k, str(i).encode())
+        assert await d.get_prefix("a/") == {k: str(i).encode() for i, k in enumerate(keys)}
+        assert await d.get_prefix("a/b") == {k: str(i).encode() for i, k in enumerate(keys) if k.startswith("a/b")}
+        for p in (tmp_path / "kv").rglob("*"):
+            assert p.resolve().is_relative_to((tmp_path / "kv").resolve()) and len(p.name) < 256
+    finally:
+        await d.close()
+
+
+async def test_gc_removes_files_of_dead_owners_only(tmp_path: Path, ns: str):
+    d = await open_discovery(f"file://{tmp_path}", ttl=0.5)
+    assert isinstance(d, FileDiscovery)
+    try:
+        dead = await d.grant_lease()
+        live = await d.grant_lease()
+        dead_key = instance_key(ns, "worker", "generate", dead.id)
+        live_key = instance_key(ns, "worker", "generate", live.id)
+        await dead.put(dead_key, b"d")
+        await live.put(live_key, b"l")
+        dead._task.cancel()  # the owner "crashed": nobody beats its lease any more
+        stale_tmp = tmp_path / "kv" / ".left-over.tmp"
+        stale_tmp.write_bytes(b"x")
+        os.utime(stale_tmp, (time.time() - 120, time.time() - 120))
+        await asyncio.sleep(0.6)
+        assert await d.get_prefix(instance_prefix(ns)) == {live_key: b"l"}, "dead after TTL, before any GC"
+        await asyncio.sleep(1.0)  # past TTL + GC grace
+        await asyncio.to_thread(d._store.gc)
+        assert not (tmp_path / "leases" / f"{dead.id:016x}.lease").exists()
+        assert (tmp_path / "leases" / f"{live.id:016x}.lease").exists()
+        assert not d._store.record_path(dead_key).exists()
+        assert d._store.record_path(live_key).exists()
+        assert not stale_tmp.exists()
+        assert await d.get_prefix(instance_prefix(ns)) == {live_key: b"l"}
+    finally:
+        await d.close()
+
+
+async def test_stale_heartbeat_is_lost_and_never_resurrected(tmp_path: Path, ns: str):
+    """A lease file not beaten within its TTL is dead for everyone: the owner re-grants instead of touching it."""
+    d = await open_discovery(f"file://{tmp_path}", ttl=2)
+    lost = asyncio.Event()
+    renewed: list[int] = []
+
+    async def on_renewed(new_id: int) -> None:
+        renewed.append(new_id)
+
+    try:
+        lease = await d.grant_lease(on_lost=lost.set, on_renewed=on_renewed)
+        old = lease.id
+        key = instance_key(ns, "worker", "generate", 7)
+        await lease.put(key, b"v")
+        path = tmp_path / "leases" / f"{old:016x}.lease"
+        os.utime(path, (time.time() - 10, time.time() - 10))
+        await asyncio.wait_for(lost.wait(), 2)
+        for _ in range(100):
+            if renewed:
+                break
+            await asyncio.sleep(0.02)
+        assert renewed == [lease.id] and lease.id != old and lease.alive
+        assert not path.exists(), "the old lease is revoked after the re-grant"
+        assert await d.get_prefix(instance_prefix(ns)) == {key: b"v"}
+    finally:
+        await d.close()
+
+
+async def test_unusable_directory_is_reported_in_one_line(tmp_path: Path):
+    not_a_dir = tmp_path / "plain-file"
+    not_a_dir.write_text("x")
+    t0 = time.monotonic()
+    with pytest.raises(DiscoveryUnavailable) as err:
+        await open_discovery(f"file://{not_a_dir}/sub")
+    assert time.monotonic() - t0 < 1
+    assert "\n" not in str(err.value) and str(not_a_dir) in str(err.value)
+
+
+async def test_default_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert default_file_root() == tmp_path / "kvmesh-discovery"
+    d = await open_discovery("file://", ttl=2)
+    try:
+        assert isinstance(d, FileDiscovery) and d.root == tmp_path / "kvmesh-discovery"
+        assert (tmp_path / "kvmesh-discovery" / "leases").is_dir()
+    finally:
+        await d.close()
+
+
+async def test_poll_interval_from_url(tmp_path: Path):
+    d = await open_discovery(f"file://{tmp_path}?poll=0.25", ttl=2)
+    try:
+        assert isinstance(d, FileDiscovery) and d.poll_interval == 0.25
+    finally:
+        await d.close()
+    with pytest.raises(ValueError, match="poll"):
+        await open_discovery(f"file://{tmp_path}?poll=abc")
