@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import signal
 import threading
 import time
@@ -209,3 +211,70 @@ def test_etcd_outage_stops_serving_and_re_registers_without_restart(tmp_path):
             assert len(generate(worker.address, 3)) == 3
         finally:
             worker.close()
+
+
+# -- every daemon: health, reflection; and one trace across daemons -------------------------------
+SERVICES = {
+    "kvmesh-worker": "kvmesh.v1.WorkerService",
+    "kvmesh-router": "kvmesh.v1.RouterService",
+    "kvmesh-frontend": "inference.GRPCInferenceService",
+}
+
+
+def start(name: str, tmp_path, url: str, *extra: str) -> Daemon:
+    port = free_port()
+    args = ["--discovery", url, "--grpc-port", str(port), "--lease-ttl", "2", "--namespace", "lifecycle", *extra]
+    return Daemon(name, args, tmp_path, port)
+
+
+@pytest.mark.parametrize("daemon", DAEMONS)
+def test_every_daemon_answers_health_and_lists_its_services(tmp_path, daemon):
+    proc = start(daemon, tmp_path, f"file://{tmp_path / 'discovery'}").wait_serving()
+    try:
+        assert proc.health(SERVICES[daemon]) == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(proc.address) as channel:
+            services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert {SERVICES[daemon], "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        proc.close()
+
+
+def spans(log: str) -> list[dict]:
+    """Spans the console exporter printed (pretty-printed JSON objects) in a daemon log."""
+    found, depth, start_at = [], 0, None
+    for i, ch in enumerate(log):
+        if ch == "{":
+            start_at = i if depth == 0 else start_at
+            depth += 1
+        elif ch == "}" and depth:
+            depth -= 1
+            if depth == 0 and start_at is not None:
+                with contextlib.suppress(json.JSONDecodeError):
+                    doc = json.loads(log[start_at : i + 1])
+                    if "context" in doc and "name" in doc:
+                        found.append(doc)
+    return found
+
+
+def test_one_request_is_one_trace_across_frontend_and_worker(tmp_path):
+    from kvmesh_cli.kserve_demo import demo_request
+
+    url = f"file://{tmp_path / 'discovery'}"
+    tracing = ("--otel-exporter", "console")
+    worker = start("kvmesh-worker", tmp_path, url, "--speedup-ratio", "0", *tracing).wait_serving()
+    router = start("kvmesh-router", tmp_path, url, *tracing).wait_serving()
+    frontend = start("kvmesh-frontend", tmp_path, url, *tracing).wait_serving()
+    try:
+        deadline = time.monotonic() + 20
+        while "done in" not in (outcome := demo_request(frontend.address, "kvmesh-mock", max_tokens=4)):
+            assert time.monotonic() < deadline, outcome
+            time.sleep(0.2)
+    finally:
+        for proc in (frontend, router, worker):  # SIGTERM flushes the span processors
+            proc.close()
+    generate = [s for s in spans(worker.log_text()) if s["name"].endswith("WorkerService/Generate")]
+    assert generate, "the worker exported no Generate span"
+    frontend_traces = {s["context"]["trace_id"] for s in spans(frontend.log_text())}
+    assert {s["context"]["trace_id"] for s in generate} & frontend_traces, "trace context did not cross daemons"

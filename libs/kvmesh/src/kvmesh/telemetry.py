@@ -12,10 +12,12 @@
 from __future__ import annotations
 
 import contextvars
+import inspect
 import json
 import logging
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -116,12 +118,72 @@ def shutdown_tracing() -> None:
         shutdown()
 
 
-def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
-    if not _tracing_enabled:
-        return []
-    from opentelemetry.instrumentation.grpc import aio_server_interceptor
+class TracingServerInterceptor(grpc.aio.ServerInterceptor):
+    """One SERVER span per call, parented on the trace context the caller sent in metadata.
 
-    return [aio_server_interceptor()]
+    Written here because opentelemetry-instrumentation-grpc's aio server interceptor only supports
+    streaming handlers that are async generators; ours also stream with ``context.write``.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        from opentelemetry import propagate, trace
+
+        method = handler_call_details.method
+        carrier = {
+            key: value for key, value in (handler_call_details.invocation_metadata or ()) if isinstance(value, str)
+        }
+        tracer = trace.get_tracer("kvmesh.grpc")
+
+        def span() -> Any:
+            return tracer.start_as_current_span(
+                method.lstrip("/"),
+                context=propagate.extract(carrier),
+                kind=trace.SpanKind.SERVER,
+                attributes={"rpc.system": "grpc", "rpc.method": method},
+            )
+
+        def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            if inspect.isasyncgenfunction(behavior):
+
+                async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                    with span():
+                        async for response in behavior(request, context):
+                            yield response
+
+                return stream
+
+            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                with span():
+                    return await behavior(request, context)
+
+            return call
+
+        kinds = (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler),
+        )
+        for attr, factory in kinds:
+            behavior = getattr(handler, attr)
+            if behavior is not None:
+                return factory(
+                    wrap(behavior),
+                    request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer,
+                )
+        return handler
+
+
+def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    return [TracingServerInterceptor()] if _tracing_enabled else []
 
 
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
