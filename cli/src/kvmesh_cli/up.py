@@ -119,7 +119,12 @@ def run(args: argparse.Namespace) -> int:
         )
         print("\nTry it with tritonclient:\n" + EXAMPLE.format(port=args.grpc_port, model=model) + "\n", flush=True)
         if not args.no_demo:
-            print(demo_request(address, model), flush=True)
+            # ServerReady means an engine is live; the router may still be warming up for a moment.
+            outcome = demo_request(address, model)
+            while outcome.startswith("demo request failed: UNAVAILABLE") and time.monotonic() < deadline + 30:
+                time.sleep(0.5)
+                outcome = demo_request(address, model)
+            print(outcome, flush=True)
         while not stop["now"] and all(p.poll() is None for p in procs):
             time.sleep(0.2)
         dead = [p for p in procs if p.poll() is not None]
