@@ -19,8 +19,6 @@ from kvmesh.discovery import (
     open_discovery,
 )
 
-from tests.support.discovery import Owner, Tracker
-
 TTL = 2.0
 
 
@@ -31,35 +29,35 @@ async def disc(discovery_url: str):
     await d.close()
 
 
-async def test_register_watch_delete(disc: Discovery, ns: str):
+async def test_register_watch_delete(disc: Discovery, ns: str, tracker):
     lease = await disc.grant_lease()
     assert lease.alive and lease.id > 0
     pre = instance_key(ns, "worker", "generate", lease.id)
     await lease.put(pre, b"pre-existing")
-    async with Tracker(disc, instance_prefix(ns)) as watch:
-        first = watch.log[0][1]
-        assert isinstance(first, Snapshot) and first.records == {pre: b"pre-existing"}
+    watch = await tracker(disc, instance_prefix(ns))
+    first = watch.log[0][1]
+    assert isinstance(first, Snapshot) and first.records == {pre: b"pre-existing"}
 
-        card = model_key(ns, "Qwen/Qwen3-0.6B", lease.id)
-        await lease.put(card, b"not under the watched prefix")
-        router = instance_key(ns, "router", "route", lease.id)
-        await lease.put(router, b"r1")
-        await watch.wait_for(lambda s: s.get(router) == b"r1", 2.0, "Added router")
-        await lease.put(router, b"r2")  # an update is an Added with the new value
-        await watch.wait_for(lambda s: s.get(router) == b"r2", 2.0, "updated router")
+    card = model_key(ns, "Qwen/Qwen3-0.6B", lease.id)
+    await lease.put(card, b"not under the watched prefix")
+    router = instance_key(ns, "router", "route", lease.id)
+    await lease.put(router, b"r1")
+    await watch.wait_for(lambda s: s.get(router) == b"r1", 2.0, "Added router")
+    await lease.put(router, b"r2")  # an update is an Added with the new value
+    await watch.wait_for(lambda s: s.get(router) == b"r2", 2.0, "updated router")
 
-        assert await disc.get_prefix(instance_prefix(ns, "router")) == {router: b"r2"}
-        assert await disc.get_prefix(model_prefix(ns)) == {card: b"not under the watched prefix"}
+    assert await disc.get_prefix(instance_prefix(ns, "router")) == {router: b"r2"}
+    assert await disc.get_prefix(model_prefix(ns)) == {card: b"not under the watched prefix"}
 
-        await lease.delete(pre)
-        await watch.wait_for(lambda s: pre not in s, 2.0, "Removed pre")
-        assert any(isinstance(ev, Removed) and ev.key == pre for _, ev in watch.log)
-        assert watch.state == {router: b"r2"}
-        assert lease.records == {router: b"r2", card: b"not under the watched prefix"}
+    await lease.delete(pre)
+    await watch.wait_for(lambda s: pre not in s, 2.0, "Removed pre")
+    assert any(isinstance(ev, Removed) and ev.key == pre for _, ev in watch.log)
+    assert watch.state == {router: b"r2"}
+    assert lease.records == {router: b"r2", card: b"not under the watched prefix"}
     await lease.revoke()
 
 
-async def test_revoke_removes_every_record_at_once(disc: Discovery, ns: str):
+async def test_revoke_removes_every_record_at_once(disc: Discovery, ns: str, tracker):
     lease = await disc.grant_lease()
     keys = [instance_key(ns, "worker", f"ep{i}", lease.id) for i in range(3)]
     for k in keys:
@@ -67,59 +65,57 @@ async def test_revoke_removes_every_record_at_once(disc: Discovery, ns: str):
     other = await disc.grant_lease()
     survivor = instance_key(ns, "worker", "ep0", other.id)
     await other.put(survivor, b"other lease")
-    async with Tracker(disc, instance_prefix(ns)) as watch:
-        assert set(watch.state) == {*keys, survivor}
-        t0 = time.monotonic()
-        await lease.revoke()
-        assert not lease.alive
-        await watch.wait_for(lambda s: set(s) == {survivor}, 2.0, "all three removed")
-        removed_at = [ts for ts, ev in watch.log if isinstance(ev, Removed)]
-        assert len(removed_at) == 3
-        assert max(removed_at) - min(removed_at) < 0.2, "records of one lease must vanish together"
-        assert max(removed_at) - t0 < 1.0
+    watch = await tracker(disc, instance_prefix(ns))
+    assert set(watch.state) == {*keys, survivor}
+    t0 = time.monotonic()
+    await lease.revoke()
+    assert not lease.alive
+    await watch.wait_for(lambda s: set(s) == {survivor}, 2.0, "all three removed")
+    removed_at = [ts for ts, ev in watch.log if isinstance(ev, Removed)]
+    assert len(removed_at) == 3
+    assert max(removed_at) - min(removed_at) < 0.2, "records of one lease must vanish together"
+    assert max(removed_at) - t0 < 1.0
     assert await disc.get_prefix(instance_prefix(ns)) == {survivor: b"other lease"}
     with pytest.raises(DiscoveryError):
         await lease.put(keys[0], b"after revoke")
     await lease.revoke()  # idempotent
 
 
-async def test_kill9_owner_record_removed_within_ttl(disc: Discovery, discovery_url: str, ns: str):
-    async with (
-        Tracker(disc, instance_prefix(ns)) as watch,
-        Owner(discovery_url, instance_key(ns, "worker", "generate", 0)[:-1] + "{id}", TTL) as owner,
-    ):
-        await watch.wait_for(lambda s: owner.key in s, TTL + 1, "owner's record")
-        killed = time.monotonic()
-        owner.signal(signal.SIGKILL)
-        gone = await watch.wait_for(lambda s: owner.key not in s, TTL + 3, "owner's record gone")
-        assert gone - killed <= TTL + 1.0, f"record outlived its owner by {gone - killed:.2f}s"
-        assert await disc.get_prefix(instance_prefix(ns)) == {}
+async def test_kill9_owner_record_removed_within_ttl(disc: Discovery, discovery_url: str, ns: str, tracker, owner):
+    watch = await tracker(disc, instance_prefix(ns))
+    child = await owner(discovery_url, instance_key(ns, "worker", "generate", 0)[:-1] + "{id}", TTL)
+    await watch.wait_for(lambda s: child.key in s, TTL + 1, "owner's record")
+    killed = time.monotonic()
+    child.signal(signal.SIGKILL)
+    gone = await watch.wait_for(lambda s: child.key not in s, TTL + 3, "owner's record gone")
+    assert gone - killed <= TTL + 1.0, f"record outlived its owner by {gone - killed:.2f}s"
+    assert await disc.get_prefix(instance_prefix(ns)) == {}
 
 
-async def test_frozen_owner_loses_lease_then_recovers_without_restart(disc: Discovery, discovery_url: str, ns: str):
+async def test_frozen_owner_loses_lease_then_recovers_without_restart(
+    disc: Discovery, discovery_url: str, ns: str, tracker, owner
+):
     """SIGSTOP the owner for 2xTTL: its record expires; on SIGCONT it reports LOST, re-grants, re-publishes."""
     ttl = 1.0
-    async with (
-        Tracker(disc, instance_prefix(ns)) as watch,
-        Owner(discovery_url, instance_key(ns, "worker", "generate", 0)[:-1] + "{id}", ttl) as owner,
-    ):
-        key = owner.key
-        await watch.wait_for(lambda s: key in s, ttl + 1, "owner's record")
-        owner.signal(signal.SIGSTOP)
-        frozen = time.monotonic()
-        gone = await watch.wait_for(lambda s: key not in s, 2 * ttl + 2, "frozen owner's record gone")
-        assert gone - frozen <= ttl + 1.0
-        await asyncio.sleep(max(0.0, frozen + 2 * ttl - time.monotonic()))
-        owner.signal(signal.SIGCONT)
-        await owner.expect("LOST", 5)
-        renewed = await owner.expect("RENEWED", 5)
-        new_id = int(renewed.split()[1], 16)
-        assert new_id != owner.lease_id
-        assert owner.lines[-2:] == ["LOST", renewed], owner.lines  # lost exactly once, then renewed
-        await watch.wait_for(lambda s: key in s, 3, "record re-published under the new lease")
+    watch = await tracker(disc, instance_prefix(ns))
+    child = await owner(discovery_url, instance_key(ns, "worker", "generate", 0)[:-1] + "{id}", ttl)
+    key = child.key
+    await watch.wait_for(lambda s: key in s, ttl + 1, "owner's record")
+    child.signal(signal.SIGSTOP)
+    frozen = time.monotonic()
+    gone = await watch.wait_for(lambda s: key not in s, 2 * ttl + 2, "frozen owner's record gone")
+    assert gone - frozen <= ttl + 1.0
+    await asyncio.sleep(max(0.0, frozen + 2 * ttl - time.monotonic()))
+    child.signal(signal.SIGCONT)
+    await child.expect("LOST", 5)
+    renewed = await child.expect("RENEWED", 5)
+    new_id = int(renewed.split()[1], 16)
+    assert new_id != child.lease_id
+    assert child.lines[-2:] == ["LOST", renewed], child.lines  # lost exactly once, then renewed
+    await watch.wait_for(lambda s: key in s, 3, "record re-published under the new lease")
 
 
-async def test_lease_revoked_behind_the_keepers_back_is_regranted(discovery_url: str, ns: str):
+async def test_lease_revoked_behind_the_keepers_back_is_regranted(discovery_url: str, ns: str, tracker):
     """The backend forgets the lease (etcdctl lease revoke / lease file deleted): lost, then a new lease."""
     d = await open_discovery(discovery_url, ttl=TTL)
     admin = await open_discovery(discovery_url, ttl=TTL)
@@ -137,16 +133,16 @@ async def test_lease_revoked_behind_the_keepers_back_is_regranted(discovery_url:
         old_id = lease.id
         key = instance_key(ns, "worker", "generate", old_id)  # keys stay; the lease under them changes
         await lease.put(key, b"v")
-        async with Tracker(admin, instance_prefix(ns)) as watch:
-            await admin._lease_revoke(old_id)
-            await watch.wait_for(lambda s: key not in s, 2, "record gone with the lease")
-            await asyncio.wait_for(got_renewed.wait(), TTL + 2)
-            assert len(lost) == 1 and renewed == [lease.id] and lease.id != old_id
-            assert lease.alive and lease.losses == 1
-            await watch.wait_for(lambda s: s.get(key) == b"v", 2, "record back under the new lease")
-            # the new lease really holds it: revoking it removes the record again
-            await lease.revoke()
-            await watch.wait_for(lambda s: key not in s, 2, "record gone after revoke")
+        watch = await tracker(admin, instance_prefix(ns))
+        await admin._lease_revoke(old_id)
+        await watch.wait_for(lambda s: key not in s, 2, "record gone with the lease")
+        await asyncio.wait_for(got_renewed.wait(), TTL + 2)
+        assert len(lost) == 1 and renewed == [lease.id] and lease.id != old_id
+        assert lease.alive and lease.losses == 1
+        await watch.wait_for(lambda s: s.get(key) == b"v", 2, "record back under the new lease")
+        # the new lease really holds it: revoking it removes the record again
+        await lease.revoke()
+        await watch.wait_for(lambda s: key not in s, 2, "record gone after revoke")
     finally:
         await d.close()
         await admin.close()

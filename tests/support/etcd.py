@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -34,6 +35,16 @@ ETCD_BIN = os.environ.get("KVMESH_TEST_ETCD", "etcd")
 
 def etcd_available() -> bool:
     return shutil.which(ETCD_BIN) is not None
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM etcd if the test process dies (a hard-killed test must not leave etcd behind)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
 
 
 def free_port() -> int:
@@ -118,6 +129,7 @@ class EtcdServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
 
     def _wait_healthy(self, timeout: float) -> None:

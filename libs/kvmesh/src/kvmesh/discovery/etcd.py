@@ -1,7 +1,8 @@
 """etcd backend (client: ``aetcd`` 1.0.0, which has no keepalive, no watch resume and one endpoint).
 
 * Endpoints: ``etcd://host:port[,host:port...]``. ``open`` probes them in order (a linearizable
-  read, so a member without a leader does not count) and keeps the first that answers; on a
+  read, so a member without a leader does not count), in rounds until ``connect_timeout`` is
+  spent (so a daemon may start together with etcd), and keeps the first that answers; on a
   connectivity error the connection fails over to the next endpoint (round robin). With one
   endpoint gRPC reconnects by itself; its reconnect backoff is capped at 1 s so RPCs work again
   about a second after etcd is back (gRPC's default grows to 120 s).
@@ -57,6 +58,8 @@ CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.keepalive_time_ms": 10_000,
     "grpc.keepalive_timeout_ms": 5_000,
     "grpc.http2.max_pings_without_data": 0,
+    # Own subchannels per client: a new client must not inherit another one's reconnect backoff.
+    "grpc.use_local_subchannel_pool": 1,
 }
 _CONNECTIVITY = (
     etcd_errors.ConnectionFailedError,
@@ -126,24 +129,31 @@ class _Connection:
         return _fmt(self.endpoints[self.index])
 
     async def open(self, connect_timeout: float) -> None:
+        """Probe the endpoints in order, in rounds, until one answers or ``connect_timeout`` is spent."""
         deadline = time.monotonic() + connect_timeout
-        errors: list[str] = []
+        errors: dict[int, str] = {}
         n = len(self.endpoints)
-        for i in range(n):
-            budget = (deadline - time.monotonic()) / (n - i)
-            client = self._make(i)
-            try:
-                await bounded(client.get(b"v1/"), max(budget, 0.05))
-            except Exception as exc:
-                errors.append(f"{_fmt(self.endpoints[i])}: {_one_line(exc) if str(exc) else 'timed out'}")
-                with contextlib.suppress(Exception):
-                    await bounded(client.close(), 1.0)
-                continue
-            self.index, self.client = i, client
-            return
+        while True:
+            for i in range(n):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                client = self._make(i)
+                try:
+                    await bounded(client.get(b"v1/"), max(left / (n - i), 0.05))
+                except Exception as exc:
+                    errors[i] = f"{_fmt(self.endpoints[i])}: {_one_line(exc) if str(exc) else 'timed out'}"
+                    with contextlib.suppress(Exception):
+                        await bounded(client.close(), 1.0)
+                    continue
+                self.index, self.client = i, client
+                return
+            if deadline - time.monotonic() <= 0.1:
+                break
+            await asyncio.sleep(0.1)  # refused fast (etcd still starting?): try again while time is left
         where = ", ".join(_fmt(e) for e in self.endpoints)
         raise DiscoveryUnavailable(
-            f"etcd unreachable at {where} within {connect_timeout:g}s ({'; '.join(errors)}); "
+            f"etcd unreachable at {where} within {connect_timeout:g}s ({'; '.join(errors.values())}); "
             "start etcd there or use --discovery file:///<dir> for a single machine"
         )
 
@@ -261,7 +271,9 @@ class EtcdDiscovery(Discovery):
                         yield Added(key, bytes(event.kv.value))
                     else:
                         yield Removed(key)
-                log.debug("etcd watch on %r ended; re-listing", prefix)
+                log.debug("etcd watch on %r ended; re-listing", prefix)  # e.g. its client was replaced
+                await asyncio.sleep(backoff)  # never a tight loop, whatever ends the watch
+                backoff = min(backoff * 2, _WATCH_BACKOFF_MAX)
             except etcd_errors.RevisionCompactedError as exc:
                 log.info("etcd watch on %r: %s; re-listing", prefix, exc)
             except DiscoveryError:
