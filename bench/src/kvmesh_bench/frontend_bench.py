@@ -24,6 +24,12 @@ Phases (each path in turn, same prompts, ``ignore_eos`` so every request produce
 
 Ratios are against the direct path measured in the same run (the machine is shared and noisy).
 Run: ``python -m kvmesh_bench.frontend_bench --json out.json`` (or ``kvmesh bench frontend``).
+
+**Paired A/B** (``--baseline-pythonpath PATHS``): instead of the table, two deployments run side by
+side, the baseline's daemons importing first from ``PATHS`` (another checkout's ``services/*/src``),
+and the client loads them alternately, round by round; it prints each daemon's CPU per request,
+streams/s and one-at-a-time p50 for both, with the per-round ratios current/baseline. On a shared
+machine this is the way to tell a 10 % change from noise.
 """
 
 from __future__ import annotations
@@ -110,20 +116,23 @@ def _script(name: str) -> str:
 
 
 class Deployment:
-    def __init__(self, workdir: Path, engines: int, block_size: int) -> None:
+    def __init__(self, workdir: Path, engines: int, block_size: int, pythonpath: str | None = None) -> None:
         self.workdir = workdir
         self.url = f"file://{workdir / 'discovery'}"
         self.procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
         self.engines = engines
         self.block_size = block_size
         self.frontend_port = _free_port()
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if pythonpath:  # the daemons import these first (another checkout's services/*/src)
+            self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")]))
 
     def _spawn(self, name: str, *args: str) -> None:
         log = self.workdir / f"{name}.log"
         common = ["--discovery", self.url, "--namespace", NAMESPACE, "--log-level", "warning"]
         with open(log, "wb") as out:
             proc = subprocess.Popen([_script(name), *common, *args], stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                                    start_new_session=True, env=self.env)  # fmt: skip
         self.procs.append((name, proc, log))
 
     def start_relay(self, engines: list[tuple[int, str]]) -> int:
@@ -426,6 +435,91 @@ async def _measure(args: argparse.Namespace, deployment: Deployment) -> Result:
     )  # fmt: skip
 
 
+# -- paired A/B --------------------------------------------------------------------------------
+async def _paired(args: argparse.Namespace, deployments: dict[str, Deployment]) -> dict[str, Any]:
+    """Load two deployments alternately (round by round) and compare the CPU they spend per request.
+
+    Each round, on each deployment in turn (the order alternates): ``--paired-latency`` requests one
+    at a time, then ``--paired-requests`` requests at ``--concurrency``, the daemons' CPU read from
+    /proc around the latter. The first round warms up and is not counted. Pairing the rounds cancels
+    most of a shared machine's drift; the per-round ratios show what is left.
+    """
+    model = args.model
+    stubs = {}
+    channels = []
+    for name, deployment in deployments.items():
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{deployment.frontend_port}")
+        channels.append(channel)
+        stubs[name] = kserve_grpc.GRPCInferenceServiceStub(channel)
+        await _wait_ready(stubs[name], deployment, model)
+    prompts = _prompts(4096, args.prompt_words)
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in deployments}
+    names = list(deployments)
+    for index in range(args.rounds + 1):
+        for name in names if index % 2 == 0 else names[::-1]:
+            deployment, stub = deployments[name], stubs[name]
+            client = FrontendClient(stub)
+            latency = [(await client.run(_kserve_request(model, prompts[i], args.tokens, f"l{index}-{i}")))[0]
+                       for i in range(args.paired_latency)]  # fmt: skip
+            await client.close()
+            clients = [FrontendClient(stub) for _ in range(args.concurrency)]
+            ids = itertools.count()
+
+            async def loop(
+                slot: int, clients: list[FrontendClient] = clients, ids: Any = ids, index: int = index
+            ) -> None:
+                while (i := next(ids)) < args.paired_requests:
+                    request = _kserve_request(model, prompts[i % len(prompts)], args.tokens, f"r{index}-{i}")
+                    await clients[slot].run(request)
+
+            before, start = deployment.cpu_seconds(), time.perf_counter()
+            await asyncio.gather(*(loop(slot) for slot in range(args.concurrency)))
+            elapsed, after = time.perf_counter() - start, deployment.cpu_seconds()
+            for c in clients:
+                await c.close()
+            if index == 0:
+                continue
+            sample = {k: (after[k] - before.get(k, 0.0)) * 1000 / args.paired_requests for k in after}
+            sample["all"] = sum(sample.values())
+            sample["streams_per_s"] = args.paired_requests / elapsed
+            sample["p50_ms"] = float(np.percentile(np.array(latency) * 1000, 50))
+            rounds[name].append(sample)
+    for channel in channels:
+        await channel.close()
+    keys = list(rounds[names[0]][0])
+    median = {name: {k: float(np.median([r[k] for r in rounds[name]])) for k in keys} for name in names}
+    ratios = {
+        k: [b[k] / a[k] for a, b in zip(rounds["baseline"], rounds["current"], strict=True) if a[k]] for k in keys
+    }
+    return {"rounds": rounds, "median": median, "ratio_median": {k: float(np.median(v)) for k, v in ratios.items()},
+            "ratios": ratios}  # fmt: skip
+
+
+def _paired_table(out: dict[str, Any], args: argparse.Namespace) -> str:
+    labels = {
+        "worker": "CPU ms/request: worker",
+        "router": "CPU ms/request: router",
+        "frontend": "CPU ms/request: frontend",
+        "all": "CPU ms/request: all daemons",
+        "streams_per_s": f"streams/s @ c={args.concurrency}",
+        "p50_ms": "request p50 (ms), one at a time",
+    }
+    rows = [("", "baseline", "current", "current/baseline (median of rounds)", "per round")]
+    for key, label in labels.items():
+        if key not in out["median"]["current"]:
+            continue
+        rows.append((label, f"{out['median']['baseline'][key]:.3f}", f"{out['median']['current'][key]:.3f}",
+                     f"{out['ratio_median'][key]:.3f}", " ".join(f"{x:.2f}" for x in out["ratios"][key])))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(r)) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    header = (
+        f"paired A/B: {args.rounds} rounds, each {args.paired_latency} requests one at a time + "
+        f"{args.paired_requests} at c={args.concurrency}; baseline PYTHONPATH={args.baseline_pythonpath}"
+    )
+    return header + "\n" + "\n".join(lines)
+
+
 def _table(r: Result) -> str:
     names = list(r.paths)
     d = r.paths["direct"].latency
@@ -461,6 +555,14 @@ def _table(r: Result) -> str:
             rows.append(row(f"CPU ms/request: {proc}", [
                 f"{r.paths[n].cpu_ms_per_request[proc]:.2f}" if proc in r.paths[n].cpu_ms_per_request else "-"
                 for n in names]))  # fmt: skip
+    # The CPU every process of the path spends per request, and the streams/s that cost allows on
+    # this machine's cores with nothing else running: the throughput figure a shared machine's noise
+    # does not move much (the measured streams/s depend on what else runs).
+    totals = {n: sum(r.paths[n].cpu_ms_per_request.values()) for n in names}
+    cores = os.cpu_count() or 1
+    rows.append(row("CPU ms/request: all processes", [f"{totals[n]:.2f}" for n in names]))
+    rows.append(row(f"CPU-bound streams/s on {cores} cores", [
+        f"{cores * 1000 / totals[n]:.0f}" if totals[n] > 0 else "-" for n in names]))  # fmt: skip
     widths = [max(len(cells[i]) for cells in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(widths[i]) for i, cell in enumerate(cells)) for cells in rows]
     lines.insert(1, "-" * len(lines[0]))
@@ -492,6 +594,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure a bare grpc.aio relay (the floor of one Python hop)")  # fmt: skip
     parser.add_argument("--serve-relay", nargs="+", default=None, metavar="ARG", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-pythonpath", default=None, metavar="PATHS",
+                        help="paired A/B instead of the table: a second deployment whose daemons import from these "
+                             "paths first (e.g. another checkout's services/*/src, colon-separated), loaded "
+                             "alternately with the current one; prints CPU per request and the ratios")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=6, help="paired A/B: counted rounds (plus one warm-up)")
+    parser.add_argument("--paired-requests", type=int, default=1500, help="paired A/B: requests per round at c")
+    parser.add_argument("--paired-latency", type=int, default=100, help="paired A/B: one-at-a-time requests per round")
     args = parser.parse_args(argv)
     if args.serve_relay:  # internal: PORT ENGINE_ID@ADDRESS ...
         port, *targets = args.serve_relay
@@ -499,6 +608,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         uvloop.run(_serve_relay(int(port), parsed))
         return 0
 
+    if args.baseline_pythonpath:
+        return _run_paired(args)
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-fe-bench-"))
     deployment = Deployment(workdir, args.engines, args.block_size)
     deployment.start()
@@ -517,6 +628,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(_table(result))
     if args.json is not None:
         args.json.write_text(json.dumps(asdict(result), indent=2))
+    return 0
+
+
+def _run_paired(args: argparse.Namespace) -> int:
+    workdirs = {name: Path(tempfile.mkdtemp(prefix=f"kvmesh-fe-bench-{name}-")) for name in ("baseline", "current")}
+    deployments = {
+        "baseline": Deployment(workdirs["baseline"], args.engines, args.block_size, args.baseline_pythonpath),
+        "current": Deployment(workdirs["current"], args.engines, args.block_size),
+    }
+    try:
+        for deployment in deployments.values():
+            deployment.start()
+        out = uvloop.run(_paired(args, deployments))
+    except Exception as exc:
+        print(f"frontend bench failed: {exc}", file=sys.stderr)
+        for deployment in deployments.values():
+            for name, _proc, log in deployment.procs:
+                print(f"--- {name}\n{log.read_text()[-2000:]}", file=sys.stderr)
+        return 1
+    finally:
+        for deployment in deployments.values():
+            deployment.stop()
+        for workdir in workdirs.values():
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(_paired_table(out, args))
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=2))
     return 0
 
 

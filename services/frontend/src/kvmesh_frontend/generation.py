@@ -314,6 +314,8 @@ class EngineBuffer:
         return merged
 
     async def close(self) -> None:
-        if not self._task.done():
-            self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        task = self._task
+        if task.done():  # the usual case: the stream ended (its errors were kept for next())
+            return
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

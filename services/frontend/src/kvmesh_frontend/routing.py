@@ -23,8 +23,8 @@ import asyncio
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from kvmesh.channels import ChannelPool
@@ -39,6 +39,8 @@ _SUSPECT_S = 5.0
 _FINISHED = router_pb2.LIFECYCLE_STAGE_FINISHED
 _FIRST_TOKEN = router_pb2.LIFECYCLE_STAGE_FIRST_TOKEN
 _ROUTED = router_pb2.DECISION_OUTCOME_ROUTED
+# Initial metadata entry by which a replica advertises the Session batch messages (router.proto).
+BATCHING_METADATA_KEY = "kvmesh-session-batching"
 
 
 class SessionBroken(Exception):
@@ -48,9 +50,15 @@ class SessionBroken(Exception):
 class RouterSession:
     """One Session stream to one router replica.
 
-    Writes are serialized (gRPC allows one outstanding write per call): a route query is written
-    inline by its caller when no write is in flight (it is on the request's critical path);
-    otherwise it and every lifecycle update go to an outbox that one drain task empties in order.
+    Writes are serialized (gRPC allows one outstanding write per call) through an outbox that one
+    writer task empties in order. When the replica advertises batching (initial metadata
+    ``kvmesh-session-batching``), everything goes through the outbox and whatever is queued when
+    the writer runs goes out as one ``SessionRequestBatch`` (its decisions come back as one
+    ``RouteDecisionBatch``): the writer runs at the end of the event-loop tick, so the queries and
+    updates of every request served in that tick share one message (a request whose tokens arrive
+    together sends its FIRST_TOKEN and FINISHED in one). Without batching (an older replica), a
+    route query is written inline by its caller when nothing is queued or in flight (it is on the
+    request's critical path), and every message goes out on its own.
     """
 
     def __init__(
@@ -65,32 +73,42 @@ class RouterSession:
         self.closed = False
         self.closing = False  # closed on purpose (replica left discovery, shutdown): not a failure
         self.reason = ""
+        self.batching = False  # the replica understands the batch messages (learnt from its metadata)
         self._on_closed = on_closed
         self._loop = asyncio.get_running_loop()
-        self._outbox: deque[router_pb2.SessionRequest] = deque()
+        self._outbox: list[router_pb2.SessionRequest] = []
         self._writing = False
-        self._drainer: asyncio.Task[None] | None = None
+        self._writer_wakeup: asyncio.Future[None] | None = None
         self._pending: dict[str, asyncio.Future[router_pb2.RouteDecision]] = {}
         self._call = router_pb2_grpc.RouterServiceStub(channel).Session()
         self._reader = self._loop.create_task(self._read(), name=f"router-session-{replica_id:x}")
+        self._writer = self._loop.create_task(self._write_loop(), name=f"router-session-writer-{replica_id:x}")
 
     # -- writing ---------------------------------------------------------------------------------
     def _enqueue(self, message: router_pb2.SessionRequest) -> None:
         self._outbox.append(message)
-        if not self._writing:
-            self._writing = True
-            self._drainer = self._loop.create_task(self._drain())
+        self._wake_writer()
 
-    async def _drain(self) -> None:
+    async def _write_loop(self) -> None:
         try:
-            outbox = self._outbox
-            while outbox and not self.closed:
-                await self._call.write(outbox.popleft())
+            while not self.closed:
+                if not self._outbox or self._writing:
+                    self._writer_wakeup = self._loop.create_future()
+                    await self._writer_wakeup
+                    continue
+                messages, self._outbox = self._outbox, []
+                if self.batching and len(messages) > 1:
+                    messages = [router_pb2.SessionRequest(batch=router_pb2.SessionRequestBatch(requests=messages))]
+                self._writing = True
+                try:
+                    for message in messages:
+                        await self._call.write(message)
+                finally:
+                    self._writing = False
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:  # the stream broke: the reader reports why
             self._write_failed(exc)
-        finally:
-            self._writing = False
-            self._drainer = None
 
     async def _write_now(self, message: router_pb2.SessionRequest) -> None:
         self._writing = True
@@ -101,8 +119,14 @@ class RouterSession:
         finally:
             self._writing = False
             if self._outbox and not self.closed:
-                self._writing = True
-                self._drainer = self._loop.create_task(self._drain())
+                self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        wakeup = self._writer_wakeup
+        if wakeup is not None:
+            self._writer_wakeup = None
+            if not wakeup.done():
+                wakeup.set_result(None)
 
     def _write_failed(self, exc: BaseException) -> None:
         if not self.closed:
@@ -112,17 +136,15 @@ class RouterSession:
     # -- reading ---------------------------------------------------------------------------------
     async def _read(self) -> None:
         reason = "the router ended the session"
-        pending = self._pending
         try:
+            self.batching = _advertises_batching(await self._call.initial_metadata())
             async for response in self._call:
-                decision = response.decision
-                future = pending.pop(decision.request_id, None)
-                if future is None:
-                    if decision.outcome == _ROUTED:  # nobody waits for it any more: free the booking
-                        self.lifecycle(decision.request_id, _FINISHED)
-                    continue
-                if not future.done():
-                    future.set_result(decision)
+                kind = response.WhichOneof("kind")
+                if kind == "decision":
+                    self._decided(response.decision)
+                elif kind == "decision_batch":
+                    for decision in response.decision_batch.decisions:
+                        self._decided(decision)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
         except asyncio.CancelledError:
@@ -132,12 +154,21 @@ class RouterSession:
         finally:
             self._close(reason)
 
+    def _decided(self, decision: router_pb2.RouteDecision) -> None:
+        future = self._pending.pop(decision.request_id, None)
+        if future is None:
+            if decision.outcome == _ROUTED:  # nobody waits for it any more: free the booking
+                self.lifecycle(decision.request_id, _FINISHED)
+        elif not future.done():
+            future.set_result(decision)
+
     def _close(self, reason: str) -> None:
         if self.closed:
             return
         self.closed = True
         self.reason = reason
         self._outbox.clear()
+        self._wake_writer()  # the writer sees `closed` and ends
         pending, self._pending = self._pending, {}
         error = SessionBroken(f"router replica {self.replica_id:x} at {self.address}: {reason}")
         for future in pending.values():
@@ -154,7 +185,7 @@ class RouterSession:
             return future
         self._pending[query.request_id] = future
         message = router_pb2.SessionRequest(route=query)
-        if self._writing:
+        if self.batching or self._writing or self._outbox:
             self._enqueue(message)
         else:
             await self._write_now(message)
@@ -182,8 +213,19 @@ class RouterSession:
         self.closing = True
         self._call.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
-        if self._drainer is not None:
-            self._drainer.cancel()
+        self._writer.cancel()
+        await asyncio.gather(self._writer, return_exceptions=True)
+
+
+def _advertises_batching(metadata: Any) -> bool:
+    """Whether a replica's initial metadata says it understands the Session batch messages."""
+    for key, value in metadata or ():
+        if key == BATCHING_METADATA_KEY:
+            try:
+                return int(value) >= router_pb2.SESSION_BATCHING_V1
+            except (TypeError, ValueError):
+                return False
+    return False
 
 
 def _timeout(future: asyncio.Future[router_pb2.RouteDecision], seconds: float) -> None:

@@ -169,8 +169,11 @@ class IncrementalDetokenizer:
                 # the tail. A UTF-8 character has at most 4 bytes and every token at least one,
                 # so a tail of 4+ tokens still ending in U+FFFD is invalid bytes, not an
                 # incomplete character: then everything goes out as it is.
+                # (Only the last _MAX_HELD_TOKENS - 1 cuts can lead to holding a tail; past them the
+                # answer is "everything goes out", so the search stops there.)
                 cut = end - 1
-                while cut > self._read:
+                lowest = max(self._read, end - _MAX_HELD_TOKENS)
+                while cut > lowest:
                     text = decode(ids[self._prefix : cut], skip_special_tokens=self._skip)
                     if not text.endswith(REPLACEMENT):
                         break

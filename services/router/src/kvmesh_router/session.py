@@ -13,6 +13,11 @@ died), every booking the session still holds is freed: a dead frontend leaks not
 
 Each decision is computed synchronously inside the stream's handler (select + book never yields), so
 decisions of all sessions are serialized on the event loop: no two see the same pre-booking load.
+
+Batching (negotiated: the handler advertises ``kvmesh-session-batching: 1`` in its initial metadata):
+a ``SessionRequestBatch`` is a run of queries and updates applied in order, each exactly as if it had
+come alone; its decisions go back together in one ``RouteDecisionBatch`` (none if it held no query).
+Frontends that do not batch (older ones) get single decisions as before.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from kvmesh.v1 import router_pb2
@@ -32,6 +38,8 @@ log = logging.getLogger(__name__)
 
 _FIRST_TOKEN = router_pb2.LIFECYCLE_STAGE_FIRST_TOKEN
 _FINISHED = router_pb2.LIFECYCLE_STAGE_FINISHED
+# The initial metadata that tells a frontend this replica understands the batch messages.
+BATCHING_METADATA = (("kvmesh-session-batching", str(router_pb2.SESSION_BATCHING_V1)),)
 
 
 class SessionHandler:
@@ -41,58 +49,42 @@ class SessionHandler:
         self.state = state
         self.is_ready = is_ready
         self._ids = itertools.count(1)
+        # (stage, known) -> the bound counter: a labels() lookup per update costs more than the update.
+        self._counters: dict[tuple[int, bool], Any] = {}
 
     async def serve(
         self, request_iterator: AsyncIterator[router_pb2.SessionRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.SessionResponse]:
         if not self.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "router replica is warming up; retry shortly")
+        await context.send_initial_metadata(BATCHING_METADATA)
         state = self.state
         prefix = f"s{next(self._ids)}/"
         active: dict[str, str] = {}  # request id -> booking key
-        lifecycle = state.metrics.lifecycle
         state.sessions += 1
+        decide = self._decide
+        update = self._update
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
                 if kind == "route":
-                    query = message.route
                     response = router_pb2.SessionResponse()
-                    decision = response.decision
-                    rid = query.request_id
-                    if not rid or rid in active:
-                        decision.request_id = rid
-                        decision.outcome = INVALID
-                        decision.message = (
-                            f"request id {rid!r} is already active on this session" if rid else "request_id is required"
-                        )
-                        state.metrics.observe_decision(state.admission.config.mode, "invalid", 0.0)
-                    else:
-                        key = prefix + rid
-                        try:
-                            state.route(key, query, decision)
-                        except Exception as exc:  # a bug must not take the frontend's whole session down
-                            log.exception("route query %s failed", rid)
-                            state.finish(key)
-                            decision.outcome = INVALID
-                            decision.message = f"internal router error: {exc!r}"
-                        if decision.outcome == ROUTED:
-                            active[rid] = key
+                    decide(prefix, active, message.route, response.decision)
                     yield response
                 elif kind == "lifecycle":
-                    update = message.lifecycle
-                    rid = update.request_id
-                    key = active.get(rid)
-                    if update.stage == _FIRST_TOKEN:
-                        known = key is not None and state.prefill_completed(key)
-                        lifecycle.labels("first_token", "yes" if known else "no").inc()
-                    elif update.stage == _FINISHED:
-                        if key is not None:
-                            del active[rid]
-                            known = state.finish(key)
-                        else:
-                            known = False
-                        lifecycle.labels("finished", "yes" if known else "no").inc()
+                    update(active, message.lifecycle)
+                elif kind == "batch":
+                    response = router_pb2.SessionResponse()
+                    decisions = response.decision_batch.decisions
+                    for item in message.batch.requests:
+                        inner = item.WhichOneof("kind")
+                        if inner == "route":
+                            decide(prefix, active, item.route, decisions.add())
+                        elif inner == "lifecycle":
+                            update(active, item.lifecycle)
+                        # a nested batch is ignored (batches do not nest)
+                    if decisions:
+                        yield response
         finally:
             state.sessions -= 1
             if active:
@@ -100,3 +92,43 @@ class SessionHandler:
                 for key in active.values():
                     state.finish(key)
                 state.metrics.sessions_freed.inc(len(active))
+
+    def _decide(
+        self, prefix: str, active: dict[str, str], query: router_pb2.RouteQuery, decision: router_pb2.RouteDecision
+    ) -> None:
+        state = self.state
+        rid = query.request_id
+        if not rid or rid in active:
+            decision.request_id = rid
+            decision.outcome = INVALID
+            decision.message = (
+                f"request id {rid!r} is already active on this session" if rid else "request_id is required"
+            )
+            state.metrics.observe_decision(state.admission.config.mode, "invalid", 0.0)
+            return
+        key = prefix + rid
+        try:
+            state.route(key, query, decision)
+        except Exception as exc:  # a bug must not take the frontend's whole session down
+            log.exception("route query %s failed", rid)
+            state.finish(key)
+            decision.outcome = INVALID
+            decision.message = f"internal router error: {exc!r}"
+        if decision.outcome == ROUTED:
+            active[rid] = key
+
+    def _update(self, active: dict[str, str], update: router_pb2.LifecycleUpdate) -> None:
+        stage = update.stage
+        if stage == _FIRST_TOKEN:
+            key = active.get(update.request_id)
+            known = key is not None and self.state.prefill_completed(key)
+        elif stage == _FINISHED:
+            key = active.pop(update.request_id, None)
+            known = key is not None and self.state.finish(key)
+        else:
+            return
+        counter = self._counters.get((stage, known))
+        if counter is None:
+            name = "first_token" if stage == _FIRST_TOKEN else "finished"
+            counter = self._counters[stage, known] = self.state.metrics.lifecycle.labels(name, "yes" if known else "no")
+        counter.inc()

@@ -1,13 +1,18 @@
 """Drives one I/O-free ``EngineCore`` in real time and fans its outputs out to asyncio consumers.
 
 The loop is step → sleep → deliver: a pass's tokens and KV events exist only once the pass is
-over, so they are delivered after sleeping the pass's modelled duration (÷ ``speedup_ratio``;
-0 means no sleeping at all). Deadlines are absolute (``next += modelled``), so the time spent in
-Python does not accumulate as drift; only after a stall longer than ``MAX_CATCH_UP_S`` (a starved
-process) does the schedule restart from now instead of rushing the following passes. The sleeps
-go through one ``DeadlineTimer`` per event loop (a Linux timerfd): uvloop's own timers round to
-whole milliseconds, which alone is ±10-20 % of a 6 ms decode pass. An idle engine awaits an
+over, so they are delivered after sleeping the pass's modelled duration (÷ ``speedup_ratio``).
+Deadlines are absolute (``next += modelled``), so the time spent in Python does not accumulate as
+drift; only after a stall longer than ``MAX_CATCH_UP_S`` (a starved process) does the schedule
+restart from now instead of rushing the following passes. The sleeps go through one
+``DeadlineTimer`` per event loop (a Linux timerfd): uvloop's own timers round to whole
+milliseconds, which alone is ±10-20 % of a 6 ms decode pass. An idle engine awaits an
 ``asyncio.Event`` and costs nothing: no polling, so a process can host a thousand of them.
+
+At speedup 0 there is no modelled time to sleep: passes run back to back, each delivered as soon
+as it is computed, and the loop yields to the event loop only every ``UNPACED_SLICE_S`` (or
+``UNPACED_SLICE_PASSES``), so that consumers find several passes queued and send them as one
+message instead of one per token.
 
 Subscribers of the KV journal register synchronously together with their snapshot or replay
 (the loop and the core share one thread). The journal already holds the events of the pass in
@@ -19,6 +24,7 @@ this is what makes "no gap, no duplicate" hold.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import heapq
@@ -42,6 +48,10 @@ SUBSCRIBER_QUEUE_PASSES = 4096
 MAX_CATCH_UP_S = 0.002
 # Deadlines this close together are served by one timer wakeup.
 _TIMER_SLACK_S = 20e-6
+# Speedup 0 (no sleeping): passes run back to back for up to this long (or this many passes) before
+# the loop yields to its consumers, so that each yield delivers a batch of tokens, not one.
+UNPACED_SLICE_S = 0.001
+UNPACED_SLICE_PASSES = 64
 
 
 class _Timespec(ctypes.Structure):
@@ -184,6 +194,58 @@ class KvSubscription:
         return events
 
 
+class OutputStream:
+    """One request's outputs, in order, for its one consumer: a lean ``asyncio.Queue`` (unbounded).
+
+    Every pass of a busy engine puts one output per running request, so this sits on the hot path;
+    it keeps the Queue methods the callers use (``get``, ``get_nowait``, ``put_nowait``, ``empty``,
+    ``qsize``) and adds :meth:`get_all`, which takes everything queued in one call.
+    """
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[RequestOutput] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: RequestOutput) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # a cancelled getter leaves its future behind
+                waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def get_nowait(self) -> RequestOutput:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def _wait(self) -> None:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+    async def get(self) -> RequestOutput:
+        if not self._items:
+            await self._wait()
+        return self._items.popleft()
+
+    async def get_all(self) -> list[RequestOutput]:
+        """Every queued output (at least one: waits for the first)."""
+        if not self._items:
+            await self._wait()
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+
 PassObserver = Callable[[int, ForwardPassMetrics, float], None]
 
 
@@ -195,7 +257,7 @@ class EngineRunner:
         self.core = core
         self.speedup_ratio = speedup_ratio
         self._wake = asyncio.Event()
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._subscribers: set[KvSubscription] = set()
         self._observers: list[PassObserver] = []
         self._task: asyncio.Task[None] | None = None
@@ -223,10 +285,10 @@ class EngineRunner:
         self._observers.append(observer)
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, request: EngineRequest) -> asyncio.Queue[RequestOutput]:
+    def submit(self, request: EngineRequest) -> OutputStream:
         """Queue a request; raises the engine's InvalidRequest / QueueFull synchronously."""
         self.core.add_request(request)
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue = OutputStream()
         self._streams[request.request_id] = queue
         self._wake.set()
         return queue
@@ -261,19 +323,44 @@ class EngineRunner:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if scale <= 0:
+                await self._run_unpaced(clock)
+                continue
             deadline = clock()
             while self.core.has_unfinished():
                 started = clock()
                 out = self.core.step()
-                if scale > 0:
-                    if started - deadline > MAX_CATCH_UP_S:
-                        deadline = started  # stalled: restart the schedule rather than rush the next passes
-                    deadline += out.metrics.duration_ms / scale
-                    await timer.sleep_until(deadline)
-                else:
-                    await asyncio.sleep(0)  # let consumers run between passes
+                if started - deadline > MAX_CATCH_UP_S:
+                    deadline = started  # stalled: restart the schedule rather than rush the next passes
+                deadline += out.metrics.duration_ms / scale
+                await timer.sleep_until(deadline)
                 self._deliver(out.outputs, out.kv_events)
                 self._account(out.metrics, clock() - started)
+
+    async def _run_unpaced(self, clock: Callable[[], float]) -> None:
+        """Speedup 0: no modelled time, so passes run back to back in slices of ``UNPACED_SLICE_S``.
+
+        Each pass is delivered as soon as it is computed (there is no time to sleep); the loop
+        yields to the event loop only between slices. Consumers that were not scheduled meanwhile
+        find several passes queued and send them as one message (the Generate handler and the KV
+        subscribers coalesce what piled up), which is what makes a request at speedup 0 cost a few
+        gRPC messages instead of one per token. Requests submitted during a slice join at the next
+        pass after it, i.e. within one slice.
+        """
+        core = self.core
+        step, deliver, account = core.step, self._deliver, self._account
+        while core.has_unfinished():
+            started = clock()
+            slice_end = started + UNPACED_SLICE_S
+            for _ in range(UNPACED_SLICE_PASSES):
+                out = step()
+                deliver(out.outputs, out.kv_events)
+                now = clock()
+                account(out.metrics, now - started)
+                started = now
+                if now >= slice_end or not core.has_unfinished():
+                    break
+            await asyncio.sleep(0)  # let consumers (and new submissions) run between slices
 
     def _deliver(self, outputs: list[RequestOutput], events: list[KvEvent]) -> None:
         streams = self._streams

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
 from kvmesh import kv_events_pb
@@ -101,7 +101,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Generate(
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        runner = await self._runner(request.engine_id, context)
+        runner = self.runners.get(request.engine_id) or await self._runner(request.engine_id, context)
         sampling = request.sampling
         request_id = request.request_id or uuid.uuid4().hex
         try:
@@ -122,12 +122,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         finished = False
         try:
             while not finished:
-                outputs: list[RequestOutput] = [await queue.get()]
-                while not queue.empty():  # a slow reader gets one message for several passes
-                    outputs.append(queue.get_nowait())
+                # Everything queued since the last message: a slow reader (or an engine that ran
+                # several passes back to back) gets one message for several passes.
+                outputs: list[RequestOutput] = await queue.get_all()
                 response = worker_pb2.GenerateResponse()
+                if len(outputs) == 1:
+                    token_ids: Sequence[int] = outputs[0].token_ids
+                else:
+                    token_ids = [token for output in outputs for token in output.token_ids]
+                response.token_ids.extend(token_ids)
                 for output in outputs:
-                    response.token_ids.extend(output.token_ids)
                     if output.num_cached_prompt_tokens is not None:
                         response.num_cached_tokens = output.num_cached_prompt_tokens
                         response.num_prompt_tokens = len(request.token_ids)
