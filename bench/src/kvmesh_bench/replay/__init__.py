@@ -1,0 +1,1 @@
+"""``kvmesh bench replay`` / ``kvmesh bench compare``: Mooncake trace replay, offline (simulated) and live."""

@@ -1,0 +1,247 @@
+"""``kvmesh bench replay TRACE``: replay a Mooncake trace offline (simulated fleet) or live (a frontend).
+
+Examples::
+
+    kvmesh bench replay conversation_trace.jsonl --offline --max-requests 2000 --router-mode kv:affinity
+    kvmesh bench replay conversation_trace.jsonl --frontend 127.0.0.1:8001 --max-requests 600 --json out.json
+
+``--router-mode`` is ``kv`` (the router's default cost policy), ``kv:POLICY`` (``kv:dynamo``,
+``kv:affinity``; extra knobs as ``kv:affinity+backlog_weight=0.05``), ``round_robin``, ``random`` or
+``power_of_two``. Live, a mode other than plain ``kv`` is sent per request as ``kvmesh.router_mode``;
+``kv:POLICY`` is offline only (the frontend has no per-request cost-policy parameter: a live replay
+uses whatever policy the router runs).
+
+Exit status: 0 done (even with failed requests: they are reported), 2 bad input (a malformed trace line
+names its line, an empty trace, an unreachable frontend, bad flags).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmesh_router.cost import COST_POLICIES, MODES, RouterPolicyConfig
+
+from kvmesh_bench.replay.offline import OfflineConfig, run_offline
+from kvmesh_bench.replay.report import RunData, format_table, plot_run, run_json, summarize, write_json
+from kvmesh_bench.replay.workload import DEFAULT_VOCAB_SIZE, ReplayRequest, TokenMapper, build_requests
+from kvmesh_bench.trace import TraceError, load_trace
+
+__all__ = ["ModeSpec", "ReplayError", "add_common_args", "load_requests", "main", "parse_mode", "run_mode"]
+
+PROG = "kvmesh bench replay"
+
+
+class ReplayError(Exception):
+    """A one-line reason to stop with exit status 2."""
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A routing setup: mode, cost policy (kv only; None = the router's default) and policy knobs."""
+
+    mode: str
+    policy: str | None = None
+    params: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if self.mode != "kv":
+            return self.mode
+        text = "kv" if self.policy is None else f"kv:{self.policy}"
+        return text + "".join(f"+{k}={v:g}" for k, v in sorted(self.params.items()))
+
+
+def parse_mode(text: str) -> ModeSpec:
+    """``kv``, ``kv:POLICY``, ``kv:POLICY+KEY=VALUE+...``, ``round_robin``, ``random``, ``power_of_two``."""
+    head, *knobs = text.strip().split("+")
+    mode, _, policy = head.partition(":")
+    mode = mode.strip()
+    if mode not in MODES or mode == "direct":
+        raise ReplayError(f"unknown router mode {mode!r}; expected kv[:POLICY], round_robin, random or power_of_two")
+    if (policy or knobs) and mode != "kv":
+        raise ReplayError(f"router mode {text!r}: only kv takes a cost policy")
+    if policy and policy not in COST_POLICIES:
+        raise ReplayError(f"unknown cost policy {policy!r}; registered: {', '.join(sorted(COST_POLICIES))}")
+    params: dict[str, float] = {}
+    for knob in knobs:
+        key, sep, value = knob.partition("=")
+        try:
+            params[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not key.strip():
+            raise ReplayError(f"router mode {text!r}: policy knobs are written +KEY=NUMBER, got {knob!r}")
+    return ModeSpec(mode, policy or None, params)
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", help="Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("--offline", action="store_true", help="simulate the fleet in virtual time instead of a frontend")
+    p.add_argument("--frontend", metavar="HOST:PORT", help="live: the frontend's KServe gRPC address")
+    p.add_argument("--model", default="kvmesh-mock", help="live: model name (default: kvmesh-mock)")
+    p.add_argument("--engines", type=_positive_int, default=8, help="offline: engines in the fleet (default 8)")
+    p.add_argument("--block-size", type=_positive_int, default=64, help="offline: engine KV block size (default 64)")
+    p.add_argument("--num-gpu-blocks", type=_positive_int, default=16384, help="offline: KV blocks per engine")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256, help="offline: running requests per engine")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, help="offline: tokens per pass")
+    p.add_argument("--perf-model", default=None, help="offline: 'polynomial' (default) or an .npz profile")
+    p.add_argument("--overlap-weight", type=float, default=1.0, help="kv: overlap_score_weight (default 1.0)")
+    p.add_argument("--temperature", type=float, default=0.0, help="kv: selection temperature (default 0)")
+    p.add_argument(
+        "--arrival-speedup", type=_positive_float, default=1.0, help="arrival times / N, engine speed unchanged"
+    )
+    p.add_argument("--max-requests", type=_positive_int, default=None, help="replay only the first N requests")
+    p.add_argument("--duration", type=_positive_float, default=None, help="live: stop sending after S seconds")
+    p.add_argument("--connect-timeout", type=_positive_float, default=5.0, help="live: frontend probe timeout (s)")
+    p.add_argument("--drain-timeout", type=_positive_float, default=120.0, help="live: wait S s for in-flight ones")
+    p.add_argument("--seed", type=int, default=0, help="token mapping and routing tie-breaks (default 0)")
+    p.add_argument("--vocab-size", type=_positive_int, default=DEFAULT_VOCAB_SIZE, help="token ids drawn below it")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON (and the plots next to it)")
+    p.add_argument("--plot", metavar="PATH", help="write the PNG plots here (default: next to --json)")
+    p.add_argument("--no-progress", action="store_true", help="live: no progress bar")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def load_requests(args: argparse.Namespace) -> list[ReplayRequest]:
+    try:
+        rows = load_trace(args.trace, args.max_requests)
+    except TraceError as exc:
+        raise ReplayError(str(exc)) from None
+    requests, skipped = build_requests(rows, arrival_speedup=args.arrival_speedup)
+    if not requests:
+        raise ReplayError(f"{args.trace}: no replayable request ({skipped} rows have no prompt token)")
+    if skipped:
+        print(f"{PROG}: skipped {skipped} rows with no prompt token", file=sys.stderr)
+    return requests
+
+
+def check_live_args(args: argparse.Namespace) -> None:
+    if not args.offline and not args.frontend:
+        raise ReplayError("give --frontend HOST:PORT for a live replay, or --offline to simulate")
+
+
+def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequest], seed: int) -> RunData:
+    """One replay of ``requests`` with routing ``spec`` (offline: a fresh fleet)."""
+    mapper = TokenMapper(vocab_size=args.vocab_size, seed=seed)
+    if args.offline:
+        params = dict(spec.params)
+        config = OfflineConfig(
+            engines=args.engines,
+            block_size=args.block_size,
+            num_gpu_blocks=args.num_gpu_blocks,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            perf_model=args.perf_model,
+            router_mode=spec.mode,
+            cost_policy=spec.policy or RouterPolicyConfig().cost_policy,  # plain kv: the router's default
+            overlap_weight=args.overlap_weight,
+            temperature=args.temperature,
+            policy_params=params,
+            seed=seed,
+            vocab_size=args.vocab_size,
+        )
+        run = run_offline(requests, config, mapper, label=spec.label)
+    else:
+        from kvmesh_bench.replay.live import FrontendUnreachable, LiveOptions, run_live
+
+        if spec.policy is not None or spec.params:
+            raise ReplayError(
+                f"live replay cannot select cost policy {spec.label!r} per request (the frontend has no such "
+                "parameter); use --router-mode kv and configure the router"
+            )
+        options = LiveOptions(
+            frontend=args.frontend,
+            model=args.model,
+            router_mode=spec.mode if getattr(args, "send_mode", True) else None,
+            duration_s=args.duration,
+            drain_timeout_s=args.drain_timeout,
+            connect_timeout_s=args.connect_timeout,
+            progress=not args.no_progress,
+            engines_hint=0,
+        )
+        try:
+            run = asyncio.run(run_live(requests, mapper, options, label=spec.label))
+        except FrontendUnreachable as exc:
+            raise ReplayError(f"cannot replay against frontend {args.frontend}: {exc}") from None
+    run.meta.update(
+        {
+            "trace": str(args.trace),
+            "arrival_speedup": args.arrival_speedup,
+            "max_requests": args.max_requests,
+            "seed": seed,
+            "mode": spec.label,
+        }
+    )
+    return run
+
+
+def _outputs(args: argparse.Namespace, stem_suffix: str = "") -> tuple[Path | None, Path | None]:
+    json_path = Path(args.json) if args.json else None
+    plot_path = Path(args.plot) if args.plot else None
+    if plot_path is None and json_path is not None:
+        plot_path = json_path.with_name(json_path.stem + stem_suffix + ".png")
+    return json_path, plot_path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=raw)
+    add_common_args(parser)
+    parser.add_argument("--router-mode", default="kv", help="kv[:POLICY[+KEY=VALUE...]], round_robin, random, ...")
+    args = parser.parse_args(argv)
+    try:
+        spec = parse_mode(args.router_mode)
+        check_live_args(args)
+        # Live with a plain "kv" leaves the router its own mode; anything else is sent per request.
+        args.send_mode = args.offline or args.router_mode.strip() != "kv"
+        requests = load_requests(args)
+        run = run_mode(args, spec, requests, args.seed)
+    except ReplayError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    summary = summarize(run)
+    where = "offline (simulated)" if args.offline else f"live against {args.frontend}"
+    print(f"{PROG}: {len(requests)} requests from {args.trace}, arrivals x{args.arrival_speedup:g}, {where}")
+    print(format_table([summary]))
+    print(f"prefix hit rate source: {summary.hit_source}")
+    _print_meta(run)
+    json_path, plot_path = _outputs(args)
+    if json_path is not None:
+        write_json(json_path, run_json(run))
+        print(f"wrote {json_path}")
+    if plot_path is not None:
+        plot_run(run, plot_path)
+        print(f"wrote {plot_path}")
+    return 0
+
+
+def _print_meta(run: RunData) -> None:
+    m = run.meta
+    if run.kind == "offline":
+        print(
+            f"simulation: {m['passes']} passes stepped, {m['skipped_quiet_passes']} quiet passes skipped, "
+            f"{m['cpu_s']:.1f} s CPU ({m['wall_s']:.1f} s wall); router view: hit {m['router_hit_rate']:.3f}, "
+            f"best offered {m['best_offered_hit_rate']:.3f}"
+        )
+    else:
+        print(f"client: {m['sent']} sent, max send lag {m['max_send_lag_ms']:.1f} ms, {m['client_cpu_s']:.1f} s CPU")
+    if run.errors:
+        print(f"{len(run.errors)} requests failed; first: {run.errors[0]}")
