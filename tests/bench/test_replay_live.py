@@ -96,3 +96,12 @@ def test_live_replay_of_50_requests(frontend, tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "/ round_robin" in text
+    # --duration stops sending: 50 requests spread over 3 s, only the first second of them goes out.
+    out = tmp_path / "short.json"
+    rc = cli.main([str(TRACE), "--frontend", frontend, "--max-requests", "50", "--arrival-speedup", "5",
+                   "--duration", "1", "--no-progress", "--seed", "3", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert 0 < data["meta"]["sent"] < 50
+    assert data["summary"]["completed"] == data["meta"]["sent"]
+    assert any("not sent" in e for e in data["errors"])
