@@ -7,9 +7,8 @@ Examples::
 
 ``--router-mode`` is ``kv`` (the router's default cost policy), ``kv:POLICY`` (``kv:dynamo``,
 ``kv:affinity``; extra knobs as ``kv:affinity+backlog_weight=0.05``), ``round_robin``, ``random`` or
-``power_of_two``. Live, a mode other than plain ``kv`` is sent per request as ``kvmesh.router_mode``;
-``kv:POLICY`` is offline only (the frontend has no per-request cost-policy parameter: a live replay
-uses whatever policy the router runs).
+``power_of_two``. Live, a mode other than plain ``kv`` is sent per request as ``kvmesh.router_mode``
+and a policy name as ``kvmesh.router_policy``; policy knobs (``+KEY=VALUE``) are offline only.
 
 Exit status: 0 done (even with failed requests: they are reported), 2 bad input (a malformed trace line
 names its line, an empty trace, an unreachable frontend, bad flags).
@@ -24,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh_router.cost import COST_POLICIES, MODES, RouterPolicyConfig
+from kvmesh_router.cost import COST_POLICIES, MODES
+from kvmesh_router.state import DEFAULT_COST_POLICY
 
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, format_table, plot_run, run_json, summarize, write_json
@@ -151,7 +151,7 @@ def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequ
             max_num_batched_tokens=args.max_num_batched_tokens,
             perf_model=args.perf_model,
             router_mode=spec.mode,
-            cost_policy=spec.policy or RouterPolicyConfig().cost_policy,  # plain kv: the router's default
+            cost_policy=spec.policy or DEFAULT_COST_POLICY,  # plain kv: the router daemon's default
             overlap_weight=args.overlap_weight,
             temperature=args.temperature,
             policy_params=params,
@@ -162,15 +162,16 @@ def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequ
     else:
         from kvmesh_bench.replay.live import FrontendUnreachable, LiveOptions, run_live
 
-        if spec.policy is not None or spec.params:
+        if spec.params:
             raise ReplayError(
-                f"live replay cannot select cost policy {spec.label!r} per request (the frontend has no such "
-                "parameter); use --router-mode kv and configure the router"
+                f"live replay cannot send policy knobs ({spec.label!r}) per request; the request parameter "
+                "kvmesh.router_policy carries the policy name only: configure knobs on the router"
             )
         options = LiveOptions(
             frontend=args.frontend,
             model=args.model,
             router_mode=spec.mode if getattr(args, "send_mode", True) else None,
+            router_policy=spec.policy,
             duration_s=args.duration,
             drain_timeout_s=args.drain_timeout,
             connect_timeout_s=args.connect_timeout,

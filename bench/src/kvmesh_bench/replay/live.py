@@ -57,6 +57,7 @@ class LiveOptions:
     frontend: str
     model: str = "kvmesh-mock"
     router_mode: str | None = None  # sent as the kvmesh.router_mode request parameter; None: the router's own
+    router_policy: str | None = None  # sent as kvmesh.router_policy (kv cost policy); None: the router's own
     duration_s: float | None = None
     drain_timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
@@ -82,7 +83,12 @@ def _bool_input(name: str) -> tuple[kserve.ModelInferRequest.InferInputTensor, b
 
 
 def build_infer_request(
-    request_id: str, tokens: np.ndarray, max_tokens: int, model: str, router_mode: str | None = None
+    request_id: str,
+    tokens: np.ndarray,
+    max_tokens: int,
+    model: str,
+    router_mode: str | None = None,
+    router_policy: str | None = None,
 ) -> kserve.ModelInferRequest:
     """The ModelInferRequest for one replayed request (raw tensors, as Triton clients send them)."""
     req = kserve.ModelInferRequest(model_name=model, id=request_id)
@@ -104,6 +110,8 @@ def build_infer_request(
         req.raw_input_contents.append(raw)
     if router_mode:
         req.parameters["kvmesh.router_mode"].string_param = router_mode
+    if router_policy:
+        req.parameters["kvmesh.router_policy"].string_param = router_policy
     return req
 
 
@@ -211,7 +219,12 @@ async def run_live(
                 if read_task.done():
                     break  # the stream broke; the reader's exception is raised below
                 msg = build_infer_request(
-                    r.request_id, r.prompt(mapper), r.max_tokens, options.model, options.router_mode
+                    r.request_id,
+                    r.prompt(mapper),
+                    r.max_tokens,
+                    options.model,
+                    options.router_mode,
+                    options.router_policy,
                 )
                 now = time.perf_counter()
                 tracks[r.request_id].sent_at = now

@@ -47,6 +47,7 @@ from kvmesh_router.admission import Admission, BusyThresholds, Decision, EngineS
 from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
 from kvmesh_router.slot_tracker import DEFAULT_EXPIRY_S, SlotTracker
+from kvmesh_router.state import DEFAULT_COST_POLICY
 from kvmesh_worker.engine import EngineConfig, EngineCore, EngineError, EngineRequest, load_perf_model
 
 from kvmesh_bench.replay.report import RunData
@@ -73,7 +74,7 @@ class OfflineConfig:
     enable_chunked_prefill: bool = True
     perf_model: str | None = None  # None / "polynomial", or an .npz profile
     router_mode: str = "kv"
-    cost_policy: str = "dynamo"
+    cost_policy: str = DEFAULT_COST_POLICY
     overlap_weight: float = 1.0
     temperature: float = 0.0
     policy_params: Mapping[str, float] = field(default_factory=dict)

@@ -58,6 +58,7 @@ class PreparedRequest:
     sampling: worker_pb2.SamplingOptions
     pinned_engine_id: int | None = None
     router_mode: int = router_pb2.ROUTER_MODE_UNSPECIFIED
+    router_policy: str | None = None
 
 
 @dataclass(slots=True)
@@ -121,6 +122,8 @@ class Generator:
             )
             if req.router_mode:
                 query.overrides.mode = req.router_mode
+            if req.router_policy:
+                query.overrides.policy = req.router_policy
             if req.pinned_engine_id is not None:
                 query.pinned_engine_id = req.pinned_engine_id
             decision, session = await self._route(query, req)

@@ -73,6 +73,7 @@ ROUTER_MODES: dict[str, int] = {
 
 PARAM_WORKER_ID = "kvmesh.worker_id"
 PARAM_ROUTER_MODE = "kvmesh.router_mode"
+PARAM_ROUTER_POLICY = "kvmesh.router_policy"
 PARAM_EMPTY_FINAL = "triton_enable_empty_final_response"
 # Request parameters that are never sampling keys (Triton reserved ones and ours).
 _RESERVED_PARAMS = frozenset(
@@ -116,6 +117,7 @@ class LlmRequest:
     empty_final: bool = False
     pinned_engine_id: int | None = None
     router_mode: int = router_pb2.ROUTER_MODE_UNSPECIFIED
+    router_policy: str | None = None  # kv cost policy override (the router validates the name)
 
     @property
     def prompt_input(self) -> str:
@@ -398,6 +400,10 @@ def _apply_parameters(params: Mapping[str, pb.InferParameter], req: LlmRequest) 
             if mode is None:
                 raise invalid(f"parameter '{key}' must be one of {', '.join(ROUTER_MODES)}, got {value!r}")
             req.router_mode = mode
+        elif key == PARAM_ROUTER_POLICY:
+            if not isinstance(value, str) or not value.strip():
+                raise invalid(f"parameter '{key}' must be a cost policy name such as 'affinity' or 'dynamo'")
+            req.router_policy = value.strip()
         elif key in SAMPLING_KEYS:
             _apply_sampling(req.sampling, key, value, f"parameter '{key}'")
         # everything else (Triton's reserved keys, unknown keys) is not ours to judge

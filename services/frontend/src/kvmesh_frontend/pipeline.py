@@ -221,4 +221,5 @@ class Frontend:
             sampling=options,
             pinned_engine_id=llm.pinned_engine_id,
             router_mode=llm.router_mode,
+            router_policy=llm.router_policy,
         )

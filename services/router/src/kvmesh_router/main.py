@@ -42,7 +42,7 @@ from kvmesh_router.load_watch import LoadWatch
 from kvmesh_router.metrics import RouterMetrics
 from kvmesh_router.replica_sync import DEFAULT_QUEUE_SIZE, ReplicaHub
 from kvmesh_router.service import RouterServicer, add_to_server
-from kvmesh_router.state import EngineInfo, RouterSettings, RouterState
+from kvmesh_router.state import DEFAULT_COST_POLICY, EngineInfo, RouterSettings, RouterState
 
 log = logging.getLogger("kvmesh_router")
 
@@ -84,6 +84,13 @@ FLAGS = (
         "how engines are picked when a query does not pin one",
         default="kv",
         choices=("kv", "round_robin", "random", "power_of_two"),
+    ),
+    Flag(
+        "cost-policy",
+        "kv cost function: 'affinity' (kvmesh's, backlog-discounted prefix affinity) or 'dynamo' (Dynamo's "
+        "overlap-weighted prefill + decode blocks); see docs/benchmarks.md for the measured difference",
+        default=DEFAULT_COST_POLICY,
+        choices=("affinity", "dynamo"),
     ),
     Flag(
         "overlap-weight",
@@ -162,6 +169,7 @@ def settings_from(cfg: Config) -> RouterSettings:
     try:
         return RouterSettings(
             mode=cfg.router_mode,
+            cost_policy=cfg.cost_policy,
             overlap_weight=cfg.overlap_weight,
             temperature=cfg.temperature,
             busy_prefill_tokens=cfg.busy_prefill_tokens,

@@ -61,11 +61,17 @@ INVALID = router_pb2.DECISION_OUTCOME_INVALID
 _OUTCOME_NAMES = {ROUTED: "routed", REJECTED: "rejected", NO_ENGINE: "no_engine", INVALID: "invalid"}
 
 
+# The daemon's kv cost policy: kvmesh's "affinity" beats Dynamo's cost on the Mooncake trace at low and
+# high load (docs/benchmarks.md); "dynamo" stays selectable (--cost-policy, or per request).
+DEFAULT_COST_POLICY = "affinity"
+
+
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
     """The routing policy of one replica (from flags; see ``kvmesh_router.main``)."""
 
     mode: str = "kv"
+    cost_policy: str = DEFAULT_COST_POLICY
     overlap_weight: float = 1.0
     temperature: float = 0.0
     busy_prefill_tokens: int | None = None
@@ -150,7 +156,12 @@ class RouterState:
         self.admission = Admission(
             index,  # type: ignore[arg-type]
             self.slots,
-            config=RouterPolicyConfig(mode=s.mode, overlap_score_weight=s.overlap_weight, temperature=s.temperature),
+            config=RouterPolicyConfig(
+                mode=s.mode,
+                cost_policy=s.cost_policy,
+                overlap_score_weight=s.overlap_weight,
+                temperature=s.temperature,
+            ),
             thresholds=BusyThresholds(s.busy_prefill_tokens, s.busy_prefill_frac, s.busy_kv_usage),
             rng=random.Random(s.seed),
             predictor=predictor,  # type: ignore[arg-type]
