@@ -10,7 +10,8 @@ from kvmesh_bench.datagen.analyze import analyze, compare
 from kvmesh_bench.datagen.synthesize import SynthesisConfig, Synthesizer
 from kvmesh_bench.trace import load_trace
 
-TRACE = Path("/work/shared/data/mooncake/conversation_trace.jsonl")
+# shared/ lies beside the checkout (as in CI)
+TRACE = Path(__file__).resolve().parents[2].parent / "shared/data/mooncake/conversation_trace.jsonl"
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason="Mooncake conversation trace not present")

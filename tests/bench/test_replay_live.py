@@ -21,7 +21,8 @@ from tests.support.etcd import free_port
 
 pytestmark = pytest.mark.e2e
 
-TRACE = Path("/work/shared/data/mooncake/conversation_trace.jsonl")
+# shared/ lies beside the checkout (as in CI)
+TRACE = Path(__file__).resolve().parents[2].parent / "shared/data/mooncake/conversation_trace.jsonl"
 
 
 def _ready(address: str) -> bool:

@@ -51,7 +51,7 @@ from kvmesh_router.slot_tracker import SlotTracker
 
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, load_trace
 
-DEFAULT_TRACE = Path("/work/shared/data/mooncake/conversation_trace.jsonl")
+DEFAULT_TRACE = Path(__file__).resolve().parents[3].parent / "shared/data/mooncake/conversation_trace.jsonl"
 _HASH_SALT = 0x6B766D657368  # "kvmesh": fake tokens hash of a trace hash id = chain_hash(salt, id)
 
 Op = tuple[int, EventData] | tuple[None, list[int]]  # (engine, event) or (None, query seq hashes)
