@@ -48,20 +48,46 @@ def main(out_dir: str) -> int:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus(), trainer)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "model_max_length": 131072, "chat_template": CHAT_TEMPLATE,
-    }, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps({
-        "model_type": "kvmesh-mock", "architectures": ["KvmeshMockForCausalLM"], "vocab_size": tok.get_vocab_size(),
-        "max_position_embeddings": 131072, "bos_token_id": tok.token_to_id("<s>"),
-        "eos_token_id": tok.token_to_id("</s>"), "num_hidden_layers": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "torch_dtype": "bfloat16",
-    }, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": 131072,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "kvmesh-mock",
+                "architectures": ["KvmeshMockForCausalLM"],
+                "vocab_size": tok.get_vocab_size(),
+                "max_position_embeddings": 131072,
+                "bos_token_id": tok.token_to_id("<s>"),
+                "eos_token_id": tok.token_to_id("</s>"),
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "torch_dtype": "bfloat16",
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out} (vocab {tok.get_vocab_size()})")
     return 0
 

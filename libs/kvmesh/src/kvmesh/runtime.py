@@ -253,4 +253,3 @@ class DaemonRuntime:
         )
         for name in ("", *self._service_names):
             await self.health.set(name, status)
-

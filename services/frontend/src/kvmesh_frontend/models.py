@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.channels import ChannelPool
-from kvmesh.discovery.base import Added, Removed, Snapshot, WatchEvent, parse_model_key
+from kvmesh.discovery.base import WatchEvent, apply_watch_event, parse_model_key
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
 from kvmesh_frontend.errors import not_found, unavailable
@@ -92,15 +92,7 @@ class ModelRegistry:
 
     # -- discovery ------------------------------------------------------------------------------
     def apply(self, event: WatchEvent) -> None:
-        if isinstance(event, Snapshot):
-            for key in [k for k in self._keys if k not in event.records]:
-                self._remove(key)
-            for key, value in event.records.items():
-                self._add(key, value)
-        elif isinstance(event, Added):
-            self._add(event.key, event.value)
-        elif isinstance(event, Removed):
-            self._remove(event.key)
+        apply_watch_event(event, self._keys, self._add, self._remove)
 
     def _add(self, key: str, value: bytes) -> None:
         try:

@@ -20,12 +20,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from functools import partial
 
 from kvmesh.discovery import (
-    Added,
     Discovery,
-    Removed,
     Snapshot,
+    apply_watch_event,
     instance_prefix,
     model_prefix,
     parse_instance_key,
@@ -103,20 +103,10 @@ class Fleet:
     async def _watch(self, prefix: str, what: str) -> None:
         async with contextlib.aclosing(self.discovery.list_and_watch(prefix)) as events:
             async for ev in events:
+                known = self._record_keys if what == "records" else self._card_keys
+                apply_watch_event(ev, known, partial(self._put, what), partial(self._delete, what))
                 if isinstance(ev, Snapshot):
-                    self._snapshot(what, ev.records)
                     self._first[what].set()
-                elif isinstance(ev, Added):
-                    self._put(what, ev.key, ev.value)
-                elif isinstance(ev, Removed):
-                    self._delete(what, ev.key)
-
-    def _snapshot(self, what: str, records: dict[str, bytes]) -> None:
-        keys = self._record_keys if what == "records" else self._card_keys
-        for key in [k for k in keys if k not in records]:
-            self._delete(what, key)
-        for key, value in records.items():
-            self._put(what, key, value)
 
     def _put(self, what: str, key: str, value: bytes) -> None:
         try:

@@ -33,10 +33,11 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import grpc
-from kvmesh.discovery import Added, Discovery, Removed, Snapshot, instance_prefix, parse_instance_key
+from kvmesh.discovery import Discovery, Snapshot, apply_watch_event, instance_prefix, parse_instance_key
 from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc
 
 from kvmesh_router.slot_tracker import Booking
@@ -327,18 +328,10 @@ class ReplicaHub(BookingListener):
         first = True
         async with contextlib.aclosing(discovery.list_and_watch(prefix)) as events:
             async for ev in events:
-                if isinstance(ev, Snapshot):
-                    for key in [k for k in self._peer_keys if k not in ev.records]:
-                        self._peer_removed(key)
-                    for key, value in ev.records.items():
-                        self._peer_put(key, value, initial=first)
-                    if first:
-                        first = False
-                        self._first_snapshot.set()
-                elif isinstance(ev, Added):
-                    self._peer_put(ev.key, ev.value, initial=False)
-                elif isinstance(ev, Removed):
-                    self._peer_removed(ev.key)
+                apply_watch_event(ev, self._peer_keys, partial(self._peer_put, initial=first), self._peer_removed)
+                if first and isinstance(ev, Snapshot):
+                    first = False
+                    self._first_snapshot.set()
 
     def _peer_put(self, key: str, value: bytes, *, initial: bool) -> None:
         try:

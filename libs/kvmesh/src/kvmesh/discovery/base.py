@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import quote, unquote
@@ -114,6 +114,25 @@ WatchEvent = Snapshot | Added | Removed
 # -- key layout --------------------------------------------------------------------------------
 INSTANCES_ROOT = "v1/instances/"
 MODELS_ROOT = "v1/models/"
+
+
+def apply_watch_event(
+    event: WatchEvent, known: Iterable[str], put: Callable[[str, bytes], None], delete: Callable[[str], None]
+) -> None:
+    """Apply one ``list_and_watch`` event as ``put``/``delete`` calls.
+
+    A Snapshot (the first event, and every resync after a reconnect or compaction) is diffed against
+    ``known``, the keys the caller currently holds, so whatever vanished meanwhile is deleted.
+    """
+    if isinstance(event, Snapshot):
+        for key in [k for k in known if k not in event.records]:
+            delete(key)
+        for key, value in event.records.items():
+            put(key, value)
+    elif isinstance(event, Added):
+        put(event.key, event.value)
+    else:
+        delete(event.key)
 
 
 def _seg(name: str, what: str) -> str:
