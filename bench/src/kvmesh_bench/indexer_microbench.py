@@ -49,6 +49,7 @@ from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
 from kvmesh_router.slot_tracker import SlotTracker
 
+from kvmesh_bench.tables import format_table
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[3].parent / "shared/data/mooncake/conversation_trace.jsonl"
@@ -332,15 +333,8 @@ _COLUMNS = [
 ]
 
 
-def format_table(results: Sequence[Result]) -> str:
-    rows = [[title for _, title, _ in _COLUMNS]]
-    for r in results:
-        d = asdict(r)
-        rows.append([fmt.format(d[key]) for key, _, fmt in _COLUMNS])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+def format_results(results: Sequence[Result]) -> str:
+    return format_table([asdict(r) for r in results], _COLUMNS)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -392,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"trace {args.trace.name}: {len(requests)} requests, policy {args.policy}, "
         f"engine cache {args.engine_capacity_blocks or 'unbounded'} blocks, concurrency {args.concurrency}"
     )
-    print(format_table(results))
+    print(format_results(results))
     if args.json is not None:
         payload = {
             "benchmark": "indexer_microbench",

@@ -53,6 +53,7 @@ from kvmesh_router.metrics import RouterMetrics
 from kvmesh_router.state import EngineInfo, RouterSettings, RouterState
 
 from kvmesh_bench import indexer_microbench as mb
+from kvmesh_bench.tables import format_table
 
 DEFAULT_TRACE = mb.DEFAULT_TRACE
 MODEL = "mooncake"
@@ -491,16 +492,6 @@ _FLEET_COLUMNS = [
     ("wire_events_per_s", "wire events/s", "{:,.0f}"),
     ("wire_blocks_per_s", "wire blocks/s", "{:,.0f}"),
 ]
-
-
-def format_table(rows: Sequence[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
-    table = [[title for _, title, _ in columns]]
-    for row in rows:
-        table.append([fmt.format(row[key]) for key, _, fmt in columns])
-    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -189,8 +189,11 @@ class KvSubscription:
         if self.overflowed and self.queue.empty():
             raise SubscriberTooSlow
         events = await self.queue.get()
-        while not self.queue.empty():  # coalesce whatever piled up into one message
-            events = events + self.queue.get_nowait()
+        if self.queue.empty():
+            return events
+        events = list(events)  # a pass's list is shared by every subscriber: copy before extending
+        while not self.queue.empty():  # coalesce whatever piled up into one message, in linear time
+            events.extend(self.queue.get_nowait())
         return events
 
 
