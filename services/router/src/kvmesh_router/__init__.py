@@ -16,3 +16,7 @@ the router daemon (asyncio, real clock) and in offline discrete-event simulation
 - :mod:`kvmesh_router.admission`: ``Admission.decide(request, now)``, select + book in one serialized step,
   busy thresholds and rejection.
 """
+
+from kvmesh.grpc_core import apply_defaults
+
+apply_defaults()  # before anything imports grpc (see kvmesh.grpc_core)
