@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import itertools
 import shutil
+import signal
 import time
 import urllib.request
 
@@ -461,3 +462,164 @@ async def test_waiting_queue_beyond_its_bound_is_resource_exhausted(slow_channel
         for call in calls:
             call.cancel()
         await watch.close()
+
+
+# -- GenerateStream: many requests on one call ------------------------------------------------------
+class StreamClient:
+    """One GenerateStream call; outputs collected per request id."""
+
+    def __init__(self, stub) -> None:
+        self.call = stub.GenerateStream()
+        self.outputs: dict[str, list[worker_pb2.GenerateStreamOutput]] = {}
+        self.messages = 0
+        self.ended = asyncio.Event()
+        self.task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        try:
+            async for message in self.call:
+                self.messages += 1
+                for output in message.outputs:
+                    self.outputs.setdefault(output.request_id, []).append(output)
+        finally:
+            self.ended.set()
+
+    async def send(self, requests=(), cancel=()) -> None:
+        message = worker_pb2.GenerateStreamRequest(requests=list(requests), cancel_request_ids=list(cancel))
+        await self.call.write(message)
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs.get(request_id, []) for t in o.response.token_ids]
+
+    def final(self, request_id: str) -> worker_pb2.GenerateStreamOutput | None:
+        outputs = self.outputs.get(request_id, [])
+        return outputs[-1] if outputs and (outputs[-1].error_code or outputs[-1].response.finish_reason) else None
+
+    async def wait_final(self, *request_ids: str, timeout: float = 10.0) -> list[worker_pb2.GenerateStreamOutput]:
+        async with asyncio.timeout(timeout):
+            while any(self.final(rid) is None for rid in request_ids):
+                assert not self.task.done(), "the stream ended"
+                await asyncio.sleep(0.005)
+        return [self.final(rid) for rid in request_ids]
+
+    async def close(self) -> None:
+        self.call.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+async def test_generate_stream_serves_many_requests_with_exactly_their_max_tokens(channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engines = await engine_ids(stub)
+    client = StreamClient(stub)
+    try:
+        wanted = {}
+        for _ in range(2):
+            requests = [
+                request(engines[i % 2], range(3 + i, 40 + i), 1 + (i * 7) % 30, ignore_eos=True) for i in range(16)
+            ]
+            wanted.update({r.request_id: (r.sampling.max_tokens, len(r.token_ids)) for r in requests})
+            await client.send(requests)
+        await client.wait_final(*wanted)
+        for rid, (max_tokens, prompt) in wanted.items():
+            outputs = client.outputs[rid]
+            assert len(client.tokens(rid)) == max_tokens
+            assert [o.response.finish_reason for o in outputs].count(worker_pb2.FINISH_REASON_LENGTH) == 1
+            assert outputs[0].response.num_prompt_tokens == prompt and not any(o.error_code for o in outputs)
+        # several requests share each message: fewer messages than request outputs
+        assert client.messages < sum(len(o) for o in client.outputs.values())
+    finally:
+        await client.close()
+
+
+async def test_generate_stream_failures_are_in_band_and_end_only_their_request(channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engines = await engine_ids(stub)
+    client = StreamClient(stub)
+    try:
+        good = request(engines[0], range(3, 20), 5, ignore_eos=True)
+        unknown = request(0xBAD, range(3, 20), 5)
+        too_long = request(engines[1], range(3, 3 + MAX_MODEL_LEN), 5)
+        no_id = request(engines[0], range(3, 20), 5)
+        no_id.request_id = ""
+        long_running = request(engines[1], range(3, 20), 200, ignore_eos=True)
+        duplicate = worker_pb2.GenerateRequest()
+        duplicate.CopyFrom(long_running)
+        await client.send([long_running, good, unknown, too_long, no_id, duplicate])
+        finals = await client.wait_final(good.request_id, unknown.request_id, too_long.request_id, "")
+        assert len(client.tokens(good.request_id)) == 5 and not finals[0].error_code
+        assert finals[1].error_code == grpc.StatusCode.NOT_FOUND.value[0]
+        assert "engine bad is not hosted by this worker" in finals[1].error_message
+        assert finals[2].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert str(MAX_MODEL_LEN) in finals[2].error_message
+        assert finals[3].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "request_id is required" in finals[3].error_message
+        async with asyncio.timeout(10):  # the duplicate's error is not the original's end
+            while not any(o.response.finish_reason for o in client.outputs.get(long_running.request_id, [])):
+                await asyncio.sleep(0.005)
+        errors = [o for o in client.outputs[long_running.request_id] if o.error_code]
+        assert [e.error_message for e in errors] == [f"request id {long_running.request_id!r} is already active"]
+        assert len(client.tokens(long_running.request_id)) == 200  # the original went on undisturbed
+    finally:
+        await client.close()
+
+
+async def test_generate_stream_cancel_and_hang_up_free_blocks_within_one_second(slow_worker, slow_channel):
+    stub = worker_pb2_grpc.WorkerServiceStub(slow_channel)
+    (engine,) = await engine_ids(stub)
+    watch = LoadWatch(stub, engine)
+    client = StreamClient(stub)
+    try:
+        await idle(watch)
+        before = watch.loads[-1][1].active_blocks
+        prompt = [3 + i % 2000 for i in range(920)]
+        for ends_by in ("cancel", "hang up"):
+            long = request(engine, prompt, 80, ignore_eos=True)
+            await client.send([long])
+            async with asyncio.timeout(10):
+                while not client.tokens(long.request_id):
+                    await asyncio.sleep(0.005)
+            await watch.wait_for(lambda load: load.active_blocks >= len(prompt) // BLOCK)
+            if ends_by == "cancel":
+                await client.send(cancel=[long.request_id])
+            else:
+                client.call.cancel()
+            ended_at = time.monotonic()
+            freed_at = await watch.wait_for(lambda load: load.active_blocks == before, after=ended_at)
+            assert freed_at - ended_at < 1.0, ends_by
+            assert client.final(long.request_id) is None  # nothing more was sent for it
+            await idle(watch)
+    finally:
+        await client.close()
+        await watch.close()
+
+
+def test_a_draining_worker_finishes_its_stream_requests_then_ends_the_stream(tmp_path):
+    async def scenario(daemon: Daemon) -> None:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            (engine,) = await engine_ids(stub)
+            client = StreamClient(stub)
+            try:
+                in_flight = request(engine, range(3, 40), 40, ignore_eos=True)
+                await client.send([in_flight])
+                async with asyncio.timeout(10):
+                    while not client.tokens(in_flight.request_id):
+                        await asyncio.sleep(0.005)
+                daemon.signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                late = request(engine, range(3, 40), 5, ignore_eos=True)
+                await client.send([late])
+                late_final, final = await client.wait_final(late.request_id, in_flight.request_id)
+                assert late_final.error_code == grpc.StatusCode.UNAVAILABLE.value[0]
+                assert "shutting down" in late_final.error_message
+                assert len(client.tokens(in_flight.request_id)) == 40 and not final.error_code
+                await asyncio.wait_for(client.ended.wait(), 5)  # well before --drain-timeout 20
+            finally:
+                await client.close()
+
+    daemon = start(tmp_path, "drain", "wdrain", "--speedup-ratio", "0.5", "--drain-timeout", "20").wait_serving()
+    try:
+        asyncio.run(scenario(daemon))
+        assert daemon.wait(10) == 0
+    finally:
+        daemon.close()

@@ -111,6 +111,7 @@ class DaemonRuntime:
         self._ready = True
         self._stop = asyncio.Event()
         self._lost_hooks: list[Callable[[], None]] = []
+        self._drain_hooks: list[Callable[[], None]] = []
         self._renewed_hooks: list[Callable[[], Awaitable[None]]] = []
         self.started_unix_ms = int(time.time() * 1000)
 
@@ -200,6 +201,14 @@ class DaemonRuntime:
     def is_serving(self) -> bool:
         return not self._draining and self.lease is not None and self.lease.alive
 
+    def refusal(self) -> str | None:
+        """Why new work is refused right now (lease lost, draining); None while serving."""
+        return None if self.is_serving() else self._refusal_reason()
+
+    def on_draining(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` when shutdown begins, before in-flight calls are drained (long-lived streams end early)."""
+        self._drain_hooks.append(hook)
+
     def _refusal_reason(self) -> str:
         if self._draining:
             return f"{self.name} is shutting down; retry on another instance"
@@ -217,6 +226,8 @@ class DaemonRuntime:
     async def shutdown(self) -> None:
         """Deregister at once, drain in-flight calls up to --drain-timeout, release everything."""
         self._draining = True
+        for hook in self._drain_hooks:
+            hook()
         if self.lease is not None:
             try:
                 await self.lease.revoke()

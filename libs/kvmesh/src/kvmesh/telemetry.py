@@ -17,7 +17,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 import grpc
@@ -180,6 +180,39 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
                     response_serializer=handler.response_serializer,
                 )
         return handler
+
+
+def inject_trace_context(carrier: MutableMapping[str, str]) -> None:
+    """Write the current span's W3C trace context into ``carrier`` (a no-op when tracing is off).
+
+    For requests multiplexed on one stream, where per-call gRPC metadata cannot carry a context per request.
+    """
+    if _tracing_enabled:
+        from opentelemetry import propagate
+
+        propagate.inject(carrier)
+
+
+def start_request_span(name: str, carrier: Mapping[str, str]) -> Any:
+    """A SERVER span for one request of a multiplexed stream, parented on ``carrier``; None when tracing is off."""
+    if not _tracing_enabled:
+        return None
+    from opentelemetry import propagate, trace
+
+    return trace.get_tracer("kvmesh.grpc").start_span(
+        name, context=propagate.extract(dict(carrier)), kind=trace.SpanKind.SERVER, attributes={"rpc.system": "grpc"}
+    )
+
+
+def end_request_span(span: Any, error: str | None) -> None:
+    """End a span from :func:`start_request_span` (``error`` marks it failed); accepts None."""
+    if span is None:
+        return
+    if error is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end()
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:

@@ -35,6 +35,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvmesh.kv_events import KvEvent
 
@@ -249,6 +250,12 @@ class OutputStream:
         return items
 
 
+class OutputSink(Protocol):
+    """Where the loop delivers a request's outputs, in order, as each pass completes."""
+
+    def put_nowait(self, item: RequestOutput) -> None: ...
+
+
 PassObserver = Callable[[int, ForwardPassMetrics, float], None]
 
 
@@ -260,7 +267,7 @@ class EngineRunner:
         self.core = core
         self.speedup_ratio = speedup_ratio
         self._wake = asyncio.Event()
-        self._streams: dict[str, OutputStream] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._subscribers: set[KvSubscription] = set()
         self._observers: list[PassObserver] = []
         self._task: asyncio.Task[None] | None = None
@@ -289,12 +296,16 @@ class EngineRunner:
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, request: EngineRequest) -> OutputStream:
-        """Queue a request; raises the engine's InvalidRequest / QueueFull synchronously."""
+        """Queue a request whose outputs go to a new stream; raises the engine's InvalidRequest / QueueFull."""
+        stream = OutputStream()
+        self.submit_to(request, stream)
+        return stream
+
+    def submit_to(self, request: EngineRequest, sink: OutputSink) -> None:
+        """Queue a request whose outputs go to ``sink`` (a multiplexed stream shares one among its requests)."""
         self.core.add_request(request)
-        queue = OutputStream()
-        self._streams[request.request_id] = queue
+        self._streams[request.request_id] = sink
         self._wake.set()
-        return queue
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed within one scheduler pass."""

@@ -157,7 +157,8 @@ async def serve(cfg: Config) -> int:
     engine_ids = [engine_id_for(runtime.instance_id, i) for i in range(cfg.num_engines)]
     runners = [EngineRunner(eid, EngineCore(econf, perf_model), cfg.speedup_ratio) for eid in engine_ids]
     cards: dict[int, discovery_pb2.ModelCard] = {}
-    servicer = WorkerServicer(runners, cards, model)
+    servicer = WorkerServicer(runners, cards, model, runtime.refusal)
+    runtime.on_draining(servicer.drain)
     runtime.add_service(
         worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
         worker_pb2_grpc.add_WorkerServiceServicer_to_server,

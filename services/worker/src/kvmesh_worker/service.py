@@ -9,31 +9,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 from kvmesh import kv_events_pb
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
-from kvmesh_worker.engine import (
-    CacheDump,
-    EngineRequest,
-    EventIdTooNew,
-    ForwardPassMetrics,
-    InvalidRequest,
-    QueueFull,
-    RequestOutput,
-)
+from kvmesh_worker.engine import CacheDump, EventIdTooNew, ForwardPassMetrics, InvalidRequest, QueueFull
 from kvmesh_worker.engine_runner import EngineRunner, SubscriberTooSlow
+from kvmesh_worker.generate_stream import GenerateStreamSession, engine_request, fill_response
 from kvmesh_worker.model_files import ModelFiles
 
 FILE_CHUNK_BYTES = 1 << 20
 LOAD_COALESCE_S = 0.05
-_FINISH = {
-    "length": worker_pb2.FINISH_REASON_LENGTH,
-    "stop": worker_pb2.FINISH_REASON_STOP,
-    "abort": worker_pb2.FINISH_REASON_CANCELLED,
-}
 
 
 class _LoadWatcher:
@@ -74,12 +62,20 @@ class _LoadWatcher:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(
-        self, runners: Iterable[EngineRunner], cards: dict[int, discovery_pb2.ModelCard], model: ModelFiles
+        self,
+        runners: Iterable[EngineRunner],
+        cards: dict[int, discovery_pb2.ModelCard],
+        model: ModelFiles,
+        refusal: Callable[[], str | None] = lambda: None,
     ) -> None:
+        """``refusal``: why new requests are refused right now (lease lost, draining), None while serving."""
         self.runners = {runner.engine_id: runner for runner in runners}
         self.cards = cards
         self.model = model
+        self._refusal = refusal
         self._watchers: set[_LoadWatcher] = set()
+        self._sessions: set[GenerateStreamSession] = set()
+        self._draining = False
         for runner in self.runners.values():
             runner.add_observer(self._on_pass)
 
@@ -102,51 +98,49 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
         runner = self.runners.get(request.engine_id) or await self._runner(request.engine_id, context)
-        sampling = request.sampling
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            queue = runner.submit(
-                EngineRequest(
-                    request_id=request_id,
-                    prompt=list(request.token_ids),
-                    max_tokens=sampling.max_tokens,
-                    ignore_eos=sampling.ignore_eos,
-                    stop_token_ids=tuple(sampling.stop_token_ids),
-                    seed=sampling.seed if sampling.HasField("seed") else 0,
-                )
-            )
+            queue = runner.submit(engine_request(request, request_id))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         finished = False
+        num_prompt = len(request.token_ids)
         try:
             while not finished:
                 # Everything queued since the last message: a slow reader (or an engine that ran
                 # several passes back to back) gets one message for several passes.
-                outputs: list[RequestOutput] = await queue.get_all()
                 response = worker_pb2.GenerateResponse()
-                if len(outputs) == 1:
-                    token_ids: Sequence[int] = outputs[0].token_ids
-                else:
-                    token_ids = [token for output in outputs for token in output.token_ids]
-                response.token_ids.extend(token_ids)
-                for output in outputs:
-                    if output.num_cached_prompt_tokens is not None:
-                        response.num_cached_tokens = output.num_cached_prompt_tokens
-                        response.num_prompt_tokens = len(request.token_ids)
-                    if output.finished:
-                        finished = True
-                        response.finish_reason = _FINISH.get(
-                            output.finish_reason or "stop", worker_pb2.FINISH_REASON_STOP
-                        )
+                finished = fill_response(response, await queue.get_all(), num_prompt)
                 yield response
         finally:
             if not finished:  # the caller cancelled or went away: free the blocks now
                 runner.abort(request_id)
-                # No pass may follow (an engine left idle does not step), so tell the watchers here.
-                for watcher in self._watchers:
-                    watcher.on_load_changed(runner.engine_id)
+                self._aborted(runner)
+
+    async def GenerateStream(
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        session = GenerateStreamSession(self.runners, self._refusal, self._aborted, context)
+        self._sessions.add(session)
+        if self._draining:
+            session.stop_when_idle()
+        try:
+            await session.serve(request_iterator)
+        finally:
+            self._sessions.discard(session)
+
+    def drain(self) -> None:
+        """The worker is shutting down: open GenerateStreams end as soon as their requests are done."""
+        self._draining = True
+        for session in self._sessions:
+            session.stop_when_idle()
+
+    def _aborted(self, runner: EngineRunner) -> None:
+        # No pass may follow an abort (an engine left idle does not step), so tell the watchers here.
+        for watcher in self._watchers:
+            watcher.on_load_changed(runner.engine_id)
 
     # -- KV journal -----------------------------------------------------------------------------
     async def SubscribeKvEvents(

@@ -1,0 +1,221 @@
+"""One ``WorkerService.GenerateStream`` call: many generations multiplexed on one stream.
+
+A frontend keeps one such stream per worker process instead of one ``Generate`` call per request:
+no call setup, no per-request trailers, and the outputs of every request that progressed in one
+event-loop tick leave as one message. Invariants:
+
+- the session is the engines' output sink for its requests (``EngineRunner.submit(sink=...)``): each
+  output lands in ``_pending`` and wakes the writer, which sends whatever piled up as one message,
+  so a request whose engine ran several passes meanwhile gets one merged entry;
+- a request ends with exactly one final entry (a finish reason, or an in-band error) and is then
+  forgotten; a cancelled request gets nothing more;
+- when the stream ends for any reason, every request still on it is aborted (blocks freed);
+- while the daemon is not serving (lease lost, draining) new requests fail in-band with
+  UNAVAILABLE; a draining worker ends the stream once its last request is done, so a drain does
+  not wait for the caller to hang up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import grpc
+from kvmesh import telemetry
+from kvmesh.v1 import worker_pb2
+
+from kvmesh_worker.engine import EngineRequest, InvalidRequest, QueueFull, RequestOutput
+from kvmesh_worker.engine_runner import EngineRunner
+
+SPAN_NAME = "kvmesh.v1.WorkerService/Generate"  # one span per request, as with the unary call
+_FINISH = {
+    "length": worker_pb2.FINISH_REASON_LENGTH,
+    "stop": worker_pb2.FINISH_REASON_STOP,
+    "abort": worker_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> EngineRequest:
+    sampling = request.sampling
+    return EngineRequest(
+        request_id=request_id,
+        prompt=list(request.token_ids),
+        max_tokens=sampling.max_tokens,
+        ignore_eos=sampling.ignore_eos,
+        stop_token_ids=tuple(sampling.stop_token_ids),
+        seed=sampling.seed if sampling.HasField("seed") else 0,
+    )
+
+
+def fill_response(response: worker_pb2.GenerateResponse, outputs: list[RequestOutput], num_prompt: int) -> bool:
+    """Merge one request's outputs into ``response``; True when the request finished."""
+    finished = False
+    if len(outputs) == 1:
+        response.token_ids.extend(outputs[0].token_ids)
+    else:
+        response.token_ids.extend([token for output in outputs for token in output.token_ids])
+    for output in outputs:
+        if output.num_cached_prompt_tokens is not None:
+            response.num_cached_tokens = output.num_cached_prompt_tokens
+            response.num_prompt_tokens = num_prompt
+        if output.finished:
+            finished = True
+            response.finish_reason = _FINISH.get(output.finish_reason or "stop", worker_pb2.FINISH_REASON_STOP)
+    return finished
+
+
+class _Active:
+    __slots__ = ("num_prompt", "runner", "span")
+
+    def __init__(self, runner: EngineRunner, num_prompt: int, span: Any) -> None:
+        self.runner = runner
+        self.num_prompt = num_prompt
+        self.span = span
+
+
+class GenerateStreamSession:
+    """Serves one GenerateStream call until the caller hangs up (or the worker drains)."""
+
+    def __init__(
+        self,
+        runners: Mapping[int, EngineRunner],
+        refusal: Callable[[], str | None],
+        on_aborted: Callable[[EngineRunner], None],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        self._runners = runners
+        self._refusal = refusal
+        self._on_aborted = on_aborted
+        self._context = context
+        self._loop = asyncio.get_running_loop()
+        self._active: dict[str, _Active] = {}
+        self._pending: dict[str, list[RequestOutput]] = {}
+        self._failed: list[worker_pb2.GenerateStreamOutput] = []
+        self._wakeup: asyncio.Future[None] | None = None
+        self._input_done = False
+        self._stopping = False
+
+    # -- the engines' sink ------------------------------------------------------------------------
+    def put_nowait(self, output: RequestOutput) -> None:
+        outputs = self._pending.get(output.request_id)
+        if outputs is None:
+            self._pending[output.request_id] = [output]
+            self._wake()
+        else:
+            outputs.append(output)
+
+    def _wake(self) -> None:
+        wakeup = self._wakeup
+        if wakeup is not None:
+            self._wakeup = None
+            if not wakeup.done():
+                wakeup.set_result(None)
+
+    # -- the call -----------------------------------------------------------------------------------
+    async def serve(self, requests: AsyncIterator[worker_pb2.GenerateStreamRequest]) -> None:
+        writer = self._loop.create_task(self._write_loop())
+        reader = self._loop.create_task(self._read(requests))
+        try:
+            done, _ = await asyncio.wait([reader, writer], return_when=asyncio.FIRST_COMPLETED)
+            if reader in done:
+                reader.result()  # a broken request stream raises here
+                await writer  # the caller half-closed: finish what is in flight
+            else:
+                writer.result()  # drained (returns) or a failed write (raises)
+        finally:
+            for task in (reader, writer):
+                task.cancel()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+            self._abort_all()
+
+    def stop_when_idle(self) -> None:
+        """The worker is draining: end the stream once no request is left on it."""
+        self._stopping = True
+        self._wake()
+
+    async def _read(self, requests: AsyncIterator[worker_pb2.GenerateStreamRequest]) -> None:
+        async for message in requests:
+            for request_id in message.cancel_request_ids:
+                self._cancel(request_id)
+            for request in message.requests:
+                self._start(request)
+        self._input_done = True  # the caller half-closed: finish what is in flight, then end
+        self._wake()
+
+    def _start(self, request: worker_pb2.GenerateRequest) -> None:
+        request_id = request.request_id
+        if not request_id:
+            self._fail("", grpc.StatusCode.INVALID_ARGUMENT, "request_id is required on a GenerateStream")
+            return
+        if request_id in self._active:
+            self._fail(request_id, grpc.StatusCode.INVALID_ARGUMENT, f"request id {request_id!r} is already active")
+            return
+        refusal = self._refusal()
+        if refusal is not None:
+            self._fail(request_id, grpc.StatusCode.UNAVAILABLE, refusal)
+            return
+        runner = self._runners.get(request.engine_id)
+        if runner is None:
+            hosted = ", ".join(f"{e:x}" for e in self._runners)
+            message = f"engine {request.engine_id:x} is not hosted by this worker (it hosts {hosted})"
+            self._fail(request_id, grpc.StatusCode.NOT_FOUND, message)
+            return
+        span = telemetry.start_request_span(SPAN_NAME, request.trace_context)
+        try:
+            runner.submit_to(engine_request(request, request_id), self)
+        except InvalidRequest as exc:
+            self._fail(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
+        except QueueFull as exc:
+            self._fail(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), span)
+        else:
+            self._active[request_id] = _Active(runner, len(request.token_ids), span)
+
+    def _cancel(self, request_id: str) -> None:
+        active = self._active.pop(request_id, None)
+        self._pending.pop(request_id, None)
+        if active is not None:
+            active.runner.abort(request_id)
+            self._on_aborted(active.runner)
+            telemetry.end_request_span(active.span, "cancelled")
+
+    def _fail(self, request_id: str, code: grpc.StatusCode, message: str, span: Any = None) -> None:
+        self._failed.append(
+            worker_pb2.GenerateStreamOutput(request_id=request_id, error_code=code.value[0], error_message=message)
+        )
+        telemetry.end_request_span(span, message)
+        self._wake()
+
+    def _abort_all(self) -> None:
+        active, self._active = self._active, {}
+        self._pending.clear()
+        for request_id, entry in active.items():
+            entry.runner.abort(request_id)
+            self._on_aborted(entry.runner)
+            telemetry.end_request_span(entry.span, "the stream ended")
+
+    async def _write_loop(self) -> None:
+        write = self._context.write
+        while True:
+            if not self._pending and not self._failed:
+                if (self._input_done or self._stopping) and not self._active:
+                    return
+                self._wakeup = self._loop.create_future()
+                await self._wakeup
+                continue
+            pending, self._pending = self._pending, {}
+            message = worker_pb2.GenerateStreamResponse()
+            if self._failed:
+                message.outputs.extend(self._failed)
+                self._failed = []
+            active = self._active
+            for request_id, outputs in pending.items():
+                entry = active.get(request_id)
+                if entry is None:  # cancelled while its outputs waited
+                    continue
+                item = message.outputs.add(request_id=request_id)
+                if fill_response(item.response, outputs, entry.num_prompt):
+                    del active[request_id]
+                    telemetry.end_request_span(entry.span, None)
+            if message.outputs:
+                await write(message)
