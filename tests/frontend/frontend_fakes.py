@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import socket
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -77,6 +78,13 @@ def free_port() -> int:
 
 
 # -- worker ------------------------------------------------------------------------------------
+class EngineFailure(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
 @dataclass
 class EngineBehaviour:
     tokens: list[int] = field(default_factory=output_tokens)
@@ -120,12 +128,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         fields.update(overrides)
         return discovery_pb2.ModelCard(**fields)
 
-    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def _generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """One request's responses per its engine's behaviour; failures raise EngineFailure."""
         if request.engine_id not in self.behaviour:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown engine {request.engine_id}")
+            raise EngineFailure(grpc.StatusCode.NOT_FOUND, f"unknown engine {request.engine_id}")
         b = self.behaviour[request.engine_id]
         if b.error is not None:
-            await context.abort(*b.error)
+            raise EngineFailure(*b.error)
         self.requests.append(request)
         self.active[request.request_id] = request.engine_id
         try:
@@ -135,7 +144,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             first = True
             while sent < max_tokens:
                 if b.die_after is not None and sent >= b.die_after:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "engine died")
+                    raise EngineFailure(grpc.StatusCode.UNAVAILABLE, "engine died")
                 n = min(b.batch, max_tokens - sent)
                 if b.die_after is not None:
                     n = min(n, b.die_after - sent)
@@ -157,11 +166,55 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 yield response
                 if finish:
                     return
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(request.request_id)
             raise
         finally:
             self.active.pop(request.request_id, None)
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            async for response in self._generate(request):
+                yield response
+        except EngineFailure as exc:
+            await context.abort(exc.code, exc.details)
+
+    async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        """Each request runs in its own task; its outputs and in-band errors share the stream."""
+        tasks: dict[str, asyncio.Task[None]] = {}
+        lock = asyncio.Lock()
+
+        async def send(output: worker_pb2.GenerateStreamOutput) -> None:
+            async with lock:
+                await context.write(worker_pb2.GenerateStreamResponse(outputs=[output]))
+
+        async def run(request: worker_pb2.GenerateRequest) -> None:
+            try:
+                async for response in self._generate(request):
+                    await send(worker_pb2.GenerateStreamOutput(request_id=request.request_id, response=response))
+            except EngineFailure as exc:
+                await send(
+                    worker_pb2.GenerateStreamOutput(
+                        request_id=request.request_id, error_code=exc.code.value[0], error_message=exc.details
+                    )
+                )
+            finally:
+                tasks.pop(request.request_id, None)
+
+        try:
+            async for message in request_iterator:
+                for request_id in message.cancel_request_ids:
+                    task = tasks.pop(request_id, None)
+                    if task is not None:
+                        task.cancel()
+                for request in message.requests:
+                    tasks[request.request_id] = asyncio.create_task(run(request))
+            while tasks:
+                await asyncio.gather(*tasks.values(), return_exceptions=True)
+        finally:
+            for task in list(tasks.values()):
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     async def GetModelFile(self, request: worker_pb2.GetModelFileRequest, context: grpc.aio.ServicerContext):
         self.file_fetches += 1
@@ -285,6 +338,7 @@ class FrontendHarness:
         if self.server is not None:
             await self.server.stop(grace=None)
         await self.router.close()
+        await self.generator.engines.close()
         await self.registry.close()
         await self.pool.close()
 

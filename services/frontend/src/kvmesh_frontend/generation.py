@@ -3,8 +3,8 @@
 :meth:`Generator.generate` is an async generator of the engine's ``GenerateResponse`` messages:
 
 1. ask a router replica for an engine (``RouteQuery`` with the prompt's sequence hashes);
-2. open ``WorkerService.Generate`` on that engine and pass its responses through unchanged (one
-   response may carry several tokens);
+2. start the request on that engine over its worker's ``GenerateStream`` (:mod:`.engine_stream`)
+   and pass its responses through unchanged (one response may carry several tokens);
 3. report the first token (prefill done) and the end of the attempt (``FINISHED``: finished,
    failed or cancelled) to the replica that booked it;
 4. if the engine dies mid-stream (UNAVAILABLE, a broken or truncated stream, an engine that is gone),
@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import grpc
 from kvmesh.channels import ChannelPool
 from kvmesh.hashing import block_hashes
-from kvmesh.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import router_pb2, worker_pb2
 
+from kvmesh_frontend.engine_stream import EngineError, EngineStreams
 from kvmesh_frontend.errors import FrontendError, exhausted, internal, invalid, unavailable
 from kvmesh_frontend.routing import RouterClient, RouterSession
 
@@ -85,18 +86,11 @@ class Generator:
         no_engine_grace: float = 2.0,
     ) -> None:
         self._router = router
-        self._pool = pool
+        self.engines = EngineStreams(pool)
         self.migration_limit = migration_limit
         self._on_migration = on_migration
         self._engine_alive = engine_alive
         self.no_engine_grace = no_engine_grace
-        self._stubs: dict[str, worker_pb2_grpc.WorkerServiceStub] = {}
-
-    def _stub(self, address: str) -> worker_pb2_grpc.WorkerServiceStub:
-        stub = self._stubs.get(address)
-        if stub is None:  # one channel (HTTP/2 connection) per worker process, shared by its engines
-            stub = self._stubs[address] = worker_pb2_grpc.WorkerServiceStub(self._pool.get(address, address))
-        return stub
 
     async def generate(
         self, req: PreparedRequest, state: GenerationState
@@ -140,10 +134,11 @@ class Generator:
                 sampling.CopyFrom(req.sampling)
                 sampling.max_tokens = remaining
                 sampling.min_tokens = max(0, req.sampling.min_tokens - len(generated))
-            call = self._stub(decision.address).Generate(
+            call = self.engines.start(
+                decision.address,
                 worker_pb2.GenerateRequest(
                     request_id=request_id, engine_id=decision.engine_id, token_ids=tokens, sampling=sampling
-                )
+                ),
             )
             finished = False
             first = True
@@ -160,10 +155,10 @@ class Generator:
                     if finished:
                         return
                 failure = "the engine ended the stream before the request finished"
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in MIGRATABLE:
+            except EngineError as exc:
+                if exc.code not in MIGRATABLE:
                     raise self._engine_error(req, decision, exc) from None
-                failure = f"{exc.code().name}: {exc.details()}"
+                failure = f"{exc.code.name}: {exc.details}"
             finally:
                 if not finished:
                     call.cancel()
@@ -240,11 +235,9 @@ class Generator:
         return internal(f"request {req.request_id}: the router answered outcome {decision.outcome} ({why})")
 
     @staticmethod
-    def _engine_error(
-        req: PreparedRequest, decision: router_pb2.RouteDecision, exc: grpc.aio.AioRpcError
-    ) -> FrontendError:
-        code = exc.code()
-        details = exc.details() or code.name
+    def _engine_error(req: PreparedRequest, decision: router_pb2.RouteDecision, exc: EngineError) -> FrontendError:
+        code = exc.code
+        details = exc.details or code.name
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return invalid(f"engine {decision.engine_id:x} rejected the request: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

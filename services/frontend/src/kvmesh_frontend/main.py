@@ -125,6 +125,7 @@ async def serve(config: Config) -> None:
         await asyncio.gather(*watchers, return_exceptions=True)
         await runtime.shutdown()
         await router.close()
+        await generator.engines.close()
         await registry.close()
         await pool.close()
     log.info("stopped")

@@ -192,11 +192,16 @@ class RouterSession:
         return future
 
     def lifecycle(self, request_id: str, stage: int) -> None:
-        """Report progress of a request this replica routed (dropped if the stream is gone)."""
+        """Report progress of a request this replica routed (dropped if the stream is gone).
+
+        Updates are not on any request's critical path: the writer is woken one loop iteration
+        later, so the client write that a first token triggers goes out before the update does.
+        """
         if not self.closed:
-            self._enqueue(
+            self._outbox.append(
                 router_pb2.SessionRequest(lifecycle=router_pb2.LifecycleUpdate(request_id=request_id, stage=stage))
             )
+            self._loop.call_soon(self._wake_writer)
 
     def first_token(self, request_id: str) -> None:
         self.lifecycle(request_id, _FIRST_TOKEN)

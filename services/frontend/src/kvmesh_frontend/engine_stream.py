@@ -1,0 +1,216 @@
+"""Engine calls multiplexed on one ``WorkerService.GenerateStream`` per worker process.
+
+Per-request ``Generate`` calls cost a call setup, trailers and a handler task on both sides; on a
+2-core machine that was a third of the whole request path. Instead each worker address gets one
+long-lived stream (opened on first use, reopened after it ends): requests and cancellations queued
+during one event-loop tick go out as one ``GenerateStreamRequest``, and each
+``GenerateStreamResponse`` is demultiplexed by request id into per-request :class:`EngineCall`
+objects, which the generation flow iterates like a ``Generate`` call.
+
+Failure semantics match a unary call: an in-band error ends one request with its status code; the
+end of the stream (the worker died, drained, or the connection broke) ends every request still on
+it with UNAVAILABLE, which the flow treats as "migrate".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+from kvmesh import telemetry
+from kvmesh.channels import ChannelPool
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(Exception):
+    """A request ended on its engine with a gRPC status (in-band, or the stream's end)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class EngineCall:
+    """One request on a GenerateStream: an async iterator of its ``GenerateResponse`` messages."""
+
+    __slots__ = ("_done", "_error", "_items", "_stream", "_waiter", "request_id")
+
+    def __init__(self, stream: EngineStream, request_id: str) -> None:
+        self._stream = stream
+        self.request_id = request_id
+        self._items: list[worker_pb2.GenerateResponse] = []
+        self._error: EngineError | None = None
+        self._done = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def _push(self, response: worker_pb2.GenerateResponse) -> None:
+        self._items.append(response)
+        self._wake()
+
+    def _fail(self, error: EngineError) -> None:
+        self._error = error
+        self._done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def __aiter__(self) -> EngineCall:
+        return self
+
+    async def __anext__(self) -> worker_pb2.GenerateResponse:
+        while not self._items:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        item = self._items.pop(0)
+        if item.finish_reason:
+            self._done = True
+        return item
+
+    def cancel(self) -> None:
+        """Abort the request on its engine (blocks freed); a no-op once it ended."""
+        if not self._done:
+            self._done = True
+            self._stream.cancel(self.request_id)
+            self._wake()
+
+
+class EngineStream:
+    """One GenerateStream to one worker process; see the module docstring."""
+
+    def __init__(self, address: str, channel: grpc.aio.Channel, on_closed: Callable[[EngineStream], None]) -> None:
+        self.address = address
+        self.closed = False
+        self._on_closed = on_closed
+        self._loop = asyncio.get_running_loop()
+        self._calls: dict[str, EngineCall] = {}
+        self._outbox = worker_pb2.GenerateStreamRequest()
+        self._flush_scheduled = False
+        self._writing = False
+        self._call = worker_pb2_grpc.WorkerServiceStub(channel).GenerateStream()
+        self._reader = self._loop.create_task(self._read(), name=f"engine-stream-{address}")
+        self._writer: asyncio.Task[None] | None = None
+
+    def start(self, request: worker_pb2.GenerateRequest) -> EngineCall:
+        call = EngineCall(self, request.request_id)
+        if self.closed:
+            call._fail(EngineError(grpc.StatusCode.UNAVAILABLE, f"the stream to worker {self.address} is closed"))
+            return call
+        self._calls[request.request_id] = call
+        telemetry.inject_trace_context(request.trace_context)
+        self._outbox.requests.append(request)
+        self._schedule_flush()
+        return call
+
+    def cancel(self, request_id: str) -> None:
+        if self._calls.pop(request_id, None) is not None and not self.closed:
+            self._outbox.cancel_request_ids.append(request_id)
+            self._schedule_flush()
+
+    # -- writing: one message per event-loop tick ------------------------------------------------
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and not self._writing:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self.closed or self._writing or not (self._outbox.requests or self._outbox.cancel_request_ids):
+            return
+        message, self._outbox = self._outbox, worker_pb2.GenerateStreamRequest()
+        self._writing = True
+        self._writer = self._loop.create_task(self._write(message))
+
+    async def _write(self, message: worker_pb2.GenerateStreamRequest) -> None:
+        try:
+            await self._call.write(message)
+        except Exception as exc:  # the stream is broken: the reader reports why
+            self._close(f"write failed: {exc!r}")
+            self._call.cancel()
+            return
+        finally:
+            self._writing = False
+        if self._outbox.requests or self._outbox.cancel_request_ids:
+            self._flush()  # what queued while this write was in flight
+
+    # -- reading ----------------------------------------------------------------------------------
+    async def _read(self) -> None:
+        reason = "the worker ended the stream"
+        try:
+            async for message in self._call:
+                calls = self._calls
+                for output in message.outputs:
+                    call = calls.get(output.request_id)
+                    if call is None:
+                        continue  # cancelled meanwhile
+                    if output.error_code:
+                        del calls[output.request_id]
+                        code = _CODES.get(output.error_code, grpc.StatusCode.UNKNOWN)
+                        call._fail(EngineError(code, output.error_message))
+                        continue
+                    if output.response.finish_reason:
+                        del calls[output.request_id]
+                    call._push(output.response)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            reason = "closed by the frontend"
+        except Exception as exc:  # pragma: no cover - defensive: never leave a request hanging
+            reason = f"stream reader failed: {exc!r}"
+        finally:
+            self._close(reason)
+
+    def _close(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        calls, self._calls = self._calls, {}
+        if calls:
+            log.warning("stream to worker %s ended with %d request(s) on it: %s", self.address, len(calls), reason)
+        error = EngineError(grpc.StatusCode.UNAVAILABLE, f"worker {self.address}: {reason}")
+        for call in calls.values():
+            call._fail(error)
+        self._on_closed(self)
+
+    async def close(self) -> None:
+        self._call.cancel()
+        tasks = [task for task in (self._reader, self._writer) if task is not None]
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class EngineStreams:
+    """The open GenerateStream of each worker address (one HTTP/2 connection each, from the pool)."""
+
+    def __init__(self, pool: ChannelPool) -> None:
+        self._pool = pool
+        self._streams: dict[str, EngineStream] = {}
+
+    def start(self, address: str, request: worker_pb2.GenerateRequest) -> EngineCall:
+        stream = self._streams.get(address)
+        if stream is None or stream.closed:
+            stream = self._streams[address] = EngineStream(address, self._pool.get(address, address), self._forget)
+        return stream.start(request)
+
+    def _forget(self, stream: EngineStream) -> None:
+        if self._streams.get(stream.address) is stream:
+            del self._streams[stream.address]
+
+    async def close(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        await asyncio.gather(*(stream.close() for stream in streams), return_exceptions=True)
