@@ -103,6 +103,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.active: dict[str, int] = {}  # request id -> engine id
         self.requests: list[worker_pb2.GenerateRequest] = []
         self.cancelled: list[str] = []
+        self.streams_opened = 0
+        self.break_stream_after: int | None = None  # end the whole GenerateStream once a request sent this many tokens
         self.file_fetches = 0
         self.server: grpc.aio.Server | None = None
         self.address = ""
@@ -183,6 +185,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         """Each request runs in its own task; its outputs and in-band errors share the stream."""
         tasks: dict[str, asyncio.Task[None]] = {}
         lock = asyncio.Lock()
+        self.streams_opened += 1
 
         async def send(output: worker_pb2.GenerateStreamOutput) -> None:
             async with lock:
@@ -190,8 +193,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
 
         async def run(request: worker_pb2.GenerateRequest) -> None:
             try:
+                sent = 0
                 async for response in self._generate(request):
                     await send(worker_pb2.GenerateStreamOutput(request_id=request.request_id, response=response))
+                    sent += len(response.token_ids)
+                    if self.break_stream_after is not None and sent >= self.break_stream_after:
+                        self.break_stream_after = None  # the worker process "dies": the whole stream ends
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, "worker restarting")
             except EngineFailure as exc:
                 await send(
                     worker_pb2.GenerateStreamOutput(

@@ -423,6 +423,34 @@ async def test_migration_when_the_engine_dies_mid_stream(mesh) -> None:
     await no_leaks(worker, router)
 
 
+async def test_a_broken_engine_stream_migrates_every_request_on_it_and_is_reopened(mesh) -> None:
+    fe, worker, router = mesh
+    for b in worker.behaviour.values():
+        b.delay = 0.01
+    worker.break_stream_after = 3
+    requests = [
+        llm_request(
+            "hello world",
+            request_id=f"r{i}",
+            stream=True,
+            sampling={"max_tokens": 8},
+            extra=[bool_input("return_num_output_tokens", True)],
+        )
+        for i in range(2)
+    ]
+    messages = await stream_all(fe, requests)
+    assert not [m for m in messages if m.error_message]
+    for rid in ("r0", "r1"):
+        responses = [m.infer_response for m in messages if m.infer_response.id == rid]
+        assert sum(output_values(r, "num_output_tokens")[0] for r in responses) == 8
+        assert param(responses[-1], "kvmesh.migrations") == 1  # both were on the stream that broke
+    assert worker.streams_opened == 2
+    messages = await stream_all(fe, [llm_request("hello world", stream=True, sampling={"max_tokens": 4})])
+    assert not [m for m in messages if m.error_message]
+    assert worker.streams_opened == 2  # the new stream serves the next request
+    await no_leaks(worker, router)
+
+
 async def test_migration_limit(mesh) -> None:
     fe, worker, router = mesh
     fe.generator.migration_limit = 1
