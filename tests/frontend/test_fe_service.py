@@ -10,8 +10,7 @@ import pytest
 from inference import grpc_service_pb2 as pb
 from kvmesh.discovery.base import Removed, Snapshot, model_key
 from kvmesh.v1 import router_pb2, worker_pb2
-from kvmesh_frontend.errors import FrontendError
-from kvmesh_frontend.generation import EngineBuffer
+from kvmesh_frontend.engine_stream import EngineCall, EngineError
 from kvmesh_frontend.tensors import output_values
 
 from tests.frontend.frontend_fakes import (
@@ -182,59 +181,51 @@ async def test_streaming_deltas_final_flag_and_routing_parameters(mesh) -> None:
     assert stages == [router_pb2.LIFECYCLE_STAGE_FIRST_TOKEN, router_pb2.LIFECYCLE_STAGE_FINISHED]
 
 
+class _StreamEnd:
+    """The one thing an EngineCall asks of its stream: to cancel a request."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+
 async def test_engine_responses_that_pile_up_are_merged() -> None:
-    closed = []
-    gate = asyncio.Event()
-
-    async def engine():
-        try:
-            yield worker_pb2.GenerateResponse(token_ids=[0], num_prompt_tokens=7)
-            await gate.wait()
-            for i in range(1, 10):
-                yield worker_pb2.GenerateResponse(token_ids=[i])
-            yield worker_pb2.GenerateResponse(token_ids=[10], finish_reason=worker_pb2.FINISH_REASON_LENGTH)
-        finally:
-            closed.append(True)
-
-    buffer = EngineBuffer(engine())
-    first = await buffer.next()  # the consumer is waiting: the first response alone
-    assert list(first.token_ids) == [0]
-    gate.set()
-    await asyncio.sleep(0.01)  # the consumer is busy (writing to its client) while the rest arrives
-    merged = await buffer.next()
+    call = EngineCall(_StreamEnd(), "r1")  # type: ignore[arg-type]
+    call._push(worker_pb2.GenerateResponse(token_ids=[0], num_prompt_tokens=7))
+    first = await anext(call)  # the consumer keeps up: the first response alone
+    assert list(first.token_ids) == [0] and first.num_prompt_tokens == 7
+    for i in range(1, 10):  # the consumer is busy (writing to its client) while the rest arrives
+        call._push(worker_pb2.GenerateResponse(token_ids=[i]))
+    call._push(worker_pb2.GenerateResponse(token_ids=[10], finish_reason=worker_pb2.FINISH_REASON_LENGTH))
+    merged = await anext(call)
     assert list(merged.token_ids) == list(range(1, 11))
     assert merged.finish_reason == worker_pb2.FINISH_REASON_LENGTH
-    assert await buffer.next() is None
-    await buffer.close()
-    assert closed == [True]
+    with pytest.raises(StopAsyncIteration):
+        await anext(call)
 
 
-async def test_engine_buffer_close_cancels_the_stream_and_errors_surface() -> None:
-    closed = []
-
-    async def endless():
-        try:
-            while True:
-                yield worker_pb2.GenerateResponse(token_ids=[1])
-                await asyncio.sleep(0.001)
-        finally:
-            closed.append(True)
-
-    buffer = EngineBuffer(endless())
-    assert (await buffer.next()).token_ids
-    await buffer.close()
-    assert closed == [True]
-
-    async def failing():
-        yield worker_pb2.GenerateResponse(token_ids=[1])
-        raise FrontendError(grpc.StatusCode.UNAVAILABLE, "gone")
-
-    buffer = EngineBuffer(failing())
+async def test_an_engine_call_waits_then_surfaces_its_error_and_cancels_once() -> None:
+    stream = _StreamEnd()
+    call = EngineCall(stream, "r1")  # type: ignore[arg-type]
+    waiting = asyncio.ensure_future(anext(call))
     await asyncio.sleep(0.01)
-    assert list((await buffer.next()).token_ids) == [1]
-    with pytest.raises(FrontendError, match="gone"):
-        await buffer.next()
-    await buffer.close()
+    assert not waiting.done()
+    call._push(worker_pb2.GenerateResponse(token_ids=[1]))
+    assert list((await waiting).token_ids) == [1]
+    call._fail(EngineError(grpc.StatusCode.UNAVAILABLE, "worker gone"))
+    with pytest.raises(EngineError, match="worker gone"):
+        await anext(call)
+    call.cancel()  # already over: nothing to tell the worker
+    assert stream.cancelled == []
+
+    live = EngineCall(stream, "r2")  # type: ignore[arg-type]
+    live.cancel()
+    live.cancel()
+    assert stream.cancelled == ["r2"]
+    with pytest.raises(StopAsyncIteration):
+        await anext(live)
 
 
 async def test_empty_final_response(mesh) -> None:

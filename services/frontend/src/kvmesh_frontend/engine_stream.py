@@ -71,6 +71,12 @@ class EngineCall:
         return self
 
     async def __anext__(self) -> worker_pb2.GenerateResponse:
+        """Everything received since the previous call, merged into one response.
+
+        A consumer that keeps up gets each engine response as it came; one that was busy (writing
+        to a slow client) gets the tokens that piled up meanwhile in one response instead of a
+        backlog, so a slow client gets fewer, larger deltas.
+        """
         while not self._items:
             if self._error is not None:
                 raise self._error
@@ -78,7 +84,8 @@ class EngineCall:
                 raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        item = self._items.pop(0)
+        items, self._items = self._items, []
+        item = items[0] if len(items) == 1 else _merge(items)
         if item.finish_reason:
             self._done = True
         return item
@@ -89,6 +96,16 @@ class EngineCall:
             self._done = True
             self._stream.cancel(self.request_id)
             self._wake()
+
+
+def _merge(items: list[worker_pb2.GenerateResponse]) -> worker_pb2.GenerateResponse:
+    merged = worker_pb2.GenerateResponse(
+        num_cached_tokens=items[0].num_cached_tokens, num_prompt_tokens=items[0].num_prompt_tokens
+    )
+    for item in items:
+        merged.token_ids.extend(item.token_ids)
+    merged.finish_reason = items[-1].finish_reason
+    return merged
 
 
 class EngineStream:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
@@ -243,75 +242,3 @@ class Generator:
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return exhausted(f"engine {decision.engine_id:x} is full, retry later: {details}")
         return internal(f"request {req.request_id}: engine {decision.engine_id:x} failed: {code.name}: {details}")
-
-
-class EngineBuffer:
-    """Reads an engine stream in its own task; what arrives while the client is written to is merged.
-
-    :meth:`next` returns every engine response received since the previous call as one response
-    (token ids concatenated, the last finish reason), so a client that keeps up gets one KServe
-    response per engine response and a client that falls behind gets fewer, larger ones instead
-    of a growing backlog. :meth:`close` cancels the reader, which closes the generation (engine
-    stream cancelled, booking freed). Errors of the stream are raised by :meth:`next`.
-    """
-
-    __slots__ = ("_done", "_error", "_items", "_loop", "_task", "_waiter")
-
-    def __init__(self, source: AsyncIterator[worker_pb2.GenerateResponse]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._items: list[worker_pb2.GenerateResponse] = []
-        self._done = False
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._task = self._loop.create_task(self._run(source))
-
-    async def _run(self, source: AsyncIterator[worker_pb2.GenerateResponse]) -> None:
-        try:
-            async with aclosing(source) as stream:  # type: ignore[type-var]
-                async for item in stream:
-                    self._items.append(item)
-                    self._wake()
-                    if item.finish_reason:
-                        break
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            self._done = True
-            self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def next(self) -> worker_pb2.GenerateResponse | None:
-        """The engine responses received so far, merged; None at the end of the stream."""
-        while not self._items:
-            if self._error is not None:
-                raise self._error
-            if self._done:
-                return None
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        items, self._items = self._items, []
-        if len(items) == 1:
-            return items[0]
-        merged = worker_pb2.GenerateResponse(
-            num_cached_tokens=items[0].num_cached_tokens, num_prompt_tokens=items[0].num_prompt_tokens
-        )
-        for item in items:
-            merged.token_ids.extend(item.token_ids)
-        merged.finish_reason = items[-1].finish_reason
-        return merged
-
-    async def close(self) -> None:
-        task = self._task
-        if task.done():  # the usual case: the stream ended (its errors were kept for next())
-            return
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)

@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from inference import grpc_service_pb2 as pb
@@ -22,7 +23,7 @@ from kvmesh.telemetry import request_id_var
 from kvmesh.v1 import worker_pb2
 
 from kvmesh_frontend.errors import FrontendError, internal, invalid, not_found
-from kvmesh_frontend.generation import EngineBuffer, GenerationState, Generator, PreparedRequest
+from kvmesh_frontend.generation import GenerationState, Generator, PreparedRequest
 from kvmesh_frontend.llm_request import PARAM_WORKER_ID, LlmRequest, parse_llm_request
 from kvmesh_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from kvmesh_frontend.models import ModelEntry, ModelRegistry
@@ -92,16 +93,17 @@ class Frontend:
             writer = ResponseWriter(
                 llm, tokenizer, prompt_ids, prompt_text, state, model_version=request.model_version or "1", unary=unary
             )
-            engine = EngineBuffer(self.generator.generate(prepared, state))
-            try:
-                while not writer.done and (engine_response := await engine.next()) is not None:
+            # Closing the generation (here, or when the client goes away while a response is being
+            # written) cancels its engine request and frees its router booking.
+            async with aclosing(self.generator.generate(prepared, state)) as engine:
+                async for engine_response in engine:
                     if not first_token_at and engine_response.token_ids:
                         first_token_at = time.perf_counter()
                         model_metrics.ttft.observe(first_token_at - start)
                     for response in writer.on_engine(engine_response):
                         yield response
-            finally:
-                await engine.close()
+                    if writer.done:
+                        break
             if not writer.done:  # pragma: no cover - the generator always ends with a final response
                 raise internal(f"request {request_id}: the engine stream ended without a final response")
             model_metrics.cached_tokens.observe(state.cached_tokens)
