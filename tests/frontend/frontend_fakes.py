@@ -324,7 +324,9 @@ class FrontendHarness:
             on_migration=self.metrics.migration,
             engine_alive=self.registry.engine_alive,
             no_engine_grace=0.3,
+            address_live=self.registry.address_live,
         )
+        self.registry.on_address_gone = self.generator.engines.retire
         self.frontend = Frontend(self.registry, self.generator, self.metrics, id_prefix="fe")
         self.server: grpc.aio.Server | None = None
         self.channel: grpc.aio.Channel | None = None

@@ -442,6 +442,33 @@ async def test_a_broken_engine_stream_migrates_every_request_on_it_and_is_reopen
     await no_leaks(worker, router)
 
 
+async def test_a_worker_that_leaves_discovery_keeps_its_stream_until_its_requests_end(mesh) -> None:
+    fe, worker, router = mesh
+    for b in worker.behaviour.values():
+        b.delay = 0.02
+    call = fe.stub.ModelStreamInfer()
+    await call.write(llm_request("hello world", stream=True, sampling={"max_tokens": 10}))
+    first = await asyncio.wait_for(call.read(), 10)
+    assert not first.error_message and worker.address in fe.pool
+
+    fe.remove_cards(worker)  # the worker leaves discovery (lease gone) while the request runs
+    responses = [first]
+    while not responses[-1].infer_response.parameters["triton_final_response"].bool_param:
+        responses.append(await asyncio.wait_for(call.read(), 10))
+    assert not [m for m in responses if m.error_message]
+    assert param(responses[-1].infer_response, "kvmesh.migrations") == 0  # finished where it was
+    await call.done_writing()
+
+    async with asyncio.timeout(5):  # then the stream and the connection go
+        while worker.address in fe.pool or worker.address in fe.generator.engines:
+            await asyncio.sleep(0.01)
+    fe.add_cards(worker)  # back at the same address: a new connection serves it
+    messages = await stream_all(fe, [llm_request("hello world", stream=True, sampling={"max_tokens": 3})])
+    assert not [m for m in messages if m.error_message]
+    assert worker.streams_opened == 2
+    await no_leaks(worker, router)
+
+
 async def test_migration_limit(mesh) -> None:
     fe, worker, router = mesh
     fe.generator.migration_limit = 1

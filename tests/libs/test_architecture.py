@@ -17,7 +17,12 @@ def test_import_linter_contracts_hold():
     exe = Path(sys.executable).parent / "lint-imports"
     if not exe.exists() and shutil.which("lint-imports") is None:
         pytest.skip("import-linter is not installed in this environment")
-    result = subprocess.run([str(exe) if exe.exists() else "lint-imports", "--no-cache"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(exe) if exe.exists() else "lint-imports", "--no-cache"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Contracts: 3 kept, 0 broken." in result.stdout

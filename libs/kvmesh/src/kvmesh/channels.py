@@ -43,5 +43,8 @@ class ChannelPool:
         for channel in channels:
             await channel.close(grace=None)
 
+    def __contains__(self, instance_id: object) -> bool:
+        return instance_id in self._channels
+
     def __len__(self) -> int:
         return len(self._channels)

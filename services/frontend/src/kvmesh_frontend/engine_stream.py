@@ -111,10 +111,17 @@ def _merge(items: list[worker_pb2.GenerateResponse]) -> worker_pb2.GenerateRespo
 class EngineStream:
     """One GenerateStream to one worker process; see the module docstring."""
 
-    def __init__(self, address: str, channel: grpc.aio.Channel, on_closed: Callable[[EngineStream], None]) -> None:
+    def __init__(
+        self,
+        address: str,
+        channel: grpc.aio.Channel,
+        on_closed: Callable[[EngineStream], None],
+        on_idle: Callable[[EngineStream], None],
+    ) -> None:
         self.address = address
         self.closed = False
         self._on_closed = on_closed
+        self._on_idle = on_idle
         self._loop = asyncio.get_running_loop()
         self._calls: dict[str, EngineCall] = {}
         self._outbox = worker_pb2.GenerateStreamRequest()
@@ -135,10 +142,17 @@ class EngineStream:
         self._schedule_flush()
         return call
 
+    @property
+    def idle(self) -> bool:
+        """No request in flight on this stream."""
+        return not self._calls
+
     def cancel(self, request_id: str) -> None:
         if self._calls.pop(request_id, None) is not None and not self.closed:
             self._outbox.cancel_request_ids.append(request_id)
             self._schedule_flush()
+            if not self._calls:
+                self._on_idle(self)
 
     # -- writing: one message per event-loop tick ------------------------------------------------
     def _schedule_flush(self) -> None:
@@ -184,6 +198,8 @@ class EngineStream:
                     if output.response.finish_reason:
                         del calls[output.request_id]
                     call._push(output.response)
+                if not calls and message.outputs:
+                    self._on_idle(self)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
         except asyncio.CancelledError:
@@ -212,22 +228,57 @@ class EngineStream:
 
 
 class EngineStreams:
-    """The open GenerateStream of each worker address (one HTTP/2 connection each, from the pool)."""
+    """The open GenerateStream of each worker address (one HTTP/2 connection each, from the pool).
 
-    def __init__(self, pool: ChannelPool) -> None:
+    A worker that leaves discovery (``retire``) keeps its stream until the requests on it end; then
+    the stream is closed and the connection dropped, so a fleet that churns does not leave the
+    frontend reconnecting to addresses that are gone.
+    """
+
+    def __init__(self, pool: ChannelPool, address_live: Callable[[str], bool] = lambda _address: True) -> None:
         self._pool = pool
+        self._address_live = address_live
         self._streams: dict[str, EngineStream] = {}
+        self._dropping: set[asyncio.Task[None]] = set()
 
     def start(self, address: str, request: worker_pb2.GenerateRequest) -> EngineCall:
         stream = self._streams.get(address)
         if stream is None or stream.closed:
-            stream = self._streams[address] = EngineStream(address, self._pool.get(address, address), self._forget)
+            channel = self._pool.get(address, address)
+            stream = self._streams[address] = EngineStream(address, channel, self._forget, self._idle)
         return stream.start(request)
+
+    def retire(self, address: str) -> None:
+        """No live engine is left at ``address``: let its stream and connection go once idle."""
+        stream = self._streams.get(address)
+        if stream is None or stream.closed or stream.idle:
+            self._drop(address)
+
+    def _idle(self, stream: EngineStream) -> None:
+        if not self._address_live(stream.address) and self._streams.get(stream.address) is stream:
+            self._drop(stream.address)
 
     def _forget(self, stream: EngineStream) -> None:
         if self._streams.get(stream.address) is stream:
             del self._streams[stream.address]
+            if not self._address_live(stream.address):
+                self._drop(stream.address)
+
+    def _drop(self, address: str) -> None:
+        stream = self._streams.pop(address, None)
+        task = asyncio.get_running_loop().create_task(self._close(stream, address))
+        self._dropping.add(task)
+        task.add_done_callback(self._dropping.discard)
+
+    async def _close(self, stream: EngineStream | None, address: str) -> None:
+        if stream is not None:
+            await stream.close()
+        if address not in self._streams:  # not reopened meanwhile
+            await self._pool.drop(address)
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._streams
 
     async def close(self) -> None:
         streams, self._streams = list(self._streams.values()), {}
-        await asyncio.gather(*(stream.close() for stream in streams), return_exceptions=True)
+        await asyncio.gather(*(stream.close() for stream in streams), *self._dropping, return_exceptions=True)

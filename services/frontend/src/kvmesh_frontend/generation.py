@@ -83,9 +83,10 @@ class Generator:
         on_migration: Callable[[str], None] | None = None,
         engine_alive: EngineAlive | None = None,
         no_engine_grace: float = 2.0,
+        address_live: Callable[[str], bool] = lambda _address: True,
     ) -> None:
         self._router = router
-        self.engines = EngineStreams(pool)
+        self.engines = EngineStreams(pool, address_live)
         self.migration_limit = migration_limit
         self._on_migration = on_migration
         self._engine_alive = engine_alive

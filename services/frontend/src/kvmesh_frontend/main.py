@@ -90,7 +90,9 @@ async def serve(config: Config) -> None:
         migration_limit=config.migration_limit,
         on_migration=metrics.migration,
         engine_alive=registry.engine_alive,
+        address_live=registry.address_live,
     )
+    registry.on_address_gone = generator.engines.retire
     frontend = Frontend(
         registry, generator, metrics, id_prefix=f"{runtime.instance_id:x}", default_max_tokens=config.default_max_tokens
     )

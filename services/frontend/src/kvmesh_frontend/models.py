@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.channels import ChannelPool
@@ -89,6 +89,10 @@ class ModelRegistry:
         self._keys: dict[str, tuple[str, int]] = {}  # discovery key -> (model, engine id)
         self._assets: dict[str, _Assets] = {}  # by files digest
         self._closed = False
+        self._key_address: dict[str, str] = {}  # discovery key -> worker address
+        self._address_cards: dict[str, int] = {}  # worker address -> live cards at it
+        # Called with a worker address once no live engine is left there (its connection can go).
+        self.on_address_gone: Callable[[str], None] | None = None
 
     # -- discovery ------------------------------------------------------------------------------
     def apply(self, event: WatchEvent) -> None:
@@ -116,6 +120,7 @@ class ModelRegistry:
             log.info("model %s is back (engine %x at %s)", name, engine_id, card.address)
         entry.cards[engine_id] = card
         self._keys[key] = (name, engine_id)
+        self._track_address(key, card.address)
         entry._refresh()
         digest = card.files_digest or f"{name}@{engine_id:x}"
         if entry.assets is None or entry.digest != digest:
@@ -126,6 +131,7 @@ class ModelRegistry:
         found = self._keys.pop(key, None)
         if found is None:
             return
+        self._track_address(key, None)
         name, engine_id = found
         entry = self._models.get(name)
         if entry is None:
@@ -134,6 +140,24 @@ class ModelRegistry:
         entry._refresh()
         if not entry.cards:
             log.info("model %s has no live engine", name)
+
+    def _track_address(self, key: str, address: str | None) -> None:
+        previous = self._key_address.pop(key, None)
+        if address:
+            self._key_address[key] = address
+            self._address_cards[address] = self._address_cards.get(address, 0) + 1
+        if previous:
+            left = self._address_cards[previous] - 1
+            if left:
+                self._address_cards[previous] = left
+            else:
+                del self._address_cards[previous]
+                if self.on_address_gone is not None:
+                    self.on_address_gone(previous)
+
+    def address_live(self, address: str) -> bool:
+        """Whether discovery shows a live engine at this worker address."""
+        return address in self._address_cards
 
     # -- queries --------------------------------------------------------------------------------
     def get(self, name: str) -> ModelEntry | None:
