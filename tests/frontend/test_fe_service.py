@@ -8,9 +8,11 @@ import json
 import grpc
 import pytest
 from inference import grpc_service_pb2 as pb
-from kvmesh.discovery.base import Removed, Snapshot, model_key
+from kvmesh.channels import ChannelPool
+from kvmesh.discovery.base import Added, Removed, Snapshot, model_key
 from kvmesh.v1 import router_pb2, worker_pb2
 from kvmesh_frontend.engine_stream import EngineCall, EngineError
+from kvmesh_frontend.models import ModelRegistry
 from kvmesh_frontend.tensors import output_values
 
 from tests.frontend.frontend_fakes import (
@@ -467,6 +469,27 @@ async def test_a_worker_that_leaves_discovery_keeps_its_stream_until_its_request
     assert not [m for m in messages if m.error_message]
     assert worker.streams_opened == 2
     await no_leaks(worker, router)
+
+
+def test_the_registry_reports_a_worker_address_once_its_last_card_is_gone() -> None:
+    registry = ModelRegistry(ChannelPool(), NS)
+    gone: list[str] = []
+    registry.on_address_gone = gone.append
+    worker = FakeWorker([0x11, 0x22], files={})
+    worker.address = "10.0.0.1:1"
+
+    def put(engine_id: int, address: str) -> None:
+        card = worker.card(engine_id, address=address)
+        registry.apply(Added(model_key(NS, MODEL, engine_id), card.SerializeToString()))
+
+    put(0x11, "10.0.0.1:1")
+    put(0x22, "10.0.0.1:1")
+    put(0x11, "10.0.0.2:1")  # engine 11 re-registers elsewhere: engine 22 still lives at the first address
+    assert gone == [] and registry.address_live("10.0.0.1:1") and registry.address_live("10.0.0.2:1")
+    registry.apply(Removed(model_key(NS, MODEL, 0x22)))
+    assert gone == ["10.0.0.1:1"] and not registry.address_live("10.0.0.1:1")
+    registry.apply(Removed(model_key(NS, MODEL, 0x11)))
+    assert gone == ["10.0.0.1:1", "10.0.0.2:1"]
 
 
 async def test_migration_limit(mesh) -> None:

@@ -125,8 +125,6 @@ class EngineStream:
         self._loop = asyncio.get_running_loop()
         self._calls: dict[str, EngineCall] = {}
         self._outbox = worker_pb2.GenerateStreamRequest()
-        self._flush_scheduled = False
-        self._writing = False
         self._call = worker_pb2_grpc.WorkerServiceStub(channel).GenerateStream()
         self._reader = self._loop.create_task(self._read(), name=f"engine-stream-{address}")
         self._writer: asyncio.Task[None] | None = None
@@ -156,29 +154,19 @@ class EngineStream:
 
     # -- writing: one message per event-loop tick ------------------------------------------------
     def _schedule_flush(self) -> None:
-        if not self._flush_scheduled and not self._writing:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+        # The writer task first runs on the next loop iteration, so everything queued in this tick
+        # goes out in its first message; while a write is in flight, the next message accumulates.
+        if self._writer is None or self._writer.done():
+            self._writer = self._loop.create_task(self._write())
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self.closed or self._writing or not (self._outbox.requests or self._outbox.cancel_request_ids):
-            return
-        message, self._outbox = self._outbox, worker_pb2.GenerateStreamRequest()
-        self._writing = True
-        self._writer = self._loop.create_task(self._write(message))
-
-    async def _write(self, message: worker_pb2.GenerateStreamRequest) -> None:
+    async def _write(self) -> None:
         try:
-            await self._call.write(message)
+            while not self.closed and (self._outbox.requests or self._outbox.cancel_request_ids):
+                message, self._outbox = self._outbox, worker_pb2.GenerateStreamRequest()
+                await self._call.write(message)
         except Exception as exc:  # the stream is broken: the reader reports why
             self._close(f"write failed: {exc!r}")
             self._call.cancel()
-            return
-        finally:
-            self._writing = False
-        if self._outbox.requests or self._outbox.cancel_request_ids:
-            self._flush()  # what queued while this write was in flight
 
     # -- reading ----------------------------------------------------------------------------------
     async def _read(self) -> None:

@@ -89,7 +89,6 @@ class ModelRegistry:
         self._keys: dict[str, tuple[str, int]] = {}  # discovery key -> (model, engine id)
         self._assets: dict[str, _Assets] = {}  # by files digest
         self._closed = False
-        self._key_address: dict[str, str] = {}  # discovery key -> worker address
         self._address_cards: dict[str, int] = {}  # worker address -> live cards at it
         # Called with a worker address once no live engine is left there (its connection can go).
         self.on_address_gone: Callable[[str], None] | None = None
@@ -118,9 +117,12 @@ class ModelRegistry:
             log.info("model %s appeared (engine %x at %s)", name, engine_id, card.address)
         elif not entry.cards:
             log.info("model %s is back (engine %x at %s)", name, engine_id, card.address)
+        replaced = entry.cards.get(engine_id) if self._keys.get(key) == (name, engine_id) else None
         entry.cards[engine_id] = card
         self._keys[key] = (name, engine_id)
-        self._track_address(key, card.address)
+        self._count_address(card.address, +1)
+        if replaced is not None:
+            self._count_address(replaced.address, -1)
         entry._refresh()
         digest = card.files_digest or f"{name}@{engine_id:x}"
         if entry.assets is None or entry.digest != digest:
@@ -131,29 +133,27 @@ class ModelRegistry:
         found = self._keys.pop(key, None)
         if found is None:
             return
-        self._track_address(key, None)
         name, engine_id = found
         entry = self._models.get(name)
         if entry is None:
             return
-        entry.cards.pop(engine_id, None)
+        card = entry.cards.pop(engine_id, None)
+        if card is not None:
+            self._count_address(card.address, -1)
         entry._refresh()
         if not entry.cards:
             log.info("model %s has no live engine", name)
 
-    def _track_address(self, key: str, address: str | None) -> None:
-        previous = self._key_address.pop(key, None)
-        if address:
-            self._key_address[key] = address
-            self._address_cards[address] = self._address_cards.get(address, 0) + 1
-        if previous:
-            left = self._address_cards[previous] - 1
-            if left:
-                self._address_cards[previous] = left
-            else:
-                del self._address_cards[previous]
-                if self.on_address_gone is not None:
-                    self.on_address_gone(previous)
+    def _count_address(self, address: str, delta: int) -> None:
+        if not address:
+            return
+        left = self._address_cards.get(address, 0) + delta
+        if left > 0:
+            self._address_cards[address] = left
+            return
+        self._address_cards.pop(address, None)
+        if self.on_address_gone is not None:
+            self.on_address_gone(address)
 
     def address_live(self, address: str) -> bool:
         """Whether discovery shows a live engine at this worker address."""
