@@ -1,5 +1,5 @@
 # kvmesh developer entry points. `make run` and `make test` work on a fresh Debian machine as root;
-# both call `make setup`, which is idempotent (stamp files skip work already done).
+# both call `make setup` (run: Python only; test: also `setup-dev`, the test tools), idempotently.
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV := .venv
@@ -7,29 +7,38 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DISTS := libs/kvmesh services/worker services/router services/frontend bench cli
 STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
-APT_PACKAGES := etcd-server etcd-client bazel-bootstrap
 PYTEST_ARGS ?=
 
-.PHONY: help setup system-deps protos lint test test-python test-bazel run bench clean
+.PHONY: help setup setup-dev system-deps dev-deps protos lint test test-python test-bazel run bench clean
 
 help:
 	@echo "make run    - set up everything and start the local mesh (kvmesh up)"
 	@echo "make test   - set up everything and run every check and test"
-	@echo "make setup  - install system packages, node tools and the Python venv (idempotent)"
+	@echo "make setup  - the Python venv and stubs that make run needs (idempotent)"
+	@echo "make setup-dev - setup, plus the test tools: etcd, bazel, node + buf (idempotent)"
 
-setup: system-deps $(STAMP) node_modules/.stamp protos
+# `make run` needs only Python; the test tools (etcd, bazel, node for buf) come with setup-dev.
+setup: system-deps $(STAMP) protos
 
-system-deps:
+setup-dev: setup dev-deps node_modules/.stamp
+
+# apt-get install the Debian packages named by "command:package ..." pairs whose command is missing.
+define apt_need
 	@missing=""; \
-	command -v etcd >/dev/null || missing="$$missing etcd-server etcd-client"; \
-	command -v bazel >/dev/null || missing="$$missing bazel-bootstrap"; \
+	for pair in $(1); do command -v "$${pair%%:*}" >/dev/null || missing="$$missing $${pair#*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "setup: installing$$missing"; \
 	  if [ "$$(id -u)" != 0 ]; then echo "setup: need root to apt-get install$$missing" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	fi
-	@command -v python3 >/dev/null && python3 -c 'import venv, ensurepip' 2>/dev/null || \
+endef
+
+system-deps:
+	@python3 -c 'import venv, ensurepip' 2>/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null)
+
+dev-deps:
+	$(call apt_need,etcd:etcd-server etcdctl:etcd-client bazel:bazel-bootstrap node:nodejs npm:npm)
 
 $(STAMP): constraints.txt $(addsuffix /pyproject.toml,$(DISTS))
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -47,7 +56,7 @@ node_modules/.stamp: package.json package-lock.json
 protos: $(STAMP)
 	@$(PY) libs/kvmesh/gen_protos.py >/dev/null
 
-lint: setup
+lint: setup-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
 	node_modules/.bin/buf lint
@@ -55,11 +64,11 @@ lint: setup
 
 # tests/kserve_clients run stock tritonclient, whose stubs declare proto package `inference` like
 # ours: the two cannot share one process's descriptor pool, hence two pytest processes.
-test-python: setup
+test-python: setup-dev
 	$(VENV)/bin/python -m pytest --ignore=tests/kserve_clients $(PYTEST_ARGS)
 	$(VENV)/bin/python -m pytest tests/kserve_clients $(PYTEST_ARGS)
 
-test-bazel: setup
+test-bazel: setup-dev
 	@if command -v bazel >/dev/null; then \
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel test //... || exit 1; \
 	else echo "bazel not installed: skipping bazel test //..."; fi
