@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt $(addsuffix /pyprojec
 APT_PACKAGES := etcd-server etcd-client bazel-bootstrap
 PYTEST_ARGS ?=
 
-.PHONY: help setup system-deps protos lint test test-python test-bazel run bench clean
+.PHONY: help setup system-deps protos lint typecheck test test-python test-bazel run bench clean
 
 help:
 	@echo "make run    - set up everything and start the local mesh (kvmesh up)"
@@ -52,6 +52,11 @@ lint: setup
 	$(VENV)/bin/lint-imports --no-cache
 	node_modules/.bin/buf lint
 	scripts/buf-breaking.sh
+	$(MAKE) --no-print-directory typecheck
+
+# mypy over every distribution's sources; the settings (strictness, paths) are in pyproject.toml.
+typecheck: setup
+	$(VENV)/bin/mypy
 
 # tests/kserve_clients run stock tritonclient, whose stubs declare proto package `inference` like
 # ours: the two cannot share one process's descriptor pool, hence two pytest processes.
@@ -70,5 +75,5 @@ run: setup
 	$(VENV)/bin/kvmesh up
 
 clean:
-	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache
+	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache .mypy_cache
 	-command -v bazel >/dev/null && bazel clean --expunge
