@@ -9,7 +9,7 @@ DISTS := libs/kvmesh services/worker services/router services/frontend bench cli
 STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-dev system-deps dev-deps protos lint test test-python test-bazel run bench clean
+.PHONY: help setup setup-dev system-deps dev-deps protos lint typecheck test test-python test-bazel run bench clean
 
 help:
 	@echo "make run    - set up everything and start the local mesh (kvmesh up)"
@@ -61,6 +61,11 @@ lint: setup-dev
 	$(VENV)/bin/lint-imports --no-cache
 	node_modules/.bin/buf lint
 	scripts/buf-breaking.sh
+	$(MAKE) --no-print-directory typecheck
+
+# mypy over every distribution's sources; the settings (strictness, paths) are in pyproject.toml.
+typecheck: setup
+	$(VENV)/bin/mypy
 
 # tests/kserve_clients run stock tritonclient, whose stubs declare proto package `inference` like
 # ours: the two cannot share one process's descriptor pool, hence two pytest processes.
@@ -79,5 +84,5 @@ run: setup
 	$(VENV)/bin/kvmesh up
 
 clean:
-	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache
+	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache .mypy_cache
 	-command -v bazel >/dev/null && bazel clean --expunge

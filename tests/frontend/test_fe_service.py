@@ -194,7 +194,7 @@ class _StreamEnd:
 
 
 async def test_engine_responses_that_pile_up_are_merged() -> None:
-    call = EngineCall(_StreamEnd(), "r1")  # type: ignore[arg-type]
+    call = EngineCall(_StreamEnd(), "r1")  # type: ignore[arg-type]  # a fake: cancel() is all it uses
     call._push(worker_pb2.GenerateResponse(token_ids=[0], num_prompt_tokens=7))
     first = await anext(call)  # the consumer keeps up: the first response alone
     assert list(first.token_ids) == [0] and first.num_prompt_tokens == 7
@@ -210,7 +210,7 @@ async def test_engine_responses_that_pile_up_are_merged() -> None:
 
 async def test_an_engine_call_waits_then_surfaces_its_error_and_cancels_once() -> None:
     stream = _StreamEnd()
-    call = EngineCall(stream, "r1")  # type: ignore[arg-type]
+    call = EngineCall(stream, "r1")  # type: ignore[arg-type]  # a fake: cancel() is all it uses
     waiting = asyncio.ensure_future(anext(call))
     await asyncio.sleep(0.01)
     assert not waiting.done()
@@ -222,7 +222,7 @@ async def test_an_engine_call_waits_then_surfaces_its_error_and_cancels_once() -
     call.cancel()  # already over: nothing to tell the worker
     assert stream.cancelled == []
 
-    live = EngineCall(stream, "r2")  # type: ignore[arg-type]
+    live = EngineCall(stream, "r2")  # type: ignore[arg-type]  # a fake: cancel() is all it uses
     live.cancel()
     live.cancel()
     assert stream.cancelled == ["r2"]

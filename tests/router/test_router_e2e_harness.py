@@ -220,7 +220,7 @@ class SessionClient:
         if pinned is not None:
             query.pinned_engine_id = pinned
         if mode:
-            query.overrides.mode = mode  # type: ignore[assignment]
+            query.overrides.mode = mode  # type: ignore[assignment]  # a raw enum number, as a test may send any
         self._out.put(router_pb2.SessionRequest(route=query))
 
     def decision(self, timeout: float = 10.0) -> router_pb2.RouteDecision:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -129,8 +129,8 @@ class KvFaultProxy:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, coro: Awaitable[Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(15)  # type: ignore[arg-type]
+    def _call(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(15)
 
     # ------------------------------------------------------------------ the proxy (its loop)
 

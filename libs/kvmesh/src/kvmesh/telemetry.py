@@ -44,8 +44,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        if getattr(record, "request_id", ""):
-            doc["request_id"] = record.request_id
+        request_id = getattr(record, "request_id", "")  # set by _RequestIdFilter; absent on foreign records
+        if request_id:
+            doc["request_id"] = request_id
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return json.dumps(doc)
@@ -152,14 +153,14 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
         def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
             if inspect.isasyncgenfunction(behavior):
 
-                async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
                     with span():
                         async for response in behavior(request, context):
                             yield response
 
                 return stream
 
-            async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 with span():
                     return await behavior(request, context)
 

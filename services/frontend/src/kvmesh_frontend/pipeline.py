@@ -13,9 +13,10 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import cast
 
 from inference import grpc_service_pb2 as pb
 from kvmesh.hashing import block_hashes
@@ -69,7 +70,7 @@ class Frontend:
     def new_request_id(self) -> str:
         return f"{self._prefix}-{next(self._ids):x}"
 
-    async def infer(self, request: pb.ModelInferRequest, *, unary: bool) -> AsyncIterator[Response]:
+    async def infer(self, request: pb.ModelInferRequest, *, unary: bool) -> AsyncGenerator[Response, None]:
         """The responses of one request: one ModelInferResponse when ``unary``, else ModelStreamInferResponses."""
         start = time.perf_counter()
         request_id = self.new_request_id()
@@ -95,7 +96,12 @@ class Frontend:
             )
             # Closing the generation (here, or when the client goes away while a response is being
             # written) cancels its engine request and frees its router booking.
-            async with aclosing(self.generator.generate(prepared, state)) as engine:
+            # generate() is an async generator, annotated AsyncIterator in generation.py (owned by
+            # its rewrite): the cast lets aclosing see aclose(), and turns redundant once it says so.
+            generation = cast(
+                "AsyncGenerator[worker_pb2.GenerateResponse, None]", self.generator.generate(prepared, state)
+            )
+            async with aclosing(generation) as engine:
                 async for engine_response in engine:
                     if not first_token_at and engine_response.token_ids:
                         first_token_at = time.perf_counter()

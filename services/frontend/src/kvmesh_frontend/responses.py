@@ -10,6 +10,8 @@ request carries ``triton_final_response=true`` plus the routing parameters ``kvm
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from inference import grpc_service_pb2 as pb
 from kvmesh.v1 import worker_pb2
 
@@ -124,7 +126,7 @@ class ResponseWriter:
         inner.id = self._llm.client_id
         return outer, inner
 
-    def _emit(self, text: str, ids: list[int] | object, num_tokens: int, final: bool) -> list[Response]:
+    def _emit(self, text: str, ids: Sequence[int], num_tokens: int, final: bool) -> list[Response]:
         message, response = self._new()
         if self._want_text:
             add_output(response, "text_output", "BYTES", (1,), encode_one_bytes(text.encode()))
@@ -141,7 +143,7 @@ class ResponseWriter:
         if self._want_num_out:
             add_output(response, "num_output_tokens", "UINT32", (1,), encode_numbers("UINT32", (num_tokens,)))
         if self._want_ids:
-            token_ids = list(ids)  # type: ignore[call-overload]
+            token_ids = list(ids)
             add_output(response, "output_ids", "INT32", (len(token_ids),), encode_numbers("INT32", token_ids))
         if self._unary:
             self._finalize(response)

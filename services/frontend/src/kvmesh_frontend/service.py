@@ -96,27 +96,35 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- health and metadata --------------------------------------------------------------------
     async def ServerLive(
-        self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.ServerLiveRequest,
+        context: grpc.aio.ServicerContext[pb.ServerLiveRequest, pb.ServerLiveResponse],
     ) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(
-        self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.ServerReadyRequest,
+        context: grpc.aio.ServicerContext[pb.ServerReadyRequest, pb.ServerReadyResponse],
     ) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self._registry.any_ready())
 
     async def ModelReady(
-        self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.ModelReadyRequest,
+        context: grpc.aio.ServicerContext[pb.ModelReadyRequest, pb.ModelReadyResponse],
     ) -> pb.ModelReadyResponse:
         entry = self._registry.get(request.name)
         return pb.ModelReadyResponse(ready=entry is not None and entry.ready)
 
     async def ServerMetadata(
-        self, request: pb.ServerMetadataRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.ServerMetadataRequest,
+        context: grpc.aio.ServicerContext[pb.ServerMetadataRequest, pb.ServerMetadataResponse],
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=self._version, extensions=EXTENSIONS)
 
-    async def _known(self, name: str, context: grpc.aio.ServicerContext) -> Any:
+    async def _known(self, name: str, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         entry = self._registry.get(name)
         if entry is None or not entry.cards:
             names = ", ".join(self._registry.names()) or "none"
@@ -124,13 +132,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return entry
 
     async def ModelMetadata(
-        self, request: pb.ModelMetadataRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.ModelMetadataRequest,
+        context: grpc.aio.ServicerContext[pb.ModelMetadataRequest, pb.ModelMetadataResponse],
     ) -> pb.ModelMetadataResponse:
         await self._known(request.name, context)
         return model_metadata(request.name)
 
     async def ModelConfig(
-        self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.ModelConfigRequest,
+        context: grpc.aio.ServicerContext[pb.ModelConfigRequest, pb.ModelConfigResponse],
     ) -> pb.ModelConfigResponse:
         entry = await self._known(request.name, context)
         parameters = {
@@ -141,7 +153,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=model_config(request.name, parameters))
 
     async def ModelStatistics(
-        self, request: pb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.ModelStatisticsRequest,
+        context: grpc.aio.ServicerContext[pb.ModelStatisticsRequest, pb.ModelStatisticsResponse],
     ) -> pb.ModelStatisticsResponse:
         if request.name:
             await self._known(request.name, context)
@@ -166,7 +180,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- inference ------------------------------------------------------------------------------
     async def ModelInfer(
-        self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext
+        self,
+        request: pb.ModelInferRequest,
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
     ) -> pb.ModelInferResponse:
         try:
             result: pb.ModelInferResponse | None = None
@@ -181,8 +197,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(exc.code, exc.message)
             raise  # pragma: no cover - abort raises
 
-    async def ModelStreamInfer(
-        self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: grpc.aio.ServicerContext
+    # grpc.aio also serves a stream-stream RPC from a coroutine that writes through context.write (one
+    # writer per request task here); the generated servicer stub only models generator methods.
+    async def ModelStreamInfer(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelStreamInferResponse],
     ) -> None:
         # Each request runs in its own task and writes its responses itself; a lock serializes the
         # writes (gRPC allows one at a time), which costs nothing when uncontended and applies the
@@ -197,6 +217,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             try:
                 async with aclosing(frontend.infer(request, unary=False)) as responses:
                     async for response in responses:
+                        assert isinstance(response, pb.ModelStreamInferResponse)  # infer(unary=False) yields only these
                         async with lock:
                             await write(response)
             except FrontendError as exc:
@@ -225,40 +246,40 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- the rest of Triton's service -------------------------------------------------------------
-    async def _unimplemented(self, context: grpc.aio.ServicerContext, rpc: str, why: str) -> Any:
+    async def _unimplemented(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str, why: str) -> Any:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"kvmesh-frontend does not implement {rpc}: {why}")
 
-    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "RepositoryIndex", _NO_REPOSITORY)
 
-    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "RepositoryModelLoad", _NO_REPOSITORY)
 
-    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "RepositoryModelUnload", _NO_REPOSITORY)
 
-    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def SystemSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "SystemSharedMemoryStatus", _NO_SHM)
 
-    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def SystemSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "SystemSharedMemoryRegister", _NO_SHM)
 
-    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def SystemSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "SystemSharedMemoryUnregister", _NO_SHM)
 
-    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def CudaSharedMemoryStatus(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "CudaSharedMemoryStatus", _NO_SHM)
 
-    async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def CudaSharedMemoryRegister(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "CudaSharedMemoryRegister", _NO_SHM)
 
-    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def CudaSharedMemoryUnregister(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "CudaSharedMemoryUnregister", _NO_SHM)
 
-    async def TraceSetting(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def TraceSetting(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "TraceSetting", "tracing is configured with --otel-exporter")
 
-    async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def LogSettings(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "LogSettings", "logging is configured with --log-level")
 
 

@@ -154,8 +154,10 @@ def decode_raw(name: str, datatype: str, data: bytes) -> list[Any]:
         return [b != 0 for b in data]
     if datatype == "BF16":
         halves = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
-        return halves.view(np.float32).tolist()
-    return np.frombuffer(data, dtype=_NUMPY[datatype]).tolist()
+        floats: list[float] = halves.view(np.float32).tolist()  # numpy types tolist() as Any
+        return floats
+    values: list[Any] = np.frombuffer(data, dtype=_NUMPY[datatype]).tolist()
+    return values
 
 
 def decode_bytes_raw(name: str, data: bytes) -> list[bytes]:
