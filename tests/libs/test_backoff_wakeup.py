@@ -47,3 +47,10 @@ async def test_wakeup_cancelled_waiter_leaves_no_stale_future():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not wakeup.waiting
+
+
+def test_backoff_without_jitter_draws_no_random_numbers():
+    def no_draws() -> float:
+        raise AssertionError("a deterministic backoff must not consume the random state")
+
+    assert Backoff(0.1, 1.0, jitter=0.0, rng=no_draws).next_delay() == pytest.approx(0.1)

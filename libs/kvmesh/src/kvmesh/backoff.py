@@ -49,6 +49,8 @@ class Backoff:
         base = self._current
         self._current = min(self._current * self.factor, self.maximum)
         self.attempts += 1
+        if not self.jitter:  # deterministic: leave the shared random state alone
+            return base
         return base * (1.0 - self.jitter * self._rng())
 
     async def sleep(self) -> float:
