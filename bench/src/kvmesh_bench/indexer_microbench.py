@@ -49,6 +49,7 @@ from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
 from kvmesh_router.slot_tracker import SlotTracker
 
+from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, load_trace
 
@@ -188,12 +189,6 @@ def live_replay(
     return Workload(ops, decide_ns, hit, total, quality, len(requests))
 
 
-def _pct(sorted_ns: list[int], q: float) -> float:
-    if not sorted_ns:
-        return 0.0
-    return sorted_ns[min(len(sorted_ns) - 1, round(q * (len(sorted_ns) - 1)))] / 1000.0
-
-
 def replay_indexer(ops: list[Op], indexer_factory: Any = KvIndexer, repeat: int = 3) -> dict[str, Any]:
     """Replay an op stream into fresh indexers: throughput (best of ``repeat``) and find_matches latency."""
     clock = time.perf_counter_ns
@@ -250,8 +245,8 @@ def replay_indexer(ops: list[Op], indexer_factory: Any = KvIndexer, repeat: int 
         "blocks_removed": removed,
         "events_per_s": n_events / (best_apply / 1e9) if best_apply else 0.0,
         "find_matches_per_s": len(find_times) / (best_find / 1e9) if best_find else 0.0,
-        "find_p50_us": _pct(find_times, 0.50),
-        "find_p99_us": _pct(find_times, 0.99),
+        "find_p50_us": percentile(find_times, 50, method="nearest", empty=0.0) / 1000.0,
+        "find_p99_us": percentile(find_times, 99, method="nearest", empty=0.0) / 1000.0,
         "indexer_ops_per_s": (n_events + len(find_times)) / ((best_apply + best_find) / 1e9),
     }
 
@@ -304,9 +299,9 @@ def run_one(requests: list[tuple[float, int, list[int]]], n_engines: int, args: 
         policy=args.policy,
         index_entries=len(index),
         index_blocks=index.num_blocks,
-        decide_p50_us=_pct(decide, 0.50),
-        decide_p99_us=_pct(decide, 0.99),
-        decide_raw_p99_us=_pct(raw_decide, 0.99),
+        decide_p50_us=percentile(decide, 50, method="nearest", empty=0.0) / 1000.0,
+        decide_p99_us=percentile(decide, 99, method="nearest", empty=0.0) / 1000.0,
+        decide_raw_p99_us=percentile(raw_decide, 99, method="nearest", empty=0.0) / 1000.0,
         decide_max_us=decide[-1] / 1000.0 if decide else 0.0,
         bytes_per_entry=per_entry,
         prefix_hit_ratio=work.hit_blocks / work.total_blocks if work.total_blocks else 0.0,

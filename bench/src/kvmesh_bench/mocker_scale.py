@@ -41,6 +41,8 @@ import uvloop
 from kvmesh_worker.engine import EngineConfig, EngineCore, EngineRequest, ForwardPassMetrics, PolynomialPerfModel
 from kvmesh_worker.engine_runner import EngineRunner
 
+from kvmesh_bench.stats import percentile
+
 GOAL_ENGINES = 1000
 GOAL_DRIFT_P99 = 0.05
 
@@ -161,10 +163,6 @@ class _Probe:
             self.start[i] = None
 
 
-def _percentile(values: np.ndarray, q: float) -> float:
-    return float(np.percentile(values, q)) if values.size else float("nan")
-
-
 def _sleep_floor(seconds: float, duration: float) -> float:
     """|drift| p99 of plain ``time.sleep(duration)`` calls: what the machine itself allows right now."""
     drift = []
@@ -173,7 +171,7 @@ def _sleep_floor(seconds: float, duration: float) -> float:
         t = time.perf_counter()
         time.sleep(duration)
         drift.append(abs((time.perf_counter() - t) / duration - 1.0))
-    return 100.0 * _percentile(np.asarray(drift), 99)
+    return 100.0 * percentile(np.asarray(drift), 99)
 
 
 def _voluntary_switches() -> int:
@@ -262,13 +260,13 @@ async def _measure(n: int, args: argparse.Namespace) -> Result:
         requests_finished=finished,
         passes=int(modelled.size),
         passes_per_s=passes / load_wall,
-        drift_p50_pct=100.0 * _percentile(drift, 50),
-        drift_p99_pct=100.0 * _percentile(drift, 99),
+        drift_p50_pct=100.0 * percentile(drift, 50),
+        drift_p99_pct=100.0 * percentile(drift, 99),
         drift_mean_pct=100.0 * float(np.mean(wall / modelled - 1.0)) if modelled.size else math.nan,
-        late_p99_ms=1000.0 * _percentile(np.abs(wall - modelled), 99),
-        modelled_p50_ms=1000.0 * _percentile(modelled, 50),
+        late_p99_ms=1000.0 * percentile(np.abs(wall - modelled), 99),
+        modelled_p50_ms=1000.0 * percentile(modelled, 50),
         os_delayed_pct=100.0 * float(delayed.mean()) if delayed.size else math.nan,
-        clean_drift_p99_pct=100.0 * _percentile(drift[~delayed], 99),
+        clean_drift_p99_pct=100.0 * percentile(drift[~delayed], 99),
         runq_wait_pct=100.0 * runq_wait / load_wall,
         gc_full=len(full),
         gc_max_pause_ms=1000.0 * max((b - a for a, b in full), default=0.0),

@@ -53,6 +53,7 @@ from kvmesh_router.metrics import RouterMetrics
 from kvmesh_router.state import EngineInfo, RouterSettings, RouterState
 
 from kvmesh_bench import indexer_microbench as mb
+from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table
 
 DEFAULT_TRACE = mb.DEFAULT_TRACE
@@ -102,13 +103,6 @@ class GrpcResult:
     window: int
     events_applied: int
     outcomes: dict[str, int] = field(default_factory=dict)
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def engine_ids(n: int) -> list[int]:
@@ -187,8 +181,8 @@ def daemon_path(requests: list[Request], n: int, args: argparse.Namespace) -> di
     route_us = [ns / 1000 for ns in route_ns]
     assert state.kv_index is not None
     return {
-        "route_p50_us": _pct(route_us, 0.50),
-        "route_p99_us": _pct(route_us, 0.99),
+        "route_p50_us": percentile(route_us, 50, method="nearest", empty=0.0),
+        "route_p99_us": percentile(route_us, 99, method="nearest", empty=0.0),
         "route_decisions_per_s": len(route_ns) / (sum(route_ns) / 1e9),
         "wire_events_per_s": events / (wire_ns / 1e9) if wire_ns else 0.0,
         "wire_blocks_per_s": blocks / (wire_ns / 1e9) if wire_ns else 0.0,
@@ -215,8 +209,8 @@ def run_fleet(requests: list[Request], n: int, args: argparse.Namespace) -> Flee
         find_p50_us=core["find_p50_us"],
         find_p99_us=core["find_p99_us"],
         indexer_ops_per_s=core["indexer_ops_per_s"],
-        decide_p50_us=_pct(decide_us, 0.50),
-        decide_p99_us=_pct(decide_us, 0.99),
+        decide_p50_us=percentile(decide_us, 50, method="nearest", empty=0.0),
+        decide_p99_us=percentile(decide_us, 99, method="nearest", empty=0.0),
         decisions_per_s=len(decide_us) / (sum(decide_us) / 1e6),
         route_p50_us=path["route_p50_us"],
         route_p99_us=path["route_p99_us"],
@@ -314,8 +308,8 @@ async def _serve(conn: Any, args: dict[str, Any]) -> None:
         {
             "events_applied": ingest.stats.events,
             "index_entries": state.kv_index.size,
-            "decide_p50_us": _pct(us, 0.50),
-            "decide_p99_us": _pct(us, 0.99),
+            "decide_p50_us": percentile(us, 50, method="nearest", empty=0.0),
+            "decide_p99_us": percentile(us, 99, method="nearest", empty=0.0),
         }
     )
     await server.stop(None)
@@ -459,11 +453,11 @@ def run_grpc(requests: list[Request], args: argparse.Namespace) -> GrpcResult:
         engines=args.grpc_engines,
         requests=n_measured,
         warm_requests=warm,
-        rtt_p50_us=_pct(rtts, 0.50),
-        rtt_p99_us=_pct(rtts, 0.99),
+        rtt_p50_us=percentile(rtts, 50, method="nearest", empty=0.0),
+        rtt_p99_us=percentile(rtts, 99, method="nearest", empty=0.0),
         rtt_max_us=max(rtts) if rtts else 0.0,
-        floor_p50_us=_pct(client["floor"], 0.50),
-        floor_p99_us=_pct(client["floor"], 0.99),
+        floor_p50_us=percentile(client["floor"], 50, method="nearest", empty=0.0),
+        floor_p99_us=percentile(client["floor"], 99, method="nearest", empty=0.0),
         server_decide_p50_us=float(server_stats.get("decide_p50_us", 0.0)),
         server_decide_p99_us=float(server_stats.get("decide_p99_us", 0.0)),
         pipelined_decisions_per_s=client["pipelined_per_s"],

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh_bench.stats import percentile, weighted_percentile
+
 __all__ = [
     "RunData",
     "Summary",
@@ -76,21 +78,6 @@ class RunData:
         return ~np.isnan(self.finish_ms)
 
 
-def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
-    """The smallest value with at least q % of the total weight at or below it (NaN when empty)."""
-    if values.size == 0 or not weights.sum() > 0:
-        return math.nan
-    order = np.argsort(values, kind="stable")
-    cum = np.cumsum(weights[order])
-    i = int(np.searchsorted(cum, cum[-1] * q / 100.0, side="left"))
-    return float(values[order][min(i, values.size - 1)])
-
-
-def _pct(x: np.ndarray, q: float) -> float:
-    x = x[~np.isnan(x)]
-    return float(np.percentile(x, q)) if x.size else math.nan
-
-
 @dataclass(frozen=True)
 class Summary:
     label: str
@@ -132,15 +119,15 @@ def summarize(run: RunData) -> Summary:
         requests=int(run.arrival_ms.size),
         completed=int(done.sum()),
         failed=int(run.arrival_ms.size - done.sum()),
-        ttft_p50_ms=_pct(ttft, 50),
-        ttft_p90_ms=_pct(ttft, 90),
-        ttft_p99_ms=_pct(ttft, 99),
+        ttft_p50_ms=percentile(ttft, 50),
+        ttft_p90_ms=percentile(ttft, 90),
+        ttft_p99_ms=percentile(ttft, 99),
         ttft_mean_ms=float(np.nanmean(ttft)) if (~np.isnan(ttft)).any() else math.nan,
         itl_p50_ms=weighted_percentile(run.itl_ms, w, 50),
         itl_p99_ms=weighted_percentile(run.itl_ms, w, 99),
         itl_mean_ms=itl_mean,
-        e2e_p50_ms=_pct(e2e, 50),
-        e2e_p99_ms=_pct(e2e, 99),
+        e2e_p50_ms=percentile(e2e, 50),
+        e2e_p99_ms=percentile(e2e, 99),
         requests_per_s=float(done.sum()) / span_s if done.any() else 0.0,
         output_tokens_per_s=float(run.output_tokens[done].sum()) / span_s if done.any() else 0.0,
         hit_rate=float(run.cached_tokens[done].sum() / inputs) if inputs else math.nan,
@@ -176,7 +163,7 @@ def per_engine(run: RunData) -> list[dict[str, Any]]:
                 "requests": int(mask.sum()),
                 "input_tokens": int(run.input_tokens[mask].sum()),
                 "cached_tokens": int(run.cached_tokens[mask].sum()),
-                "ttft_p50_ms": _pct(run.ttft_ms[mask], 50) if mask.any() else None,
+                "ttft_p50_ms": percentile(run.ttft_ms[mask], 50) if mask.any() else None,
             }
         )
     return out

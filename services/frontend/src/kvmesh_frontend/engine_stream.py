@@ -22,6 +22,7 @@ import grpc
 from kvmesh import telemetry
 from kvmesh.channels import ChannelPool
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.wakeup import Wakeup
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ _CODES = {code.value[0]: code for code in grpc.StatusCode}
 class EngineCall:
     """One request on a GenerateStream: an async iterator of its ``GenerateResponse`` messages."""
 
-    __slots__ = ("_done", "_error", "_items", "_stream", "_waiter", "request_id")
+    __slots__ = ("_done", "_error", "_items", "_stream", "_wakeup", "request_id")
 
     def __init__(self, stream: EngineStream, request_id: str) -> None:
         self._stream = stream
@@ -49,23 +50,16 @@ class EngineCall:
         self._items: list[worker_pb2.GenerateResponse] = []
         self._error: EngineError | None = None
         self._done = False
-        self._waiter: asyncio.Future[None] | None = None
+        self._wakeup = Wakeup()  # the request's own task is the one waiter
 
     def _push(self, response: worker_pb2.GenerateResponse) -> None:
         self._items.append(response)
-        self._wake()
+        self._wakeup.set()
 
     def _fail(self, error: EngineError) -> None:
         self._error = error
         self._done = True
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wakeup.set()
 
     def __aiter__(self) -> EngineCall:
         return self
@@ -82,8 +76,7 @@ class EngineCall:
                 raise self._error
             if self._done:
                 raise StopAsyncIteration
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
+            await self._wakeup.wait()
         items, self._items = self._items, []
         item = items[0] if len(items) == 1 else _merge(items)
         if item.finish_reason:
@@ -95,7 +88,7 @@ class EngineCall:
         if not self._done:
             self._done = True
             self._stream.cancel(self.request_id)
-            self._wake()
+            self._wakeup.set()
 
 
 def _merge(items: list[worker_pb2.GenerateResponse]) -> worker_pb2.GenerateResponse:

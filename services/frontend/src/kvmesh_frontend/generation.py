@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from kvmesh.backoff import Backoff
 from kvmesh.channels import ChannelPool
 from kvmesh.hashing import block_hashes
 from kvmesh.v1 import router_pb2, worker_pb2
@@ -204,19 +205,24 @@ class Generator:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.no_engine_grace
-        delay = 0.02
+        backoff: Backoff | None = None  # made on the first NO_ENGINE only: the hot path never needs it
         while True:
             decision, session = await self._router.route(query)
             if (
                 decision.outcome != router_pb2.DECISION_OUTCOME_NO_ENGINE
                 or self._engine_alive is None
                 or not self._engine_alive(req.model, req.pinned_engine_id, query.excluded_engine_ids)
-                or loop.time() + delay > deadline
             ):
+                return decision, session
+            if backoff is None:
+                # 20, 40, 80, 160, 250, 250 ... ms without jitter: a short wait bounded by the grace;
+                # rng=0 so that it takes no draw from the global RNG (the replica pick uses it).
+                backoff = Backoff(0.02, 0.25, jitter=0.0, rng=lambda: 0.0)
+            delay = backoff.next_delay()
+            if loop.time() + delay > deadline:
                 return decision, session
             session.finished(query.request_id)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
 
     @staticmethod
     def _refused(req: PreparedRequest, decision: router_pb2.RouteDecision, state: GenerationState) -> FrontendError:
