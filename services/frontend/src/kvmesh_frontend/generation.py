@@ -215,9 +215,8 @@ class Generator:
             ):
                 return decision, session
             if backoff is None:
-                # 20, 40, 80, 160, 250, 250 ... ms without jitter: a short wait bounded by the grace;
-                # rng=0 so that it takes no draw from the global RNG (the replica pick uses it).
-                backoff = Backoff(0.02, 0.25, jitter=0.0, rng=lambda: 0.0)
+                # 20, 40, 80, 160, 250, 250 ... ms without jitter: a short wait bounded by the grace.
+                backoff = Backoff(0.02, 0.25, jitter=0.0)
             delay = backoff.next_delay()
             if loop.time() + delay > deadline:
                 return decision, session
