@@ -5,7 +5,7 @@ crosses three threads: an EventEngine thread reads the socket, the aio poller th
 completion, the event loop runs the handler. With the EventEngine experiments off, the poller thread
 does the I/O itself, one hop less. Measured on this project's 2-core VM (loopback, uvloop): a bidi
 ping-pong round trip p50 306 µs → 160 µs; ``kvmesh bench frontend``'s bare relay hop +0.64 ms →
-+0.28 ms, the frontend's streams/s 827 → 1010 (docs/frontend.md, "Performance").
++0.28 ms, the frontend's streams/s 827 → 1010 (docs/benchmarks.md, "Frontend").
 
 gRPC core reads ``GRPC_EXPERIMENTS`` once, when ``grpc`` is first imported, so each kvmesh package's
 ``__init__`` calls :func:`apply_defaults` before anything imports grpc. A user's own
