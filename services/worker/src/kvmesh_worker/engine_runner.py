@@ -6,8 +6,8 @@ Deadlines are absolute (``next += modelled``), so the time spent in Python does 
 drift; only after a stall longer than ``MAX_CATCH_UP_S`` (a starved process) does the schedule
 restart from now instead of rushing the following passes. The sleeps go through one
 ``DeadlineTimer`` per event loop (a Linux timerfd): uvloop's own timers round to whole
-milliseconds, which alone is ±10-20 % of a 6 ms decode pass. An idle engine awaits an
-``asyncio.Event`` and costs nothing: no polling, so a process can host a thousand of them.
+milliseconds, which alone is ±10-20 % of a 6 ms decode pass. An idle engine awaits a
+``Wakeup`` and costs nothing: no polling, so a process can host a thousand of them.
 
 At speedup 0 there is no modelled time to sleep: passes run back to back, each delivered as soon
 as it is computed, and the loop yields to the event loop only every ``UNPACED_SLICE_S`` (or
