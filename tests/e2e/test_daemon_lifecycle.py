@@ -26,6 +26,7 @@ from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 from tests.support.daemons import Daemon, run_cli
 from tests.support.etcd import EtcdServer, free_port
+from tests.support.generate import generate_sync, tokens_of
 
 pytestmark = pytest.mark.e2e
 
@@ -134,7 +135,7 @@ def generate(address: str, max_tokens: int, timeout: float = 30.0) -> list[int]:
             token_ids=list(range(1, 40)),
             sampling=worker_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True),
         )
-        return [t for response in stub.Generate(request, timeout=timeout) for t in response.token_ids]
+        return tokens_of(generate_sync(stub, request, timeout=timeout))
 
 
 def engine_ids(channel: grpc.Channel) -> list[int]:

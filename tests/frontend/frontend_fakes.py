@@ -2,7 +2,7 @@
 
 - :func:`tokenizer_files`: a small byte-level BPE tokenizer (BOS post-processor, chat template)
   trained on ASCII only, so non-ASCII characters are split into byte tokens.
-- :class:`FakeWorker`: ``WorkerService`` for N engines. ``Generate`` streams the tokens of a fixed
+- :class:`FakeWorker`: ``WorkerService`` for N engines. ``GenerateStream`` streams the tokens of a fixed
   text, ``batch`` tokens per response; it can die mid-stream (UNAVAILABLE), reject, and it tracks
   active requests so tests can check cancellation reaches it.
 - :class:`FakeRouter`: ``RouterService.Session`` with round-robin / pinned / excluded routing and
@@ -173,13 +173,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             raise
         finally:
             self.active.pop(request.request_id, None)
-
-    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        try:
-            async for response in self._generate(request):
-                yield response
-        except EngineFailure as exc:
-            await context.abort(exc.code, exc.details)
 
     async def GenerateStream(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         """Each request runs in its own task; its outputs and in-band errors share the stream."""

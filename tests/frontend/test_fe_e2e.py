@@ -1,7 +1,7 @@
 """Real daemons (worker, router, frontend subprocesses), checked with kvmesh's own stubs.
 
 What the stock-client tests cannot see without our stubs: the engine's own view (WatchLoad) and its
-own tokens (a direct Generate with the same prompt and seed must produce what the frontend relayed).
+own tokens (a direct GenerateStream request with the same prompt and seed must produce what the frontend relayed).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from kvmesh_frontend.tensors import output_values
 from tests.frontend.frontend_fakes import bytes_input, ids_input, llm_request
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
+from tests.support.generate import generate, tokens_of
 
 pytestmark = pytest.mark.e2e
 MODEL = "kvmesh-mock"
@@ -91,12 +92,9 @@ async def test_frontend_relays_the_engines_tokens_exactly(deployment) -> None:
         via_frontend = output_values(await stub.ModelInfer(request), "output_ids")
     card = await dep.card()
     async with grpc.aio.insecure_channel(worker.address) as channel:
-        direct = []
-        call = worker_pb2_grpc.WorkerServiceStub(channel).Generate(worker_pb2.GenerateRequest(
+        direct = tokens_of(await generate(worker_pb2_grpc.WorkerServiceStub(channel), worker_pb2.GenerateRequest(
             request_id="direct", engine_id=card.engine_id, token_ids=prompt,
-            sampling=worker_pb2.SamplingOptions(max_tokens=24, seed=42, ignore_eos=True)))  # fmt: skip
-        async for response in call:
-            direct.extend(response.token_ids)
+            sampling=worker_pb2.SamplingOptions(max_tokens=24, seed=42, ignore_eos=True))))  # fmt: skip
     assert via_frontend == direct and len(direct) == 24
 
 

@@ -2,7 +2,7 @@
 processes, driven through the contracts the way a frontend drives them.
 
 - Dynamo's decision scenario (``test_router_decisions``): seeds [A,B]->a, [A,C,D]->a, [A,C,E]->b pinned
-  (RouteQuery with pinned_engine_id, Generate on the worker, FIRST_TOKEN, FINISHED); once the router's
+  (RouteQuery with pinned_engine_id, GenerateStream on the worker, FIRST_TOKEN, FINISHED); once the router's
   index reflects the stores, [A,C,D,F] goes to a and [A,C,E,G] to b. With KV events (file and etcd
   discovery) and in approximate mode (``--no-kv-events``).
 - Overload: with a low busy threshold a burst gets some REJECTED decisions, never a hang, and the

@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
+from tests.support.generate import generate_sync, tokens_of
 
 MODEL = "kvmesh-mock"
 BLOCK_SIZE = 16
@@ -88,7 +89,7 @@ class Worker:
             token_ids=tokens,
             sampling=worker_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True),
         )
-        return [t for response in self.stub.Generate(request, timeout=30) for t in response.token_ids]
+        return tokens_of(generate_sync(self.stub, request, timeout=30))
 
     def truth(self) -> dict[int, set[int]]:
         return worker_truth(self.stub, self.engine_ids)
@@ -239,7 +240,7 @@ class SessionClient:
         )
 
     def run(self, worker: Worker, request_id: str, tokens: list[int], **kwargs: Any) -> router_pb2.RouteDecision:
-        """A frontend's whole flow: route, Generate on the chosen engine, FIRST_TOKEN, FINISHED."""
+        """A frontend's whole flow: route, generate on the chosen engine, FIRST_TOKEN, FINISHED."""
         decision = self.route(request_id, tokens, **kwargs)
         assert decision.outcome == ROUTED, decision
         worker.generate(decision.engine_id, tokens, request_id=request_id)

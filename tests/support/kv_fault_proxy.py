@@ -49,7 +49,6 @@ __all__ = ["KvFaultProxy"]
 
 _SERVICE = "/kvmesh.v1.WorkerService/"
 _KINDS = {
-    "Generate": "unary_stream",
     "SubscribeKvEvents": "unary_stream",
     "DumpKvIndex": "unary_unary",
     "WatchLoad": "unary_stream",

@@ -4,7 +4,8 @@ import random
 
 import pytest
 from kvmesh.kv_events import AllCleared, BlocksRemoved, BlocksStored
-from kvmesh_worker.engine import EngineConfig, EngineCore, EngineRequest, EventIdTooNew, EventJournal
+from kvmesh.kv_publisher import EventIdTooNew, EventJournal
+from kvmesh_worker.engine import EngineConfig, EngineCore, EngineRequest
 
 
 class ToyIndex:

@@ -19,6 +19,7 @@ from kvmesh.v1 import kv_events_pb2, worker_pb2, worker_pb2_grpc
 
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
+from tests.support.generate import generate as generate_on_stream
 
 pytestmark = pytest.mark.e2e
 
@@ -78,8 +79,7 @@ async def generate(stub, engine: int, count: int, rng: random.Random) -> None:
             token_ids=prompt,
             sampling=worker_pb2.SamplingOptions(max_tokens=rng.randint(3, 9), ignore_eos=True),
         )
-        async for _ in stub.Generate(request, timeout=20):
-            pass
+        await generate_on_stream(stub, request, timeout=20)
 
 
 async def next_event_id(stub, engine: int) -> int:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvmesh.kv_events import KvEvent
-from kvmesh_worker.engine import CacheDump, EngineConfig, EngineCore, EngineRequest
-from kvmesh_worker.engine_runner import DeadlineTimer, EngineRunner, KvSubscription
+from kvmesh.kv_events import CacheDump, KvEvent
+from kvmesh.kv_publisher import KvSubscription
+from kvmesh_worker.engine import EngineConfig, EngineCore, EngineRequest
+from kvmesh_worker.engine_runner import DeadlineTimer, EngineRunner
+from kvmesh_worker.engines import OutputStream
 
 CONFIG = EngineConfig(num_gpu_blocks=64, block_size=4, vocab_size=2048)
 
@@ -25,7 +27,13 @@ async def _drain(subscription: KvSubscription, until_id: int) -> list[KvEvent]:
     return events
 
 
-async def _finish(queue: asyncio.Queue) -> list[int]:
+def _submit(runner: EngineRunner, request: EngineRequest) -> OutputStream:
+    stream = OutputStream()
+    runner.submit(request, stream)
+    return stream
+
+
+async def _finish(queue: OutputStream) -> list[int]:
     tokens: list[int] = []
     while True:
         output = await asyncio.wait_for(queue.get(), 10)
@@ -40,7 +48,7 @@ async def test_subscribing_while_a_pass_is_in_flight_gives_each_event_once():
     runner = EngineRunner(7, core, speedup_ratio=0.1)
     runner.start()
     try:
-        queue = runner.submit(EngineRequest("a", list(range(10, 30)), max_tokens=6, ignore_eos=True))
+        queue = _submit(runner, EngineRequest("a", list(range(10, 30)), max_tokens=6, ignore_eos=True))
         while core.next_event_id == 0:  # the first pass has stepped ...
             await asyncio.sleep(0.001)
         assert runner.passes == 0  # ... and is not delivered yet
@@ -69,7 +77,7 @@ async def test_abort_frees_the_blocks_at_once_and_the_runner_goes_idle():
     runner = EngineRunner(8, core, speedup_ratio=0.5)
     runner.start()
     try:
-        queue = runner.submit(EngineRequest("long", list(range(10, 30)), max_tokens=200, ignore_eos=True))
+        queue = _submit(runner, EngineRequest("long", list(range(10, 30)), max_tokens=200, ignore_eos=True))
         first = await asyncio.wait_for(queue.get(), 10)
         assert first.token_ids and core.load().active_blocks > 0
         runner.abort("long")
@@ -114,7 +122,7 @@ async def test_runners_share_one_timer_per_loop_and_release_it_on_stop():
         runner.start()
     assert len({id(runner._timer) for runner in runners}) == 1
     queues = [
-        runner.submit(EngineRequest(f"r{i}", [5, 6, 7], max_tokens=3, ignore_eos=True))
+        _submit(runner, EngineRequest(f"r{i}", [5, 6, 7], max_tokens=3, ignore_eos=True))
         for i, runner in enumerate(runners)
     ]
     assert [len(await _finish(q)) for q in queues] == [3, 3, 3]

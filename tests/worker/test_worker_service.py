@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.daemons import Daemon, run_cli
 from tests.support.etcd import free_port
+from tests.support.generate import RequestFailed, StreamClient, generate, tokens_of
 
 pytestmark = pytest.mark.e2e
 
@@ -165,8 +166,8 @@ async def read_discovery(daemon: Daemon) -> tuple[dict[str, bytes], dict[str, by
 async def test_ignore_eos_gives_exactly_max_tokens(channel, max_tokens):
     stub = worker_pb2_grpc.WorkerServiceStub(channel)
     engine = (await engine_ids(stub))[0]
-    responses = [r async for r in stub.Generate(request(engine, range(3, 40), max_tokens, ignore_eos=True))]
-    tokens = [t for r in responses for t in r.token_ids]
+    responses = await generate(stub, request(engine, range(3, 40), max_tokens, ignore_eos=True))
+    tokens = tokens_of(responses)
     assert len(tokens) == max_tokens
     assert all(0 <= t < VOCAB for t in tokens)
     assert responses[0].num_prompt_tokens == 37
@@ -178,7 +179,7 @@ async def test_a_request_at_exactly_the_context_length_is_served(channel):
     stub = worker_pb2_grpc.WorkerServiceStub(channel)
     engine = (await engine_ids(stub))[1]
     prompt = [5 + i % 100 for i in range(MAX_MODEL_LEN - 10)]
-    tokens = [t async for r in stub.Generate(request(engine, prompt, 10, ignore_eos=True)) for t in r.token_ids]
+    tokens = tokens_of(await generate(stub, request(engine, prompt, 10, ignore_eos=True)))
     assert len(tokens) == 10
 
 
@@ -196,18 +197,19 @@ async def test_a_request_at_exactly_the_context_length_is_served(channel):
 async def test_bad_request_is_invalid_argument_naming_the_limit(channel, tokens, max_tokens, limit):
     stub = worker_pb2_grpc.WorkerServiceStub(channel)
     engine = (await engine_ids(stub))[0]
-    call = stub.Generate(request(engine, tokens, max_tokens, ignore_eos=True))
-    with pytest.raises(grpc.aio.AioRpcError) as error:
-        await call.read()
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert limit in error.value.details()
+    with pytest.raises(RequestFailed) as error:
+        await generate(stub, request(engine, tokens, max_tokens, ignore_eos=True))
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert limit in error.value.message
 
 
 async def test_unknown_engine_is_not_found_on_every_rpc(channel):
     stub = worker_pb2_grpc.WorkerServiceStub(channel)
     unknown = max(await engine_ids(stub)) + 1
+    with pytest.raises(RequestFailed) as failed:
+        await generate(stub, request(unknown, [1, 2, 3], 1))
+    assert failed.value.code == grpc.StatusCode.NOT_FOUND and f"{unknown:x}" in failed.value.message
     streams = [
-        stub.Generate(request(unknown, [1, 2, 3], 1)),
         stub.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest(engine_id=unknown)),
         stub.WatchLoad(worker_pb2.WatchLoadRequest(engine_ids=[unknown])),
         stub.GetModelFile(worker_pb2.GetModelFileRequest(engine_id=unknown, name="config.json")),
@@ -319,8 +321,7 @@ def test_broken_model_path_exits_2_with_one_line(tmp_path, breakage):
 async def test_prometheus_shows_per_engine_gauges(worker, channel):
     stub = worker_pb2_grpc.WorkerServiceStub(channel)
     engines = await engine_ids(stub)
-    async for _ in stub.Generate(request(engines[0], range(3, 40), 5, ignore_eos=True)):
-        pass
+    await generate(stub, request(engines[0], range(3, 40), 5, ignore_eos=True))
     samples = scrape(worker)
     for engine in engines:
         label = f"{engine:x}"
@@ -347,10 +348,8 @@ async def test_watch_load_streams_loads_and_forward_pass_metrics(channel):
     first = await watch.read()
     assert [load.engine_id for load in first.loads] == [engines[1]]
     assert first.loads[0].total_blocks == NUM_BLOCKS
-    async for _ in stub.Generate(request(engines[0], range(3, 20), 3, ignore_eos=True)):  # not watched
-        pass
-    async for _ in stub.Generate(request(engines[1], range(3, 40), 6, ignore_eos=True)):
-        pass
+    await generate(stub, request(engines[0], range(3, 20), 3, ignore_eos=True))  # not watched
+    await generate(stub, request(engines[1], range(3, 40), 6, ignore_eos=True))
     passes: list[worker_pb2.ForwardPassMetrics] = []
     async with asyncio.timeout(10):
         while sum(p.decode_tokens for p in passes) < 5:
@@ -396,23 +395,25 @@ async def idle(watch: LoadWatch) -> None:
     await watch.wait_for(lambda load: load.running == 0 and load.waiting == 0 and load.active_blocks == 0)
 
 
-async def test_cancelling_generate_frees_its_blocks_within_one_second(slow_worker, slow_channel):
+async def test_cancelling_a_request_frees_its_blocks_within_one_second(slow_worker, slow_channel):
     stub = worker_pb2_grpc.WorkerServiceStub(slow_channel)
     (engine,) = await engine_ids(stub)
     label = f"{engine:x}"
     watch = LoadWatch(stub, engine)
+    client = StreamClient(stub)
     try:
         await idle(watch)
         before = watch.loads[-1][1].active_blocks
         # 920 prompt tokens fill 90 % of the cache: each decode pass then takes ~0.85 s at speedup 0.04
         prompt = [3 + i % 2000 for i in range(920)]
-        call = stub.Generate(request(engine, prompt, 80, ignore_eos=True))
-        first = await call.read()
+        long = request(engine, prompt, 80, ignore_eos=True)
+        await client.send([long])
+        first = (await client.wait_first(long.request_id)).response
         assert first.token_ids and first.num_prompt_tokens == len(prompt)
         await watch.wait_for(lambda load: load.active_blocks >= len(prompt) // BLOCK)
         passes = scrape(slow_worker)["kvmesh_engine_passes_total", label]
 
-        call.cancel()
+        await client.send(cancel=[long.request_id])
         cancelled_at = time.monotonic()
         freed_at = await watch.wait_for(lambda load: load.active_blocks == before, after=cancelled_at)
         metrics = scrape(slow_worker)
@@ -425,6 +426,7 @@ async def test_cancelling_generate_frees_its_blocks_within_one_second(slow_worke
         assert sum(len(s.block_hashes) for s in dump.snapshot.stored) >= len(prompt) // BLOCK
         await idle(watch)
     finally:
+        await client.close()
         await watch.close()
 
 
@@ -432,81 +434,35 @@ async def test_waiting_queue_beyond_its_bound_is_resource_exhausted(slow_channel
     stub = worker_pb2_grpc.WorkerServiceStub(slow_channel)
     (engine,) = await engine_ids(stub)
     watch = LoadWatch(stub, engine)
-    calls = []
+    client = StreamClient(stub)
     try:
         await idle(watch)
-        running = stub.Generate(request(engine, range(3, 20), 500, ignore_eos=True))
-        calls.append(running)
-        await running.read()  # admitted: it is the one running sequence (--max-num-seqs 1)
-        waiting = stub.Generate(request(engine, range(3, 20), 500, ignore_eos=True))
-        calls.append(waiting)
+        running = request(engine, range(3, 20), 500, ignore_eos=True)
+        await client.send([running])
+        await client.wait_first(running.request_id)  # admitted: it is the one running sequence (--max-num-seqs 1)
+        waiting = request(engine, range(3, 20), 500, ignore_eos=True)
+        await client.send([waiting])
         await watch.wait_for(lambda load: load.waiting == 1)
 
-        flood = [stub.Generate(request(engine, range(3, 20), 5, ignore_eos=True)) for _ in range(6)]
-        calls.extend(flood)
-        for call in flood:
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await call.read()
-            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "max_waiting_requests=1" in error.value.details()
+        flood = [request(engine, range(3, 20), 5, ignore_eos=True) for _ in range(6)]
+        await client.send(flood)
+        for final in await client.wait_final(*(r.request_id for r in flood)):
+            assert final.error_code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert "max_waiting_requests=1" in final.error_message
 
-        running.cancel()  # the waiting request gets the sequence slot: the queue has room again
-        await waiting.read()
-        accepted = stub.Generate(request(engine, range(3, 20), 2, ignore_eos=True))
-        calls.append(accepted)
-        waiting.cancel()
-        tokens = [t async for r in accepted for t in r.token_ids]
-        assert len(tokens) == 2
+        await client.send(cancel=[running.request_id])  # the waiting request gets the sequence slot
+        await client.wait_first(waiting.request_id)
+        accepted = request(engine, range(3, 20), 2, ignore_eos=True)
+        await client.send([accepted], cancel=[waiting.request_id])
+        await client.wait_final(accepted.request_id)
+        assert len(client.tokens(accepted.request_id)) == 2
         await idle(watch)
     finally:
-        for call in calls:
-            call.cancel()
+        await client.close()
         await watch.close()
 
 
 # -- GenerateStream: many requests on one call ------------------------------------------------------
-class StreamClient:
-    """One GenerateStream call; outputs collected per request id."""
-
-    def __init__(self, stub) -> None:
-        self.call = stub.GenerateStream()
-        self.outputs: dict[str, list[worker_pb2.GenerateStreamOutput]] = {}
-        self.messages = 0
-        self.ended = asyncio.Event()
-        self.task = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        try:
-            async for message in self.call:
-                self.messages += 1
-                for output in message.outputs:
-                    self.outputs.setdefault(output.request_id, []).append(output)
-        finally:
-            self.ended.set()
-
-    async def send(self, requests=(), cancel=()) -> None:
-        message = worker_pb2.GenerateStreamRequest(requests=list(requests), cancel_request_ids=list(cancel))
-        await self.call.write(message)
-
-    def tokens(self, request_id: str) -> list[int]:
-        return [t for o in self.outputs.get(request_id, []) for t in o.response.token_ids]
-
-    def final(self, request_id: str) -> worker_pb2.GenerateStreamOutput | None:
-        outputs = self.outputs.get(request_id, [])
-        return outputs[-1] if outputs and (outputs[-1].error_code or outputs[-1].response.finish_reason) else None
-
-    async def wait_final(self, *request_ids: str, timeout: float = 10.0) -> list[worker_pb2.GenerateStreamOutput]:
-        async with asyncio.timeout(timeout):
-            while any(self.final(rid) is None for rid in request_ids):
-                assert not self.task.done(), "the stream ended"
-                await asyncio.sleep(0.005)
-        return [self.final(rid) for rid in request_ids]
-
-    async def close(self) -> None:
-        self.call.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-
-
 async def test_generate_stream_serves_many_requests_with_exactly_their_max_tokens(channel):
     stub = worker_pb2_grpc.WorkerServiceStub(channel)
     engines = await engine_ids(stub)

@@ -5,13 +5,14 @@ engine answers as fast as it can compute), one ``kvmesh-router`` (``--router-mod
 ``kvmesh-frontend``, each its own process, on a private file-discovery directory. The client is this
 process (grpc.aio on uvloop, kvmesh's own stubs). Two paths are measured in the same run:
 
-- **direct**: ``WorkerService.Generate`` on an engine with the prompt's token ids (the baseline);
+- **direct**: the prompt's token ids on an engine, over one ``WorkerService.GenerateStream`` per
+  worker shared by every request, as a frontend does (the baseline);
 - **frontend**: ``ModelStreamInfer`` on the frontend with ``text_input`` (tokenize, hash, route,
-  Generate, detokenize, lifecycle): what a Triton client pays;
+  generate, detokenize, lifecycle): what a Triton client pays;
 - **relay** (``--relay``, on by default): the floor of any Python gRPC hop. A bare grpc.aio relay in
   its own process (``python -m kvmesh_bench.frontend_bench --serve-relay``) takes the same KServe
-  stream with ``input_ids``, calls ``Generate`` on an engine chosen round-robin and forwards each
-  engine response as a KServe response: no tokenizer, no router, no detokenizer, no metrics.
+  stream with ``input_ids``, sends it on its ``GenerateStream`` to an engine chosen round-robin and
+  forwards each engine output as a KServe response: no tokenizer, no router, no detokenizer, no metrics.
   frontend minus relay is what kvmesh's own work costs; relay minus direct is the hop itself.
 
 Phases (each path in turn, same prompts, ``ignore_eos`` so every request produces exactly
@@ -48,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -232,23 +233,61 @@ def _ids_request(model: str, token_ids: list[int], tokens: int, request_id: str)
     return request
 
 
+class WorkerStream:
+    """One ``GenerateStream`` to one worker, shared by concurrent requests (what a frontend keeps).
+
+    A reader task hands each output to its request's queue; a request ends with its final output
+    (a finish reason, or an in-band error, raised as RuntimeError).
+    """
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+        self._stub = stub
+        self._call: Any = None
+        self._reader: asyncio.Task[None] | None = None  # held: the loop keeps only weak task references
+        self._queues: dict[str, asyncio.Queue[worker_pb2.GenerateStreamOutput]] = {}
+
+    async def generate(self, request: worker_pb2.GenerateRequest) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        if self._call is None:
+            self._call = self._stub.GenerateStream()
+            self._reader = asyncio.ensure_future(self._read(self._call))
+        queue = self._queues[request.request_id] = asyncio.Queue()
+        try:
+            await self._call.write(worker_pb2.GenerateStreamRequest(requests=[request]))
+            while True:
+                output = await queue.get()
+                if output.error_code:
+                    raise RuntimeError(f"{request.request_id}: {output.error_message}")
+                yield output.response
+                if output.response.finish_reason:
+                    return
+        finally:
+            del self._queues[request.request_id]
+
+    async def _read(self, call: Any) -> None:
+        async for message in call:
+            for output in message.outputs:
+                queue = self._queues.get(output.request_id)
+                if queue is not None:
+                    queue.put_nowait(output)
+
+
 class _Relay(kserve_grpc.GRPCInferenceServiceServicer):
-    """The floor: KServe stream in, Generate out, one KServe response per engine response, nothing else."""
+    """The floor: KServe stream in, GenerateStream out, one KServe response per engine output, nothing else."""
 
     def __init__(self, targets: list[tuple[int, str]]) -> None:
-        channels = {address: grpc.aio.insecure_channel(address) for _, address in targets}
-        self._targets = [(engine_id, worker_pb2_grpc.WorkerServiceStub(channels[a])) for engine_id, a in targets]
+        streams = {a: WorkerStream(worker_pb2_grpc.WorkerServiceStub(grpc.aio.insecure_channel(a))) for _, a in targets}
+        self._targets = [(engine_id, streams[a]) for engine_id, a in targets]
         self._rr = itertools.count()
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> Any:
         async for request in request_iterator:
             token_ids = np.frombuffer(request.raw_input_contents[0], dtype="<i4").tolist()
             (max_tokens,) = struct.unpack("<i", request.raw_input_contents[1])
-            engine_id, stub = self._targets[next(self._rr) % len(self._targets)]
-            call = stub.Generate(worker_pb2.GenerateRequest(
+            engine_id, stream = self._targets[next(self._rr) % len(self._targets)]
+            responses = stream.generate(worker_pb2.GenerateRequest(
                 request_id=f"relay-{next(self._rr)}", engine_id=engine_id, token_ids=token_ids,
                 sampling=worker_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True)))  # fmt: skip
-            async for response in call:
+            async for response in responses:
                 message = kserve.ModelStreamInferResponse()
                 out = message.infer_response
                 out.id = request.id
@@ -297,23 +336,22 @@ class FrontendClient:
 
 class DirectClient:
     def __init__(self, cards: list[discovery_pb2.ModelCard], channels: dict[str, grpc.aio.Channel]) -> None:
-        self.targets = [(c.engine_id, worker_pb2_grpc.WorkerServiceStub(channels[c.address])) for c in cards]
+        streams = {a: WorkerStream(worker_pb2_grpc.WorkerServiceStub(channel)) for a, channel in channels.items()}
+        self.targets = [(c.engine_id, streams[c.address]) for c in cards]
         self._rr = itertools.count()
         self._ids = itertools.count()
 
     async def run(self, token_ids: list[int], tokens: int) -> tuple[float, float]:
-        engine_id, stub = self.targets[next(self._rr) % len(self.targets)]
+        engine_id, stream = self.targets[next(self._rr) % len(self.targets)]
         request = worker_pb2.GenerateRequest(
             request_id=f"direct-{next(self._ids)}", engine_id=engine_id, token_ids=token_ids,
             sampling=worker_pb2.SamplingOptions(max_tokens=tokens, ignore_eos=True),
         )  # fmt: skip
         start = time.perf_counter()
         first = 0.0
-        async for response in stub.Generate(request):
+        async for _response in stream.generate(request):
             if not first:
                 first = time.perf_counter()
-            if response.finish_reason:
-                break
         return time.perf_counter() - start, first - start
 
 
@@ -535,7 +573,7 @@ def _table(r: Result) -> str:
             out.append(f"{value:.3f}" if name == "direct" else f"{value:.3f} (+{value - base:.3f})")
         return out
 
-    titles = {"direct": "direct Generate", "relay": "bare relay", "frontend": "frontend+router"}
+    titles = {"direct": "direct GenerateStream", "relay": "bare relay", "frontend": "frontend+router"}
     base_rate = r.paths["direct"].streams_per_s
     rows = [
         row("", [titles[n] for n in names]),

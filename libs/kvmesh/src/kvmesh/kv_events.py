@@ -47,3 +47,19 @@ class KvEvent:
 
     event_id: int
     data: EventData
+
+
+@dataclass(frozen=True, slots=True)
+class CacheDump:
+    """An engine's whole cached set as Stored events (parents before children): a journal snapshot.
+
+    Applying ``stored`` to an empty index rebuilds the engine's cache as of ``next_event_id``:
+    a subscriber then continues with the events from ``next_event_id`` on.
+    """
+
+    stored: list[BlocksStored]
+    next_event_id: int
+
+    @property
+    def last_event_id(self) -> int | None:
+        return self.next_event_id - 1 if self.next_event_id else None

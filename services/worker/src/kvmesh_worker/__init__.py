@@ -1,7 +1,8 @@
-"""kvmesh worker: a simulated vLLM engine (the mocker) behind the worker daemon's I/O shell.
+"""kvmesh worker: engines behind one interface (``kvmesh_worker.engines``) and the daemon's gRPC shell.
 
-The engine core (``kvmesh_worker.engine``) is deterministic, synchronous and I/O-free so that the
-same code serves a wall-clock gRPC worker and an offline virtual-time trace replay.
+The built-in engine is the mocker: its core (``kvmesh_worker.engine``) is deterministic,
+synchronous and I/O-free so that the same code serves a wall-clock gRPC worker
+(``engine_runner.EngineRunner``) and an offline virtual-time trace replay.
 """
 
 from kvmesh.grpc_core import apply_defaults

@@ -1,4 +1,4 @@
-"""Drives one I/O-free ``EngineCore`` in real time and fans its outputs out to asyncio consumers.
+"""The mocker engine: drives one I/O-free ``EngineCore`` in real time behind the ``Engine`` interface.
 
 The loop is step → sleep → deliver: a pass's tokens and KV events exist only once the pass is
 over, so they are delivered after sleeping the pass's modelled duration (÷ ``speedup_ratio``).
@@ -6,25 +6,22 @@ Deadlines are absolute (``next += modelled``), so the time spent in Python does 
 drift; only after a stall longer than ``MAX_CATCH_UP_S`` (a starved process) does the schedule
 restart from now instead of rushing the following passes. The sleeps go through one
 ``DeadlineTimer`` per event loop (a Linux timerfd): uvloop's own timers round to whole
-milliseconds, which alone is ±10-20 % of a 6 ms decode pass. An idle engine awaits an
-``asyncio.Event`` and costs nothing: no polling, so a process can host a thousand of them.
+milliseconds, which alone is ±10-20 % of a 6 ms decode pass. An idle engine awaits a
+``Wakeup`` and costs nothing: no polling, so a process can host a thousand of them.
 
 At speedup 0 there is no modelled time to sleep: passes run back to back, each delivered as soon
 as it is computed, and the loop yields to the event loop only every ``UNPACED_SLICE_S`` (or
 ``UNPACED_SLICE_PASSES``), so that consumers find several passes queued and send them as one
 message instead of one per token.
 
-Subscribers of the KV journal register synchronously together with their snapshot or replay
-(the loop and the core share one thread). The journal already holds the events of the pass in
-progress (the core records them at ``step()``), so a subscription remembers the first event id its
-replay or snapshot did not cover and drops the older ones when that pass is delivered: together
-this is what makes "no gap, no duplicate" hold.
+KV events go out through ``kvmesh.kv_publisher`` like every engine's. The core journals a pass's
+events at ``step()``, before the pass is delivered; the publisher's subscriptions drop what their
+replay or snapshot already covered, which keeps "no gap, no duplicate" across a pass in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import ctypes
 import heapq
@@ -34,17 +31,16 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
-from kvmesh.kv_events import KvEvent
+from kvmesh.kv_events import CacheDump, KvEvent
+from kvmesh.kv_publisher import KvEventPublisher, KvSubscription
+from kvmesh.wakeup import Wakeup
 
-from kvmesh_worker.engine import CacheDump, EngineCore, EngineRequest, ForwardPassMetrics, RequestOutput
+from kvmesh_worker.engine import EngineCore, EngineLoad, EngineRequest, ForwardPassMetrics, RequestOutput
+from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, OutputSink, PassObserver
 
 log = logging.getLogger(__name__)
 
-# A subscriber that falls this many passes behind is cut off; it resumes from its last event id.
-SUBSCRIBER_QUEUE_PASSES = 4096
 # A pass that starts more than this late (the process was starved) restarts the schedule from now.
 MAX_CATCH_UP_S = 0.002
 # Deadlines this close together are served by one timer wakeup.
@@ -160,115 +156,26 @@ class DeadlineTimer:
             self._arm(heap[0][0])
 
 
-class SubscriberTooSlow(Exception):
-    """The subscriber's queue overflowed; it must resubscribe from its last event id."""
-
-
-@dataclass(eq=False)
-class KvSubscription:
-    """Live KV events of one engine for one subscriber, after its initial replay or snapshot."""
-
-    # The first event id the subscriber has not been given (its replay or snapshot covers the rest).
-    next_event_id: int = 0
-    queue: asyncio.Queue[list[KvEvent]] = field(default_factory=lambda: asyncio.Queue(SUBSCRIBER_QUEUE_PASSES))
-    overflowed: bool = False
-
-    def push(self, events: list[KvEvent]) -> None:
-        if self.overflowed:
-            return
-        if events[0].event_id < self.next_event_id:  # already in the replay or snapshot (the pass was in progress)
-            events = [e for e in events if e.event_id >= self.next_event_id]
-            if not events:
-                return
-        self.next_event_id = events[-1].event_id + 1
-        try:
-            self.queue.put_nowait(events)
-        except asyncio.QueueFull:
-            self.overflowed = True  # the reader drains what is queued, then sees the flag
-
-    async def next(self) -> list[KvEvent]:
-        if self.overflowed and self.queue.empty():
-            raise SubscriberTooSlow
-        events = await self.queue.get()
-        if self.queue.empty():
-            return events
-        events = list(events)  # a pass's list is shared by every subscriber: copy before extending
-        while not self.queue.empty():  # coalesce whatever piled up into one message, in linear time
-            events.extend(self.queue.get_nowait())
-        return events
-
-
-class OutputStream:
-    """One request's outputs, in order, for its one consumer: a lean ``asyncio.Queue`` (unbounded).
-
-    Every pass of a busy engine puts one output per running request, so this sits on the hot path;
-    it keeps the Queue methods the callers use (``get``, ``get_nowait``, ``put_nowait``, ``empty``,
-    ``qsize``) and adds :meth:`get_all`, which takes everything queued in one call.
-    """
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: collections.deque[RequestOutput] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put_nowait(self, item: RequestOutput) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():  # a cancelled getter leaves its future behind
-                waiter.set_result(None)
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def qsize(self) -> int:
-        return len(self._items)
-
-    def get_nowait(self) -> RequestOutput:
-        if not self._items:
-            raise asyncio.QueueEmpty
-        return self._items.popleft()
-
-    async def _wait(self) -> None:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-
-    async def get(self) -> RequestOutput:
-        if not self._items:
-            await self._wait()
-        return self._items.popleft()
-
-    async def get_all(self) -> list[RequestOutput]:
-        """Every queued output (at least one: waits for the first)."""
-        if not self._items:
-            await self._wait()
-        items = list(self._items)
-        self._items.clear()
-        return items
-
-
-class OutputSink(Protocol):
-    """Where the loop delivers a request's outputs, in order, as each pass completes."""
-
-    def put_nowait(self, item: RequestOutput) -> None: ...
-
-
-PassObserver = Callable[[int, ForwardPassMetrics, float], None]
-
-
 class EngineRunner:
-    """One engine's real-time loop plus its request streams, KV subscribers and pass observers."""
+    """One mocker engine (an ``Engine``): its real-time loop, request sinks, KV publisher and pass observers."""
 
     def __init__(self, engine_id: int, core: EngineCore, speedup_ratio: float = 1.0) -> None:
         self.engine_id = engine_id
         self.core = core
         self.speedup_ratio = speedup_ratio
-        self._wake = asyncio.Event()
+        config = core.config
+        self.spec = EngineSpec(
+            kind="mocker",
+            role="aggregated",
+            block_size=config.block_size,
+            context_length=config.context_length,
+            total_kv_blocks=config.num_gpu_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.publisher = KvEventPublisher(core.journal, core.dump_cache)
+        self._wakeup = Wakeup()
         self._streams: dict[str, OutputSink] = {}
-        self._subscribers: set[KvSubscription] = set()
         self._observers: list[PassObserver] = []
         self._task: asyncio.Task[None] | None = None
         self._timer: DeadlineTimer | None = None
@@ -295,38 +202,33 @@ class EngineRunner:
         self._observers.append(observer)
 
     # -- requests -------------------------------------------------------------------------------
-    def submit(self, request: EngineRequest) -> OutputStream:
-        """Queue a request whose outputs go to a new stream; raises the engine's InvalidRequest / QueueFull."""
-        stream = OutputStream()
-        self.submit_to(request, stream)
-        return stream
-
-    def submit_to(self, request: EngineRequest, sink: OutputSink) -> None:
-        """Queue a request whose outputs go to ``sink`` (a multiplexed stream shares one among its requests)."""
+    def submit(self, request: EngineRequest, sink: OutputSink) -> None:
+        """Queue a request whose outputs go to ``sink``; raises the core's InvalidRequest / QueueFull."""
         self.core.add_request(request)
         self._streams[request.request_id] = sink
-        self._wake.set()
+        self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request; its blocks are freed within one scheduler pass."""
+        """Cancel a request; its blocks are freed at once (the core releases them in ``abort_request``)."""
         if self._streams.pop(request_id, None) is not None:
             self.core.abort_request(request_id)
-            self._wake.set()
+            self._wakeup.set()
 
-    # -- KV journal -----------------------------------------------------------------------------
+    def release_kv(self, transfer_id: str) -> bool:
+        raise KvNotHeld(f"engine {self.engine_id:x} is aggregated: it holds no KV for transfers")
+
+    # -- KV journal, load -----------------------------------------------------------------------
     def subscribe(self, start_event_id: int | None) -> tuple[CacheDump | list[KvEvent], KvSubscription]:
-        """Initial replay (events from ``start_event_id``) or snapshot, plus the live subscription.
-
-        Synchronous on purpose: nothing can run between reading the journal and registering.
-        """
-        replay = self.core.events_since(start_event_id) if start_event_id is not None else None
-        initial: CacheDump | list[KvEvent] = replay if replay is not None else self.core.dump_cache()
-        subscription = KvSubscription(next_event_id=self.core.next_event_id)
-        self._subscribers.add(subscription)
-        return initial, subscription
+        return self.publisher.subscribe(start_event_id)
 
     def unsubscribe(self, subscription: KvSubscription) -> None:
-        self._subscribers.discard(subscription)
+        self.publisher.unsubscribe(subscription)
+
+    def dump_cache(self) -> CacheDump:
+        return self.core.dump_cache()
+
+    def load(self) -> EngineLoad:
+        return self.core.load()
 
     # -- the loop -------------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -334,9 +236,10 @@ class EngineRunner:
         assert timer is not None, "start() first"
         clock = time.monotonic  # the loop's own clock is whole milliseconds under uvloop
         scale = 1000.0 * self.speedup_ratio
+        core, wakeup = self.core, self._wakeup
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            while not core.has_unfinished():
+                await wakeup.wait()
             if scale <= 0:
                 await self._run_unpaced(clock)
                 continue
@@ -356,7 +259,7 @@ class EngineRunner:
 
         Each pass is delivered as soon as it is computed (there is no time to sleep); the loop
         yields to the event loop only between slices. Consumers that were not scheduled meanwhile
-        find several passes queued and send them as one message (the Generate handler and the KV
+        find several passes queued and send them as one message (GenerateStream sessions and the KV
         subscribers coalesce what piled up), which is what makes a request at speedup 0 cost a few
         gRPC messages instead of one per token. Requests submitted during a slice join at the next
         pass after it, i.e. within one slice.
@@ -386,8 +289,7 @@ class EngineRunner:
             if output.finished:
                 del streams[output.request_id]
         if events:
-            for subscription in self._subscribers:
-                subscription.push(events)
+            self.publisher.publish(events)
 
     def _account(self, metrics: ForwardPassMetrics, wall_s: float) -> None:
         self.passes += 1

@@ -1,10 +1,11 @@
 """One ``WorkerService.GenerateStream`` call: many generations multiplexed on one stream.
 
-A frontend keeps one such stream per worker process instead of one ``Generate`` call per request:
-no call setup, no per-request trailers, and the outputs of every request that progressed in one
-event-loop tick leave as one message. Invariants:
+A frontend keeps one such stream per worker process instead of one call per request: no call
+setup, no per-request trailers, and the outputs of every request that progressed in one
+event-loop tick leave as one message. It sees engines only through the ``Engine`` interface.
+Invariants:
 
-- the session is the engines' output sink for its requests (``EngineRunner.submit(sink=...)``): each
+- the session is the engines' output sink for its requests (``Engine.submit(request, sink)``): each
   output lands in ``_pending`` and wakes the writer, which sends whatever piled up as one message,
   so a request whose engine ran several passes meanwhile gets one merged entry;
 - a request ends with exactly one final entry (a finish reason, or an in-band error) and is then
@@ -24,11 +25,12 @@ from typing import Any
 import grpc
 from kvmesh import telemetry
 from kvmesh.v1 import worker_pb2
+from kvmesh.wakeup import Wakeup
 
 from kvmesh_worker.engine import EngineRequest, InvalidRequest, QueueFull, RequestOutput
-from kvmesh_worker.engine_runner import EngineRunner
+from kvmesh_worker.engines import Engine
 
-SPAN_NAME = "kvmesh.v1.WorkerService/Generate"  # one span per request, as with the unary call
+SPAN_NAME = "kvmesh.v1.WorkerService/Generate"  # one span per request (the name traces already use)
 _FINISH = {
     "length": worker_pb2.FINISH_REASON_LENGTH,
     "stop": worker_pb2.FINISH_REASON_STOP,
@@ -66,10 +68,10 @@ def fill_response(response: worker_pb2.GenerateResponse, outputs: list[RequestOu
 
 
 class _Active:
-    __slots__ = ("num_prompt", "runner", "span")
+    __slots__ = ("engine", "num_prompt", "span")
 
-    def __init__(self, runner: EngineRunner, num_prompt: int, span: Any) -> None:
-        self.runner = runner
+    def __init__(self, engine: Engine, num_prompt: int, span: Any) -> None:
+        self.engine = engine
         self.num_prompt = num_prompt
         self.span = span
 
@@ -79,12 +81,12 @@ class GenerateStreamSession:
 
     def __init__(
         self,
-        runners: Mapping[int, EngineRunner],
+        engines: Mapping[int, Engine],
         refusal: Callable[[], str | None],
-        on_aborted: Callable[[EngineRunner], None],
+        on_aborted: Callable[[Engine], None],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        self._runners = runners
+        self._engines = engines
         self._refusal = refusal
         self._on_aborted = on_aborted
         self._context = context
@@ -92,7 +94,7 @@ class GenerateStreamSession:
         self._active: dict[str, _Active] = {}
         self._pending: dict[str, list[RequestOutput]] = {}
         self._failed: list[worker_pb2.GenerateStreamOutput] = []
-        self._wakeup: asyncio.Future[None] | None = None
+        self._wakeup = Wakeup()
         self._input_done = False
         self._stopping = False
 
@@ -101,16 +103,9 @@ class GenerateStreamSession:
         outputs = self._pending.get(output.request_id)
         if outputs is None:
             self._pending[output.request_id] = [output]
-            self._wake()
+            self._wakeup.set()
         else:
             outputs.append(output)
-
-    def _wake(self) -> None:
-        wakeup = self._wakeup
-        if wakeup is not None:
-            self._wakeup = None
-            if not wakeup.done():
-                wakeup.set_result(None)
 
     # -- the call -----------------------------------------------------------------------------------
     async def serve(self, requests: AsyncIterator[worker_pb2.GenerateStreamRequest]) -> None:
@@ -132,7 +127,7 @@ class GenerateStreamSession:
     def stop_when_idle(self) -> None:
         """The worker is draining: end the stream once no request is left on it."""
         self._stopping = True
-        self._wake()
+        self._wakeup.set()
 
     async def _read(self, requests: AsyncIterator[worker_pb2.GenerateStreamRequest]) -> None:
         async for message in requests:
@@ -141,7 +136,7 @@ class GenerateStreamSession:
             for request in message.requests:
                 self._start(request)
         self._input_done = True  # the caller half-closed: finish what is in flight, then end
-        self._wake()
+        self._wakeup.set()
 
     def _start(self, request: worker_pb2.GenerateRequest) -> None:
         request_id = request.request_id
@@ -155,28 +150,28 @@ class GenerateStreamSession:
         if refusal is not None:
             self._fail(request_id, grpc.StatusCode.UNAVAILABLE, refusal)
             return
-        runner = self._runners.get(request.engine_id)
-        if runner is None:
-            hosted = ", ".join(f"{e:x}" for e in self._runners)
+        engine = self._engines.get(request.engine_id)
+        if engine is None:
+            hosted = ", ".join(f"{e:x}" for e in self._engines)
             message = f"engine {request.engine_id:x} is not hosted by this worker (it hosts {hosted})"
             self._fail(request_id, grpc.StatusCode.NOT_FOUND, message)
             return
         span = telemetry.start_request_span(SPAN_NAME, request.trace_context)
         try:
-            runner.submit_to(engine_request(request, request_id), self)
+            engine.submit(engine_request(request, request_id), self)
         except InvalidRequest as exc:
             self._fail(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
         except QueueFull as exc:
             self._fail(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), span)
         else:
-            self._active[request_id] = _Active(runner, len(request.token_ids), span)
+            self._active[request_id] = _Active(engine, len(request.token_ids), span)
 
     def _cancel(self, request_id: str) -> None:
         active = self._active.pop(request_id, None)
         self._pending.pop(request_id, None)
         if active is not None:
-            active.runner.abort(request_id)
-            self._on_aborted(active.runner)
+            active.engine.abort(request_id)
+            self._on_aborted(active.engine)
             telemetry.end_request_span(active.span, "cancelled")
 
     def _fail(self, request_id: str, code: grpc.StatusCode, message: str, span: Any = None) -> None:
@@ -184,14 +179,14 @@ class GenerateStreamSession:
             worker_pb2.GenerateStreamOutput(request_id=request_id, error_code=code.value[0], error_message=message)
         )
         telemetry.end_request_span(span, message)
-        self._wake()
+        self._wakeup.set()
 
     def _abort_all(self) -> None:
         active, self._active = self._active, {}
         self._pending.clear()
         for request_id, entry in active.items():
-            entry.runner.abort(request_id)
-            self._on_aborted(entry.runner)
+            entry.engine.abort(request_id)
+            self._on_aborted(entry.engine)
             telemetry.end_request_span(entry.span, "the stream ended")
 
     async def _write_loop(self) -> None:
@@ -200,8 +195,7 @@ class GenerateStreamSession:
             if not self._pending and not self._failed:
                 if (self._input_done or self._stopping) and not self._active:
                     return
-                self._wakeup = self._loop.create_future()
-                await self._wakeup
+                await self._wakeup.wait()
                 continue
             pending, self._pending = self._pending, {}
             message = worker_pb2.GenerateStreamResponse()

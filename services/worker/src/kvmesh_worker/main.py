@@ -1,4 +1,4 @@
-"""``kvmesh-worker``: hosts N simulated (mocker) engines behind one gRPC server and one lease.
+"""``kvmesh-worker``: hosts N engines (``--engine``, mocker by default) behind one gRPC server and one lease.
 
 Each engine is its own routable instance: it gets an engine id (derived from the process's
 instance id and its index, so it is stable across lease re-grants), an instance record and a
@@ -31,8 +31,7 @@ from kvmesh.discovery import model_key
 from kvmesh.runtime import DaemonRuntime
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
-from kvmesh_worker.engine import EngineConfig, EngineCore, PreemptionMode, load_perf_model
-from kvmesh_worker.engine_runner import EngineRunner
+from kvmesh_worker.engines import Engine, EngineSpec, registry
 from kvmesh_worker.metrics import EngineCollector
 from kvmesh_worker.model_files import ModelFiles, ModelFilesError, load_model_files
 from kvmesh_worker.service import WorkerServicer
@@ -42,9 +41,12 @@ log = logging.getLogger("kvmesh_worker")
 PROG = "kvmesh-worker"
 FLAGS = (
     Flag(
-        "engine", "engine implementation (vLLM integration is a later milestone)", default="mocker", choices=("mocker",)
+        "engine",
+        f"engine implementation: {', '.join(registry.ENGINES)}, or an import path module:factory",
+        default="mocker",
+        type=registry.engine_name,
     ),
-    Flag("num-engines", "simulated engines hosted by this process", default=1, type=positive_int),
+    Flag("num-engines", "engines hosted by this process", default=1, type=positive_int),
     Flag("grpc-port", "gRPC port of WorkerService (0 = any free port)", default=0, type=port),
     Flag(
         "model-path",
@@ -99,43 +101,27 @@ def engine_id_for(instance_id: int, index: int) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack("<QQ", instance_id, index)) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def engine_config(cfg: Config, model: ModelFiles) -> EngineConfig:
-    max_len = cfg.max_model_len or (model.max_context or None)
-    try:
-        return EngineConfig(
-            num_gpu_blocks=cfg.num_gpu_blocks,
-            block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            watermark=cfg.watermark,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            preemption_mode=PreemptionMode(cfg.preemption_mode),
-            max_model_len=max_len,
-            max_waiting_requests=cfg.max_waiting_requests or None,
-            vocab_size=model.vocab_size,
-            eos_token_id=model.eos_token_id,
-            event_journal_size=cfg.event_buffer_size,
-        )
-    except ValueError as exc:
-        fail(PROG, f"engine configuration: {exc}")
+_ROLES = {
+    "aggregated": discovery_pb2.WORKER_ROLE_AGGREGATED,
+    "prefill": discovery_pb2.WORKER_ROLE_PREFILL,
+    "decode": discovery_pb2.WORKER_ROLE_DECODE,
+}
 
 
-def model_card(
-    cfg: Config, econf: EngineConfig, model: ModelFiles, engine_id: int, address: str
-) -> discovery_pb2.ModelCard:
+def model_card(spec: EngineSpec, model: ModelFiles, engine_id: int, address: str) -> discovery_pb2.ModelCard:
     return discovery_pb2.ModelCard(
         name=model.name,
-        block_size=econf.block_size,
-        context_length=econf.context_length,
-        total_kv_blocks=econf.num_gpu_blocks,
-        max_num_seqs=econf.max_num_seqs,
-        max_num_batched_tokens=econf.max_num_batched_tokens,
+        block_size=spec.block_size,
+        context_length=spec.context_length,
+        total_kv_blocks=spec.total_kv_blocks,
+        max_num_seqs=spec.max_num_seqs,
+        max_num_batched_tokens=spec.max_num_batched_tokens,
         vocab_size=model.vocab_size,
         eos_token_id=model.eos_token_id,
         files=list(model.files),
         files_digest=model.digest,
-        capabilities=discovery_pb2.EngineCapabilities(kv_events=True, engine_kind=cfg.engine),
-        role=discovery_pb2.WORKER_ROLE_AGGREGATED,
+        capabilities=discovery_pb2.EngineCapabilities(kv_events=True, engine_kind=spec.kind),
+        role=_ROLES[spec.role],
         engine_id=engine_id,
         address=address,
     )
@@ -146,16 +132,15 @@ async def serve(cfg: Config) -> int:
         model = load_model_files(cfg.model_path, cfg.served_model_name)
     except ModelFilesError as exc:
         fail(PROG, f"--model-path: {exc}")
-    econf = engine_config(cfg, model)
     try:
-        perf_model = load_perf_model(None if cfg.perf_model == "polynomial" else cfg.perf_model)
-    except (OSError, ValueError, KeyError) as exc:
-        fail(PROG, f"--perf-model {cfg.perf_model}: {exc}")
+        make_engine = registry.build(cfg.engine, cfg, model)
+    except registry.EngineBuildError as exc:
+        fail(PROG, str(exc))
 
     runtime = DaemonRuntime(PROG, cfg)
     await runtime.connect()
     engine_ids = [engine_id_for(runtime.instance_id, i) for i in range(cfg.num_engines)]
-    runners = [EngineRunner(eid, EngineCore(econf, perf_model), cfg.speedup_ratio) for eid in engine_ids]
+    runners: list[Engine] = [make_engine(eid) for eid in engine_ids]
     cards: dict[int, discovery_pb2.ModelCard] = {}
     servicer = WorkerServicer(runners, cards, model, runtime.refusal)
     runtime.on_draining(servicer.drain)
@@ -169,10 +154,10 @@ async def serve(cfg: Config) -> int:
     for runner in runners:
         runner.start()
     for index, eid in enumerate(engine_ids):
-        cards[eid] = model_card(cfg, econf, model, eid, runtime.address)
+        cards[eid] = model_card(runners[index].spec, model, eid, runtime.address)
         await runtime.register(
             runtime.instance_record(
-                "worker", "engine", eid, role=discovery_pb2.WORKER_ROLE_AGGREGATED, model=model.name, engine_index=index
+                "worker", "engine", eid, role=_ROLES[runners[index].spec.role], model=model.name, engine_index=index
             )
         )
         await runtime.put(model_key(cfg.namespace, model.name, eid), cards[eid].SerializeToString())
@@ -197,7 +182,7 @@ async def serve(cfg: Config) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_config(PROG, "kvmesh worker: hosts simulated (mocker) engines", FLAGS, argv)
+    cfg = parse_config(PROG, "kvmesh worker: hosts engines (simulated mocker engines by default)", FLAGS, argv)
     telemetry.setup_logging(PROG, cfg.log_level, cfg.log_format)
     telemetry.setup_tracing(PROG, cfg.otel_exporter, cfg.otel_endpoint)
     return uvloop.run(serve(cfg))

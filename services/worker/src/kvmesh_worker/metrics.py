@@ -1,7 +1,8 @@
 """Prometheus view of the engines, read at scrape time.
 
-A collector reads each engine's load and counters when Prometheus scrapes, instead of updating
-gauges on every pass: a thousand engines stepping at full speed then pay nothing for metrics.
+A collector reads each engine's load and counters (through the ``Engine`` interface) when
+Prometheus scrapes, instead of updating gauges on every pass: a thousand engines stepping at full
+speed then pay nothing for metrics.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvmesh_worker.engine_runner import EngineRunner
+from kvmesh_worker.engine import EngineLoad
+from kvmesh_worker.engines import Engine
 
 _GAUGES = (
     ("kvmesh_engine_active_blocks", "KV blocks referenced by running requests", "active_blocks"),
@@ -30,28 +32,28 @@ _COUNTERS = (
 
 
 class EngineCollector(Collector):
-    def __init__(self, runners: Sequence[EngineRunner]) -> None:
-        self.runners = runners
+    def __init__(self, engines: Sequence[Engine]) -> None:
+        self.engines = engines
 
     @classmethod
-    def register(cls, runners: Sequence[EngineRunner]) -> EngineCollector:
-        collector = cls(runners)
+    def register(cls, engines: Sequence[Engine]) -> EngineCollector:
+        collector = cls(engines)
         REGISTRY.register(collector)
         return collector
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
-        loads = [(f"{r.engine_id:x}", r.core.load(), r) for r in self.runners]
+        loads = [(f"{e.engine_id:x}", e.load(), e) for e in self.engines]
         yield from self._gauges(loads)
         for name, doc, attr in _COUNTERS:
             family = CounterMetricFamily(name, doc, labels=["engine"])
-            for engine, _load, runner in loads:
-                family.add_metric([engine], getattr(runner, attr))
+            for label, _load, engine in loads:
+                family.add_metric([label], getattr(engine, attr))
             yield family
 
     @staticmethod
-    def _gauges(loads: list) -> Iterator[GaugeMetricFamily]:
+    def _gauges(loads: list[tuple[str, EngineLoad, Engine]]) -> Iterator[GaugeMetricFamily]:
         for name, doc, attr in _GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["engine"])
-            for engine, load, _runner in loads:
-                family.add_metric([engine], getattr(load, attr))
+            for label, load, _engine in loads:
+                family.add_metric([label], getattr(load, attr))
             yield family

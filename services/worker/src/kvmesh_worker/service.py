@@ -1,23 +1,25 @@
 """WorkerService: the gRPC face of the engines one worker process hosts.
 
-Every RPC names its engine by id; the servicer only translates between protobuf and the engine
-runner — scheduling, caching and KV events are the engine core's business.
+Every RPC names its engine by id; the servicer only translates between protobuf and the
+``Engine`` interface (``kvmesh_worker.engines``) — scheduling, caching and KV events are the
+engine's business, whichever implementation it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 from kvmesh import kv_events_pb
+from kvmesh.kv_events import CacheDump
+from kvmesh.kv_publisher import EventIdTooNew, SubscriberTooSlow
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
-from kvmesh_worker.engine import CacheDump, EventIdTooNew, ForwardPassMetrics, InvalidRequest, QueueFull
-from kvmesh_worker.engine_runner import EngineRunner, SubscriberTooSlow
-from kvmesh_worker.generate_stream import GenerateStreamSession, engine_request, fill_response
+from kvmesh_worker.engine import ForwardPassMetrics
+from kvmesh_worker.engines import Engine, KvNotHeld
+from kvmesh_worker.generate_stream import GenerateStreamSession
 from kvmesh_worker.model_files import ModelFiles
 
 FILE_CHUNK_BYTES = 1 << 20
@@ -63,66 +65,41 @@ class _LoadWatcher:
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(
         self,
-        runners: Iterable[EngineRunner],
+        engines: Iterable[Engine],
         cards: dict[int, discovery_pb2.ModelCard],
         model: ModelFiles,
         refusal: Callable[[], str | None] = lambda: None,
     ) -> None:
         """``refusal``: why new requests are refused right now (lease lost, draining), None while serving."""
-        self.runners = {runner.engine_id: runner for runner in runners}
+        self.engines = {engine.engine_id: engine for engine in engines}
         self.cards = cards
         self.model = model
         self._refusal = refusal
         self._watchers: set[_LoadWatcher] = set()
         self._sessions: set[GenerateStreamSession] = set()
         self._draining = False
-        for runner in self.runners.values():
-            runner.add_observer(self._on_pass)
+        for engine in self.engines.values():
+            engine.add_observer(self._on_pass)
 
     def _on_pass(self, engine_id: int, metrics: ForwardPassMetrics, wall_s: float) -> None:
         for watcher in self._watchers:
             watcher.on_pass(engine_id, metrics, wall_s)
 
-    async def _runner(self, engine_id: int, context: grpc.aio.ServicerContext) -> EngineRunner:
-        runner = self.runners.get(engine_id)
-        if runner is None:
+    async def _engine(self, engine_id: int, context: grpc.aio.ServicerContext) -> Engine:
+        engine = self.engines.get(engine_id)
+        if engine is None:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"engine {engine_id:x} is not hosted by this worker (it hosts "
-                f"{', '.join(f'{e:x}' for e in self.runners)})",
+                f"{', '.join(f'{e:x}' for e in self.engines)})",
             )
-        return runner  # type: ignore[return-value]
+        return engine  # type: ignore[return-value]  # context.abort() raises; grpc's stubs do not say so
 
     # -- generation -----------------------------------------------------------------------------
-    async def Generate(
-        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        runner = self.runners.get(request.engine_id) or await self._runner(request.engine_id, context)
-        request_id = request.request_id or uuid.uuid4().hex
-        try:
-            queue = runner.submit(engine_request(request, request_id))
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        finished = False
-        num_prompt = len(request.token_ids)
-        try:
-            while not finished:
-                # Everything queued since the last message: a slow reader (or an engine that ran
-                # several passes back to back) gets one message for several passes.
-                response = worker_pb2.GenerateResponse()
-                finished = fill_response(response, await queue.get_all(), num_prompt)
-                yield response
-        finally:
-            if not finished:  # the caller cancelled or went away: free the blocks now
-                runner.abort(request_id)
-                self._aborted(runner)
-
     async def GenerateStream(
         self, request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext
     ) -> None:
-        session = GenerateStreamSession(self.runners, self._refusal, self._aborted, context)
+        session = GenerateStreamSession(self.engines, self._refusal, self._aborted, context)
         self._sessions.add(session)
         if self._draining:
             session.stop_when_idle()
@@ -137,19 +114,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         for session in self._sessions:
             session.stop_when_idle()
 
-    def _aborted(self, runner: EngineRunner) -> None:
+    def _aborted(self, engine: Engine) -> None:
         # No pass may follow an abort (an engine left idle does not step), so tell the watchers here.
         for watcher in self._watchers:
-            watcher.on_load_changed(runner.engine_id)
+            watcher.on_load_changed(engine.engine_id)
 
     # -- KV journal -----------------------------------------------------------------------------
     async def SubscribeKvEvents(
         self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
-        runner = await self._runner(request.engine_id, context)
+        engine = await self._engine(request.engine_id, context)
         start = request.start_event_id if request.HasField("start_event_id") else None
         try:
-            initial, subscription = runner.subscribe(start)
+            initial, subscription = engine.subscribe(start)
         except EventIdTooNew as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
         try:
@@ -168,18 +145,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 "KV event subscriber fell too far behind; resubscribe from your next event id",
             )
         finally:
-            runner.unsubscribe(subscription)
+            engine.unsubscribe(subscription)
 
     async def DumpKvIndex(
         self, request: worker_pb2.DumpKvIndexRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.DumpKvIndexResponse:
-        runner = await self._runner(request.engine_id, context)
-        dump = runner.core.dump_cache()
+        engine = await self._engine(request.engine_id, context)
+        dump = engine.dump_cache()
         return worker_pb2.DumpKvIndexResponse(snapshot=kv_events_pb.snapshot_to_proto(dump.stored, dump.next_event_id))
 
     # -- load -----------------------------------------------------------------------------------
     def _load(self, engine_id: int) -> worker_pb2.EngineLoad:
-        load = self.runners[engine_id].core.load()
+        load = self.engines[engine_id].load()
         return worker_pb2.EngineLoad(
             engine_id=engine_id,
             active_blocks=load.active_blocks,
@@ -194,7 +171,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WatchLoadResponse]:
         wanted = set(request.engine_ids) or None
-        unknown = (wanted or set()) - set(self.runners)
+        unknown = (wanted or set()) - set(self.engines)
         if unknown:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"engines not hosted here: {', '.join(f'{e:x}' for e in sorted(unknown))}"
@@ -202,7 +179,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         watcher = _LoadWatcher(wanted, request.forward_pass_metrics)
         self._watchers.add(watcher)
         try:
-            yield worker_pb2.WatchLoadResponse(loads=[self._load(e) for e in (wanted or self.runners)])
+            yield worker_pb2.WatchLoadResponse(loads=[self._load(e) for e in (wanted or self.engines)])
             while True:
                 await watcher.changed.wait()
                 await asyncio.sleep(LOAD_COALESCE_S)  # one message per burst of passes
@@ -217,13 +194,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def GetModelCard(
         self, request: worker_pb2.GetModelCardRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GetModelCardResponse:
-        await self._runner(request.engine_id, context)
+        await self._engine(request.engine_id, context)
         return worker_pb2.GetModelCardResponse(card=self.cards[request.engine_id])
 
     async def GetModelFile(
         self, request: worker_pb2.GetModelFileRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GetModelFileResponse]:
-        await self._runner(request.engine_id, context)
+        await self._engine(request.engine_id, context)
         data = self.model.files.get(request.name)
         if data is None:
             await context.abort(
@@ -237,9 +214,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def ReleaseKv(
         self, request: worker_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseKvResponse:
-        await self._runner(request.engine_id, context)
-        await context.abort(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"engine {request.engine_id:x} is aggregated: it holds no KV for transfers",
-        )
-        return worker_pb2.ReleaseKvResponse()  # pragma: no cover
+        engine = await self._engine(request.engine_id, context)
+        try:
+            released = engine.release_kv(request.transfer_id)
+        except KvNotHeld as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return worker_pb2.ReleaseKvResponse(released=released)

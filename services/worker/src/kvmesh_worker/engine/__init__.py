@@ -5,7 +5,6 @@ and ``scheduler.py`` / ``block_manager.py`` for the vLLM semantics it reproduces
 """
 
 from .api import (
-    CacheDump,
     DuplicateRequest,
     EngineError,
     EngineLoad,
@@ -20,11 +19,9 @@ from .api import (
 )
 from .config import EngineConfig, EngineMode, PreemptionMode
 from .core import EngineCore
-from .journal import EventIdTooNew, EventJournal
 from .perf_model import InterpolatedPerfModel, PerfModel, PolynomialPerfModel, load_perf_model
 
 __all__ = [
-    "CacheDump",
     "DuplicateRequest",
     "EngineConfig",
     "EngineCore",
@@ -32,8 +29,6 @@ __all__ = [
     "EngineLoad",
     "EngineMode",
     "EngineRequest",
-    "EventIdTooNew",
-    "EventJournal",
     "FinishReason",
     "ForwardPassMetrics",
     "InterpolatedPerfModel",

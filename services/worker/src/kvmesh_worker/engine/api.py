@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import Literal
 
 import numpy as np
-from kvmesh.kv_events import BlocksStored, KvEvent
+from kvmesh.kv_events import KvEvent
 
 FinishReason = Literal["length", "stop", "abort"]
 
@@ -115,19 +115,3 @@ class EngineLoad:
     num_waiting: int
     num_running: int
     queued_prefill_tokens: int  # prompt tokens not computed yet (waiting + partly prefilled)
-
-
-@dataclass(frozen=True, slots=True)
-class CacheDump:
-    """The engine's whole cached set as Stored events (parents before children).
-
-    Applying ``stored`` to an empty index rebuilds the engine's cache as of ``next_event_id``:
-    a subscriber then continues with the events from ``next_event_id`` on.
-    """
-
-    stored: list[BlocksStored]
-    next_event_id: int
-
-    @property
-    def last_event_id(self) -> int | None:
-        return self.next_event_id - 1 if self.next_event_id else None

@@ -33,10 +33,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from kvmesh.kv_events import EventData, KvEvent
+from kvmesh.kv_events import CacheDump, EventData, KvEvent
+from kvmesh.kv_publisher import EventJournal
 
 from .api import (
-    CacheDump,
     DuplicateRequest,
     EngineLoad,
     EngineRequest,
@@ -48,7 +48,6 @@ from .api import (
 )
 from .block_manager import BlockManager
 from .config import EngineConfig, EngineMode
-from .journal import EventJournal
 from .perf_model import PerfModel, PolynomialPerfModel
 from .scheduler import Request, Scheduler
 
