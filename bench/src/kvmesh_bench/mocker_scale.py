@@ -50,6 +50,7 @@ from kvmesh_worker.engine_runner import EngineRunner
 
 from kvmesh_bench.stats import percentile
 
+
 class _Discard:
     """The output sink of the load: timing is measured per pass (observers), not per token."""
 
