@@ -1,9 +1,10 @@
 """Admission: the one place where a request is matched, checked for overload, assigned and booked.
 
-:meth:`Admission.decide` is a single synchronous call: prefix overlaps -> candidate filters (:mod:`kvmesh_router.candidates`) -> busy filter -> selector (side-effect free) -> booking in the slot tracker (and, in approximate mode, the
-prediction). Because selection and booking happen in one call that never yields, no two decisions can
-see the same pre-booking load (Dynamo's ``admission_gate``): in an asyncio daemon, call it without an
-``await`` in between; in a simulation, call it in event order. Nothing here does I/O or reads a clock.
+:meth:`Admission.decide` is a single synchronous call: candidate filters (:mod:`kvmesh_router.candidates`)
+-> prefix overlaps -> busy filter -> selector (side-effect free) -> booking in the slot tracker (and, in
+approximate mode, the prediction). Because selection and booking happen in one call that never yields,
+no two decisions can see the same pre-booking load (Dynamo's ``admission_gate``): in an asyncio daemon,
+call it without an ``await`` in between; in a simulation, call it in event order. No I/O, no clock.
 
 Busy thresholds (all optional, Dynamo ``worker_monitor.rs``; an engine is busy if ANY fires):
 
@@ -351,20 +352,31 @@ class Admission:
             self.predictor.record(engine, seq_hashes, now)
         return Decision(rid, engine, overlap, best, mode, choice.cost)
 
-    def policy_for(self, request: RouteRequest) -> RouterPolicyConfig:
-        """The policy ``request`` is decided with: the config plus its override; ``direct`` when pinned.
+    def mode_of(self, request: RouteRequest) -> str:
+        """The routing mode ``request`` is decided in: ``direct`` when pinned, else its override's mode, else
+        the config's. The one place a decision's mode is determined (metrics label failures with it too)."""
+        if request.pinned_engine is not None:
+            return "direct"
+        override = request.override
+        if override is not None and override.mode is not None:
+            return override.mode
+        return self.config.mode
 
-        The one place a decision's mode is determined. Raises :class:`RoutingError` for an invalid
-        override (unknown mode, role or cost policy, a negative weight).
+    def policy_for(self, request: RouteRequest) -> RouterPolicyConfig:
+        """The policy ``request`` is decided with: the config plus its override, in :meth:`mode_of`'s mode.
+
+        Raises :class:`RoutingError` for an invalid override (unknown mode, role or cost policy, a
+        negative weight).
         """
         try:
             config = self.config.with_override(request.override)
+            mode = self.mode_of(request)
+            if config.mode != mode:
+                config = replace(config, mode=mode)
         except ValueError as e:
             raise RoutingError(f"invalid policy override: {e}") from None
         if not POLICIES.has_cost_policy(config.cost_policy):
             raise RoutingError(f"unknown cost policy {config.cost_policy!r}")
-        if request.pinned_engine is not None and config.mode != "direct":
-            config = replace(config, mode="direct")
         return config
 
     def _filter(self, engines: Sequence[int], request: RouteRequest, config: RouterPolicyConfig) -> Sequence[int]:

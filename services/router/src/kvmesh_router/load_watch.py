@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 import grpc
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
-from kvmesh_router.state import EngineInfo, RouterState
+from kvmesh_router.engines import EngineInfo
+from kvmesh_router.state import RouterState
 
 __all__ = ["LoadWatch"]
 

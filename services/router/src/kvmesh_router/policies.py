@@ -53,6 +53,9 @@ class PolicyRegistry:
             raise ValueError(f"unknown routing mode {mode!r}; expected one of {', '.join(self.modes)}")
         return factory()
 
+    def unregister_selector(self, name: str) -> None:
+        del self._selectors[name]
+
     @property
     def modes(self) -> tuple[str, ...]:
         return tuple(_builtins(self._selectors))

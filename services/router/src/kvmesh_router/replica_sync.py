@@ -40,8 +40,10 @@ import grpc
 from kvmesh.discovery import Discovery, Snapshot, apply_watch_event, instance_prefix, parse_instance_key
 from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc
 
+from kvmesh_router.replication import BookingListener
 from kvmesh_router.slot_tracker import Booking
-from kvmesh_router.state import BookingListener, RouterState, booking_to_proto
+from kvmesh_router.state import RouterState
+from kvmesh_router.translate import booking_to_proto
 
 __all__ = ["Link", "ReplicaHub"]
 
@@ -112,7 +114,7 @@ class Link:
     async def run(self) -> None:
         hub = self.hub
         hub.links.add(self)  # subscribe and snapshot in one synchronous step
-        snapshot = hub.state.local_snapshot()
+        snapshot = hub.state.bookings.local_snapshot()
         tasks: list[asyncio.Task[Any]] = []
         try:
             await self._send(self._message(snapshot=snapshot))
@@ -176,7 +178,7 @@ class Link:
         message = first
         while True:
             if message.events:
-                lag = hub.state.apply_peer_events(peer, message.events)
+                lag = hub.state.bookings.apply_peer_events(peer, message.events)
                 hub.received += len(message.events)
                 if lag:
                     hub.state.metrics.sync_lag.observe(lag)
@@ -215,7 +217,7 @@ class ReplicaHub(BookingListener):
         self.sent = 0
         self.received = 0
         self.overflows = 0
-        state.add_listener(self)
+        state.bookings.add_listener(self)
 
     # ------------------------------------------------------------------ local changes -> every link
 
@@ -256,7 +258,7 @@ class ReplicaHub(BookingListener):
         self.current[peer] = link
         link.attached = link.ever_attached = True
         self.unreachable.discard(peer)
-        self.state.apply_peer_snapshot(peer, snapshot)
+        self.state.bookings.apply_peer_snapshot(peer, snapshot)
         log.info(
             "replica sync: linked with %x (%s, %d bookings in its snapshot)",
             peer,
@@ -271,7 +273,7 @@ class ReplicaHub(BookingListener):
         peer = link.peer_id
         if peer is not None and self.current.get(peer) is link:
             del self.current[peer]
-            dropped = self.state.drop_peer(peer)
+            dropped = self.state.bookings.drop_peer(peer)
             log.info("replica sync: link with %x closed; dropped its %d bookings", peer, dropped)
         link.attached = False
         self._notify()

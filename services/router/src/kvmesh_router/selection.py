@@ -15,8 +15,9 @@ Modes (``RouterPolicyConfig.mode``):
   :class:`UnknownEngineError`.
 
 Selectors are registered by mode name in :data:`~kvmesh_router.policies.POLICIES` (one registry for
-selectors and cost policies). All randomness comes from the ``random.Random`` in the :class:`SelectionContext` (seed it for
-deterministic tests and simulations). The only state a selector keeps is round robin's cursor.
+selectors and cost policies). All randomness comes from the ``random.Random`` in the
+:class:`SelectionContext` (seed it for deterministic tests and simulations). The only state a selector
+keeps is round robin's cursor.
 """
 
 from __future__ import annotations
