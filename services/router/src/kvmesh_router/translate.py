@@ -86,15 +86,12 @@ def route_request(key: str, query: router_pb2.RouteQuery, allowed: frozenset[int
             overlap_score_weight=ov.overlap_weight if ov.HasField("overlap_weight") else None,
             temperature=ov.temperature if ov.HasField("temperature") else None,
         )
-    pinned = query.pinned_engine_id if query.HasField("pinned_engine_id") else None
-    if pinned is None and override is not None and override.mode == "direct":
-        raise QueryError(INVALID, "ROUTER_MODE_DIRECT needs RouteQuery.pinned_engine_id")
     return RouteRequest(
         key,
         list(query.block_hashes),
         query.num_tokens,
         query.expected_output_tokens or None,
-        pinned,
+        query.pinned_engine_id if query.HasField("pinned_engine_id") else None,
         allowed,
         frozenset(query.excluded_engine_ids),
         override,
