@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 from operator import itemgetter
 
 import grpc
+from kvmesh.backoff import Backoff
 from kvmesh.kv_events import StoredBlock
 from kvmesh.v1 import kv_events_pb2, worker_pb2, worker_pb2_grpc
 
@@ -390,7 +391,7 @@ class EngineFeed:
     async def _run(self) -> None:
         cursor = self.cursor
         stats = cursor.stats
-        backoff = INITIAL_BACKOFF_S
+        backoff = Backoff(INITIAL_BACKOFF_S, self.max_backoff_s)
         first = True
         while True:
             if cursor.state is FeedState.RECOVERING:
@@ -406,7 +407,8 @@ class EngineFeed:
             call = self.stub.SubscribeKvEvents(request)
             try:
                 async for item in call:
-                    backoff = INITIAL_BACKOFF_S
+                    if backoff.attempts:
+                        backoff.reset()
                     if item.HasField("snapshot"):
                         cursor.on_snapshot(item.snapshot)
                         if cursor.state is FeedState.LIVE:
@@ -429,17 +431,15 @@ class EngineFeed:
                     log.warning("engine %x: cut as a slow subscriber; resuming from %s", self.engine_id, cursor.next_id)
                 else:
                     log.info(
-                        "engine %x: KV event stream from %s broke (%s: %s); retrying in %.2f s",
+                        "engine %x: KV event stream from %s broke (%s: %s); retrying",
                         self.engine_id,
                         self.address,
                         code.name,
                         exc.details(),
-                        backoff,
                     )
             finally:
                 call.cancel()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.max_backoff_s)
+            await backoff.sleep()
 
     # ------------------------------------------------------------------ recovery stream
 
@@ -464,7 +464,7 @@ class EngineFeed:
 
     async def _recover(self, epoch: int, start: int | None) -> None:
         cursor = self.cursor
-        backoff = INITIAL_BACKOFF_S
+        backoff = Backoff(INITIAL_BACKOFF_S, self.max_backoff_s)
         while cursor.state is FeedState.RECOVERING and cursor.epoch == epoch:
             request = worker_pb2.SubscribeKvEventsRequest(engine_id=self.engine_id)
             if start is not None:
@@ -486,8 +486,7 @@ class EngineFeed:
             finally:
                 call.cancel()
             if cursor.state is FeedState.RECOVERING and cursor.epoch == epoch:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.max_backoff_s)
+                await backoff.sleep()
         if self._recovery is asyncio.current_task():
             self._recovery = None
         self._sync_recovery()  # draining the buffer may have found another gap

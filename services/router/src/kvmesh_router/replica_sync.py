@@ -37,6 +37,7 @@ from functools import partial
 from typing import Any
 
 import grpc
+from kvmesh.backoff import Backoff
 from kvmesh.discovery import Discovery, Snapshot, apply_watch_event, instance_prefix, parse_instance_key
 from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc
 
@@ -371,7 +372,7 @@ class ReplicaHub(BookingListener):
         self._notify()
 
     async def _supervise(self, peer: int, initial: bool) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)
         while peer in self.peers and not self._closing:
             cur = self.current.get(peer)
             if cur is not None and not cur.closed.is_set():
@@ -384,12 +385,11 @@ class ReplicaHub(BookingListener):
                 continue
             link = await self._dial(peer, self.peers[peer])
             if link.ever_attached:  # it worked for a while: retry quickly
-                backoff = 0.05
+                backoff.reset()
             elif peer not in self.unreachable:
                 self.unreachable.add(peer)  # e.g. a kill -9'd replica whose record has not expired yet
                 self._notify()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            await backoff.sleep()
 
     async def wait_initial_synced(self, timeout: float) -> list[int]:
         """Wait until every peer of the first discovery snapshot sent its bookings, went away, or could not
