@@ -1,5 +1,8 @@
 """Replica sync: router replicas exchange their active-load bookings over ``RouterService.ReplicaSync``.
 
+(Over 400 lines because link protocol, pair topology and the warm-up wait all act on one link table;
+what the links carry lives in :mod:`kvmesh_router.replication`.)
+
 Replicas are active-active: any frontend may use any replica, and each replica books the requests it
 routes in its own slot tracker (it stays authoritative for them). To predict load from the whole
 fleet's traffic, every replica also applies its peers' bookings, which arrive over one bidirectional
