@@ -95,8 +95,8 @@ class RouterState:
         self.bookings = Bookings(self.slots, self.engines, clock, self.approx)
         self.sessions = 0
         self.metrics.add_source("state", self._stats)
-        if self.kv_index is not None:
-            self.metrics.add_source("index", lambda: index_stats(self.kv_index))  # type: ignore[arg-type]
+        if (kv_index := self.kv_index) is not None:
+            self.metrics.add_source("index", lambda: index_stats(kv_index))
 
     # ------------------------------------------------------------------ engines
 

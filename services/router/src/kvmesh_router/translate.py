@@ -34,16 +34,16 @@ ROUTED = router_pb2.DECISION_OUTCOME_ROUTED
 REJECTED = router_pb2.DECISION_OUTCOME_REJECTED
 NO_ENGINE = router_pb2.DECISION_OUTCOME_NO_ENGINE
 INVALID = router_pb2.DECISION_OUTCOME_INVALID
-OUTCOME_NAMES = {ROUTED: "routed", REJECTED: "rejected", NO_ENGINE: "no_engine", INVALID: "invalid"}
+OUTCOME_NAMES: dict[int, str] = {ROUTED: "routed", REJECTED: "rejected", NO_ENGINE: "no_engine", INVALID: "invalid"}
 
-_MODES = {
+_MODES: dict[int, str] = {
     router_pb2.ROUTER_MODE_KV: "kv",
     router_pb2.ROUTER_MODE_ROUND_ROBIN: "round_robin",
     router_pb2.ROUTER_MODE_RANDOM: "random",
     router_pb2.ROUTER_MODE_POWER_OF_TWO: "power_of_two",
     router_pb2.ROUTER_MODE_DIRECT: "direct",
 }
-_ROLES = {
+_ROLES: dict[int, str] = {
     discovery_pb2.WORKER_ROLE_UNSPECIFIED: "aggregated",
     discovery_pb2.WORKER_ROLE_AGGREGATED: "aggregated",
     discovery_pb2.WORKER_ROLE_PREFILL: "prefill",
@@ -62,7 +62,7 @@ class QueryError(Exception):
 
 def role_name(role: int) -> str | None:
     """A ``WorkerRole`` as a ``cost.ROLES`` name (None for a value this build does not know)."""
-    return _ROLES.get(role)  # type: ignore[call-overload]  # protobuf enums are ints at run time
+    return _ROLES.get(role)
 
 
 def route_request(key: str, query: router_pb2.RouteQuery, allowed: frozenset[int]) -> RouteRequest:
