@@ -4,16 +4,15 @@ import random
 
 import pytest
 from kvmesh_router.cost import (
-    COST_POLICIES,
     AffinityCost,
     CostBatch,
     CostInputs,
     RouterConfigOverride,
     RouterPolicyConfig,
     fleet_context,
-    get_cost_policy,
     policy_costs,
 )
+from kvmesh_router.policies import POLICIES
 from kvmesh_router.selection import KvSelector, SelectionContext
 
 BS = 16
@@ -27,11 +26,11 @@ def row(engine, overlap, prefill=0, active=0, already=0, requests=0):
 def costs(rows, policy, **params):
     config = RouterPolicyConfig(cost_policy=policy, params=params)
     batch = CostBatch.from_rows(rows)
-    return policy_costs(get_cost_policy(policy), batch, fleet_context(batch), config)
+    return policy_costs(POLICIES.cost_policy(policy), batch, fleet_context(batch), config)
 
 
 def test_both_policies_are_registered_and_dynamo_stays_the_documented_formula():
-    assert {"dynamo", "affinity"} <= set(COST_POLICIES)
+    assert {"dynamo", "affinity"} <= set(POLICIES.cost_policies)
     # Dynamo: (prefill tokens + new tokens) / bs + decode blocks.
     assert costs([row(1, 10, prefill=800, active=100)], "dynamo") == [(800 + 320 - 160) / 16 + 120]
 

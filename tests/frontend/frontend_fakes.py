@@ -283,16 +283,23 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         self.sessions += 1
         async for message in request_iterator:
-            if message.HasField("route"):
-                self.queries.append(message.route)
-                if self.silent:
-                    continue
-                yield router_pb2.SessionResponse(decision=self.decide(message.route))
-            else:
-                update = message.lifecycle
-                self.lifecycle.append((update.request_id, update.stage))
-                if update.stage == router_pb2.LIFECYCLE_STAGE_FINISHED:
-                    self.bookings.pop(update.request_id, None)
+            items = message.batch.requests if message.HasField("batch") else [message]
+            decisions = []
+            for item in items:
+                if item.HasField("route"):
+                    self.queries.append(item.route)
+                    if not self.silent:
+                        decisions.append(self.decide(item.route))
+                else:
+                    update = item.lifecycle
+                    self.lifecycle.append((update.request_id, update.stage))
+                    if update.stage == router_pb2.LIFECYCLE_STAGE_FINISHED:
+                        self.bookings.pop(update.request_id, None)
+            if decisions:  # as the real router: one decision_batch per batch with queries
+                if message.HasField("batch"):
+                    yield router_pb2.SessionResponse(decision_batch=router_pb2.RouteDecisionBatch(decisions=decisions))
+                else:
+                    yield router_pb2.SessionResponse(decision=decisions[0])
 
     def record(self, replica_id: int, namespace: str = NS) -> tuple[str, bytes]:
         rec = discovery_pb2.InstanceRecord(

@@ -18,6 +18,7 @@ from kvmesh_router.admission import (
     RouteRequest,
 )
 from kvmesh_router.approx import ApproxIndexer
+from kvmesh_router.candidates import DEFAULT_FILTERS
 from kvmesh_router.cost import RouterConfigOverride, RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
 from kvmesh_router.selection import RoutingError, UnknownEngineError
@@ -285,3 +286,48 @@ def test_stale_bookings_expire_through_decide():
     decided(adm.decide(request("r2", "C"), 400.0))
     assert not adm.slots.has_request("r1")
     assert adm.slots.active_blocks(A_) == 1
+
+
+# ---------------------------------------------------------------------- per-query overrides and candidate filters
+
+
+def test_mode_is_a_per_query_override_and_the_config_never_changes():
+    adm = make(engines=(1, 2, 3))
+    config = adm.config
+    rr = RouterConfigOverride(mode="round_robin")
+    picks = [decided(adm.decide(request(f"r{i}", "A", override=rr), now=0.0)) for i in range(3)]
+    assert [d.engine_id for d in picks] == [1, 2, 3] and {d.mode for d in picks} == {"round_robin"}
+    assert adm.config is config  # decided with config + override; nothing global was swapped
+    assert decided(adm.decide(request("k", "A"), now=0.0)).mode == "kv"
+    assert adm.mode_of(request("p", "A", pinned=2, override=rr)) == "direct"  # a pin always wins
+    with pytest.raises(RoutingError, match="pinned"):
+        adm.decide(request("d", "A", override=RouterConfigOverride(mode="direct")), now=0.0)
+    with pytest.raises(RoutingError, match="invalid policy override"):
+        adm.decide(request("x", "A", override=RouterConfigOverride(role="encoder")), now=0.0)
+
+
+def test_role_filter_serves_aggregated_by_default_and_other_roles_on_request():
+    adm = make(engines=(1, 2))
+    adm.add_engine(EngineSpec(3, total_blocks=1000, block_size=BS, role="prefill"))
+    adm.add_engine(EngineSpec(4, total_blocks=1000, block_size=BS, role="decode"))
+    assert {decided(adm.decide(request(f"a{i}", "A"), now=0.0)).engine_id for i in range(20)} <= {1, 2}
+    prefill = decided(adm.decide(request("p", "A", override=RouterConfigOverride(role="prefill")), now=0.0))
+    decode = decided(adm.decide(request("d", "A", override=RouterConfigOverride(role="decode")), now=0.0))
+    assert (prefill.engine_id, decode.engine_id) == (3, 4)
+    with pytest.raises(UnknownEngineError, match="not allowed"):  # a pin must have the asked role too
+        adm.decide(request("pin", "A", pinned=3), now=0.0)
+    adm.remove_engine(4)
+    none = adm.decide(request("d2", "A", override=RouterConfigOverride(role="decode")), now=0.0)
+    assert isinstance(none, Rejection) and none.reason is RejectReason.NO_ENGINES
+
+
+def test_candidate_filters_compose():
+    def even_only(engines, request, config, fleet):
+        return [e for e in engines if e % 2 == 0]
+
+    adm = make(engines=(1, 2, 3, 4), filters=(*DEFAULT_FILTERS, even_only))
+    picks = {
+        decided(adm.decide(request(f"r{i}", "A", excluded_engines=frozenset({4})), now=0.0)).engine_id
+        for i in range(10)
+    }
+    assert picks == {2}

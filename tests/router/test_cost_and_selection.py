@@ -8,7 +8,6 @@ from collections import Counter
 
 import pytest
 from kvmesh_router.cost import (
-    COST_POLICIES,
     CostBatch,
     CostInputs,
     DynamoCost,
@@ -17,11 +16,11 @@ from kvmesh_router.cost import (
     RouterPolicyConfig,
     dynamo_cost,
     fleet_context,
-    get_cost_policy,
     policy_costs,
-    register_cost_policy,
 )
+from kvmesh_router.policies import POLICIES
 from kvmesh_router.selection import (
+    Choice,
     KvSelector,
     PowerOfTwoSelector,
     RandomSelector,
@@ -29,7 +28,6 @@ from kvmesh_router.selection import (
     RoutingError,
     SelectionContext,
     UnknownEngineError,
-    make_selector,
     pick_index,
     softmax_probabilities,
 )
@@ -52,7 +50,7 @@ def test_dynamo_cost_by_hand_for_a_small_fleet():
     a = inputs(1, overlap=3, prefill=8, active=10, new=1)  # (8 + 16 - 12)/4 = 3   + 11 = 14
     b = inputs(2, overlap=0, prefill=0, active=2, new=4)  # (0 + 16 - 0)/4 = 4    +  6 = 10
     c = inputs(3, overlap=2, prefill=4, active=0, new=4)  # (4 + 16 - 8)/4 = 3    +  4 = 7
-    policy = get_cost_policy("dynamo")
+    policy = POLICIES.cost_policy("dynamo")
     w1 = RouterPolicyConfig()
     assert [policy.cost(x, FLEET, w1) for x in (a, b, c)] == [14.0, 10.0, 7.0]
     w2 = RouterPolicyConfig(overlap_score_weight=2.0)
@@ -108,7 +106,7 @@ def test_config_validation():
     with pytest.raises(ValueError):
         RouterPolicyConfig(overlap_score_weight=math.nan)
     with pytest.raises(ValueError):
-        get_cost_policy("nope")
+        POLICIES.cost_policy("nope")
 
 
 def test_cost_policies_are_pluggable_and_selectable_by_name():
@@ -118,18 +116,18 @@ def test_cost_policies_are_pluggable_and_selectable_by_name():
         def cost(self, c, fleet, config):
             return float(c.active_requests)
 
-    register_cost_policy(FewestRequests())
+    POLICIES.register_cost_policy(FewestRequests())
     try:
         with pytest.raises(ValueError):
-            register_cost_policy(FewestRequests())
+            POLICIES.register_cost_policy(FewestRequests())
         cands = [inputs(1, requests=5), inputs(2, requests=1, active=50)]
         dynamo = SelectionContext.from_inputs(cands)
         custom = SelectionContext.from_inputs(cands, RouterPolicyConfig(cost_policy="test_fewest_requests"))
         assert KvSelector().select(dynamo).engine_id == 1
         assert KvSelector().select(custom).engine_id == 2
     finally:
-        del COST_POLICIES["test_fewest_requests"]
-    assert isinstance(COST_POLICIES["dynamo"], DynamoCost)
+        POLICIES.unregister_cost_policy("test_fewest_requests")
+    assert isinstance(POLICIES.cost_policy("dynamo"), DynamoCost)
 
 
 # ---------------------------------------------------------------------- temperature
@@ -208,7 +206,7 @@ def test_power_of_two_picks_the_less_loaded_of_two_random_candidates():
 
 
 def test_direct_pins_and_rejects_unknown_engines():
-    sel = make_selector("direct")
+    sel = POLICIES.make_selector("direct")
     assert sel.select(_ctx([1, 2, 3], pinned=2)).engine_id == 2
     with pytest.raises(UnknownEngineError) as err:
         sel.select(_ctx([1, 2, 3], pinned=9))
@@ -217,8 +215,30 @@ def test_direct_pins_and_rejects_unknown_engines():
         sel.select(_ctx([1, 2, 3]))
 
 
-def test_make_selector_knows_every_mode():
-    for mode in ("kv", "round_robin", "random", "power_of_two", "direct"):
-        assert make_selector(mode).name == mode
+def test_one_registry_knows_every_mode_and_cost_policy():
+    assert POLICIES.modes == ("kv", "round_robin", "random", "power_of_two", "direct")
+    for mode in POLICIES.modes:
+        assert POLICIES.make_selector(mode).name == mode
+    assert POLICIES.make_selector("round_robin") is not POLICIES.make_selector("round_robin")  # own cursor each
+    assert {"dynamo", "affinity"} <= set(POLICIES.cost_policies)
     with pytest.raises(ValueError):
-        make_selector("fastest")
+        POLICIES.make_selector("fastest")
+
+
+def test_selectors_are_pluggable_and_selectable_by_name_globally_or_per_query():
+    class HighestId:
+        name = "test_highest_id"
+
+        def select(self, ctx):
+            return Choice(max(ctx.engines))
+
+    POLICIES.register_selector(HighestId.name, HighestId)
+    try:
+        with pytest.raises(ValueError):
+            POLICIES.register_selector(HighestId.name, HighestId)
+        assert RouterPolicyConfig().with_override(RouterConfigOverride(mode="test_highest_id")).mode == HighestId.name
+        assert POLICIES.make_selector(HighestId.name).select(_ctx([1, 5, 3])).engine_id == 5
+    finally:
+        POLICIES.unregister_selector(HighestId.name)
+    with pytest.raises(ValueError):
+        RouterPolicyConfig(mode="test_highest_id")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from kvmesh import kv_events_pb
 from kvmesh.kv_events import AllCleared, BlocksRemoved, BlocksStored, KvEvent, StoredBlock
 from kvmesh.v1 import kv_events_pb2
+from kvmesh_router.cursor import EngineCursor, FeedState, IngestStats
 from kvmesh_router.indexer import KvIndexer
-from kvmesh_router.ingest import EngineCursor, FeedState, IngestStats
 
 E = 7
 

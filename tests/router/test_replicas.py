@@ -20,10 +20,11 @@ import signal
 import grpc
 import pytest
 from kvmesh.v1 import router_pb2
+from kvmesh_router.engines import EngineInfo
 from kvmesh_router.metrics import RouterMetrics
 from kvmesh_router.replica_sync import ReplicaHub
 from kvmesh_router.service import RouterServicer, add_to_server
-from kvmesh_router.state import EngineInfo, RouterState
+from kvmesh_router.state import RouterState
 
 from tests.router.test_router_e2e_harness import FIRST_TOKEN, ROUTED, Mesh, prompt, seq_hashes, wait_until
 
@@ -113,7 +114,7 @@ async def test_link_sends_snapshot_then_events_both_ways(pair):
     a.state.finish("s1/live")
     a.state.finish("s1/early")
     await until(lambda: all(x[1:] == (0, 0, 0) for x in b.load()), what="everything freed on b")
-    assert b.state.peer_bookings.get(1) == {}
+    assert b.state.bookings.peer_bookings.get(1) == {}
 
 
 async def test_duplicate_adds_and_unknown_frees_are_no_ops():
@@ -126,14 +127,15 @@ async def test_duplicate_adds_and_unknown_frees_are_no_ops():
         router_pb2.BookingEvent(freed_request_id="unknown"),
         router_pb2.BookingEvent(prefill_completed_request_id="unknown"),
     ]
-    state.apply_peer_events(5, events)
+    state.bookings.apply_peer_events(5, events)
     assert state.slots.load(11) == (2, 32, 1)
     # a booking for an engine not known yet is parked until the engine shows up
-    state.apply_peer_events(5, [router_pb2.BookingEvent(added=router_pb2.ActiveBooking(request_id="y", engine_id=33))])
+    parked = router_pb2.BookingEvent(added=router_pb2.ActiveBooking(request_id="y", engine_id=33))
+    state.bookings.apply_peer_events(5, [parked])
     assert state.slots.load(33) == (0, 0, 0)
     state.add_engine(EngineInfo(33, "m", "w", 16, 1000))
     assert state.slots.load(33)[2] == 1
-    assert state.drop_peer(5) == 2 and len(state.slots) == 0
+    assert state.bookings.drop_peer(5) == 2 and len(state.slots) == 0
 
 
 async def test_link_to_myself_is_refused(pair):

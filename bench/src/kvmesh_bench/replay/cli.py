@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh_router.cost import COST_POLICIES, MODES
-from kvmesh_router.state import DEFAULT_COST_POLICY
+from kvmesh_router.cost import MODES
+from kvmesh_router.policies import POLICIES
+from kvmesh_router.settings import DEFAULT_COST_POLICY
 
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, format_table, plot_run, run_json, summarize, write_json
@@ -65,8 +66,8 @@ def parse_mode(text: str) -> ModeSpec:
         raise ReplayError(f"unknown router mode {mode!r}; expected kv[:POLICY], round_robin, random or power_of_two")
     if (policy or knobs) and mode != "kv":
         raise ReplayError(f"router mode {text!r}: only kv takes a cost policy")
-    if policy and policy not in COST_POLICIES:
-        raise ReplayError(f"unknown cost policy {policy!r}; registered: {', '.join(sorted(COST_POLICIES))}")
+    if policy and not POLICIES.has_cost_policy(policy):
+        raise ReplayError(f"unknown cost policy {policy!r}; registered: {', '.join(sorted(POLICIES.cost_policies))}")
     params: dict[str, float] = {}
     for knob in knobs:
         key, sep, value = knob.partition("=")

@@ -24,12 +24,12 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import WatchEvent, apply_watch_event, parse_instance_key
 from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc
+from kvmesh.wakeup import Wakeup
 
 from kvmesh_frontend.errors import unavailable
 
@@ -39,8 +39,6 @@ _SUSPECT_S = 5.0
 _FINISHED = router_pb2.LIFECYCLE_STAGE_FINISHED
 _FIRST_TOKEN = router_pb2.LIFECYCLE_STAGE_FIRST_TOKEN
 _ROUTED = router_pb2.DECISION_OUTCOME_ROUTED
-# Initial metadata entry by which a replica advertises the Session batch messages (router.proto).
-BATCHING_METADATA_KEY = "kvmesh-session-batching"
 
 
 class SessionBroken(Exception):
@@ -51,14 +49,11 @@ class RouterSession:
     """One Session stream to one router replica.
 
     Writes are serialized (gRPC allows one outstanding write per call) through an outbox that one
-    writer task empties in order. When the replica advertises batching (initial metadata
-    ``kvmesh-session-batching``), everything goes through the outbox and whatever is queued when
-    the writer runs goes out as one ``SessionRequestBatch`` (its decisions come back as one
-    ``RouteDecisionBatch``): the writer runs at the end of the event-loop tick, so the queries and
-    updates of every request served in that tick share one message (a request whose tokens arrive
-    together sends its FIRST_TOKEN and FINISHED in one). Without batching (an older replica), a
-    route query is written inline by its caller when nothing is queued or in flight (it is on the
-    request's critical path), and every message goes out on its own.
+    writer task empties in order; whatever is queued when the writer runs goes out as one
+    ``SessionRequestBatch`` (its decisions come back as one ``RouteDecisionBatch``). The writer runs
+    at the end of the event-loop tick, so the queries and updates of every request served in that
+    tick share one message (a request whose tokens arrive together sends its FIRST_TOKEN and
+    FINISHED in one). Every replica understands batches: there is no negotiation.
     """
 
     def __init__(
@@ -73,60 +68,32 @@ class RouterSession:
         self.closed = False
         self.closing = False  # closed on purpose (replica left discovery, shutdown): not a failure
         self.reason = ""
-        self.batching = False  # the replica understands the batch messages (learnt from its metadata)
         self._on_closed = on_closed
         self._loop = asyncio.get_running_loop()
         self._outbox: list[router_pb2.SessionRequest] = []
-        self._writing = False
-        self._writer_wakeup: asyncio.Future[None] | None = None
+        self._wakeup = Wakeup()
         self._pending: dict[str, asyncio.Future[router_pb2.RouteDecision]] = {}
         self._call = router_pb2_grpc.RouterServiceStub(channel).Session()
         self._reader = self._loop.create_task(self._read(), name=f"router-session-{replica_id:x}")
         self._writer = self._loop.create_task(self._write_loop(), name=f"router-session-writer-{replica_id:x}")
 
     # -- writing ---------------------------------------------------------------------------------
-    def _enqueue(self, message: router_pb2.SessionRequest) -> None:
-        self._outbox.append(message)
-        self._wake_writer()
-
     async def _write_loop(self) -> None:
         try:
             while not self.closed:
-                if not self._outbox or self._writing:
-                    self._writer_wakeup = self._loop.create_future()
-                    await self._writer_wakeup
+                if not self._outbox:
+                    await self._wakeup.wait()
                     continue
                 messages, self._outbox = self._outbox, []
-                if self.batching and len(messages) > 1:
-                    messages = [router_pb2.SessionRequest(batch=router_pb2.SessionRequestBatch(requests=messages))]
-                self._writing = True
-                try:
-                    for message in messages:
-                        await self._call.write(message)
-                finally:
-                    self._writing = False
+                if len(messages) == 1:
+                    message = messages[0]
+                else:
+                    message = router_pb2.SessionRequest(batch=router_pb2.SessionRequestBatch(requests=messages))
+                await self._call.write(message)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the stream broke: the reader reports why
             self._write_failed(exc)
-
-    async def _write_now(self, message: router_pb2.SessionRequest) -> None:
-        self._writing = True
-        try:
-            await self._call.write(message)
-        except Exception as exc:
-            self._write_failed(exc)
-        finally:
-            self._writing = False
-            if self._outbox and not self.closed:
-                self._wake_writer()
-
-    def _wake_writer(self) -> None:
-        wakeup = self._writer_wakeup
-        if wakeup is not None:
-            self._writer_wakeup = None
-            if not wakeup.done():
-                wakeup.set_result(None)
 
     def _write_failed(self, exc: BaseException) -> None:
         if not self.closed:
@@ -137,7 +104,6 @@ class RouterSession:
     async def _read(self) -> None:
         reason = "the router ended the session"
         try:
-            self.batching = _advertises_batching(await self._call.initial_metadata())
             async for response in self._call:
                 kind = response.WhichOneof("kind")
                 if kind == "decision":
@@ -168,7 +134,7 @@ class RouterSession:
         self.closed = True
         self.reason = reason
         self._outbox.clear()
-        self._wake_writer()  # the writer sees `closed` and ends
+        self._wakeup.set()  # the writer sees `closed` and ends
         pending, self._pending = self._pending, {}
         error = SessionBroken(f"router replica {self.replica_id:x} at {self.address}: {reason}")
         for future in pending.values():
@@ -184,11 +150,8 @@ class RouterSession:
             future.set_exception(SessionBroken(f"router replica {self.replica_id:x}: {self.reason}"))
             return future
         self._pending[query.request_id] = future
-        message = router_pb2.SessionRequest(route=query)
-        if self.batching or self._writing or self._outbox:
-            self._enqueue(message)
-        else:
-            await self._write_now(message)
+        self._outbox.append(router_pb2.SessionRequest(route=query))
+        self._wakeup.set()
         return future
 
     def lifecycle(self, request_id: str, stage: int) -> None:
@@ -201,7 +164,7 @@ class RouterSession:
             self._outbox.append(
                 router_pb2.SessionRequest(lifecycle=router_pb2.LifecycleUpdate(request_id=request_id, stage=stage))
             )
-            self._loop.call_soon(self._wake_writer)
+            self._loop.call_soon(self._wakeup.set)
 
     def first_token(self, request_id: str) -> None:
         self.lifecycle(request_id, _FIRST_TOKEN)
@@ -220,17 +183,6 @@ class RouterSession:
         await asyncio.gather(self._reader, return_exceptions=True)
         self._writer.cancel()
         await asyncio.gather(self._writer, return_exceptions=True)
-
-
-def _advertises_batching(metadata: Any) -> bool:
-    """Whether a replica's initial metadata says it understands the Session batch messages."""
-    for key, value in metadata or ():
-        if key == BATCHING_METADATA_KEY:
-            try:
-                return int(value) >= router_pb2.SESSION_BATCHING_V1
-            except (TypeError, ValueError):
-                return False
-    return False
 
 
 def _timeout(future: asyncio.Future[router_pb2.RouteDecision], seconds: float) -> None:

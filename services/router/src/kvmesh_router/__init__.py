@@ -8,9 +8,11 @@ the router daemon (asyncio, real clock) and in offline discrete-event simulation
 - :mod:`kvmesh_router.slot_tracker`: each engine's active blocks and outstanding prefill tokens, predicted
   from the request lifecycle (add -> prefill completed -> free), with lazy expiry of stale bookings.
 - :mod:`kvmesh_router.cost`: the router's cost function (Dynamo's ``overlap_weight * prefill_blocks +
-  decode_blocks`` as the default, pluggable policies) and the policy configuration / per-request override.
+  decode_blocks`` as the default, pluggable policies), the policy config and the per-query override.
 - :mod:`kvmesh_router.selection`: selectors per routing mode (kv, round_robin, random, power_of_two,
   direct) and temperature sampling.
+- :mod:`kvmesh_router.policies`: the one registry of selectors and cost policies, by name.
+- :mod:`kvmesh_router.candidates`: composable candidate filters (the query's engines, its worker role).
 - :mod:`kvmesh_router.approx`: approximate mode, a predicted prefix index built from the router's own
   decisions for engines that publish no KV events.
 - :mod:`kvmesh_router.admission`: ``Admission.decide(request, now)``, select + book in one serialized step,

@@ -1,10 +1,10 @@
 """Admission: the one place where a request is matched, checked for overload, assigned and booked.
 
-:meth:`Admission.decide` is a single synchronous call: prefix overlaps -> eligible engines -> busy
-filter -> selector (side-effect free) -> booking in the slot tracker (and, in approximate mode, the
-prediction). Because selection and booking happen in one call that never yields, no two decisions can
-see the same pre-booking load (Dynamo's ``admission_gate``): in an asyncio daemon, call it without an
-``await`` in between; in a simulation, call it in event order. Nothing here does I/O or reads a clock.
+:meth:`Admission.decide` is a single synchronous call: candidate filters (:mod:`kvmesh_router.candidates`)
+-> prefix overlaps -> busy filter -> selector (side-effect free) -> booking in the slot tracker (and, in
+approximate mode, the prediction). Because selection and booking happen in one call that never yields,
+no two decisions can see the same pre-booking load (Dynamo's ``admission_gate``): in an asyncio daemon,
+call it without an ``await`` in between; in a simulation, call it in event order. No I/O, no clock.
 
 Busy thresholds (all optional, Dynamo ``worker_monitor.rs``; an engine is busy if ANY fires):
 
@@ -17,6 +17,10 @@ Busy engines are skipped; the request is rejected (:class:`Rejection`, the front
 RESOURCE_EXHAUSTED) only when *every* eligible engine is busy. A pinned request considers only its
 engine. A request id has at most one booking: deciding for a booked id raises
 :class:`DuplicateRequestError`.
+
+The policy of one decision is the admission's config with the query's :class:`RouterConfigOverride`
+applied (mode and worker role included), resolved once in :meth:`Admission.policy_for`; a pinned query is
+``direct``. Selectors and cost policies are looked up by name in :data:`~kvmesh_router.policies.POLICIES`.
 
 The :class:`Decision` reports the overlap achieved on the chosen engine and the best overlap any
 registered engine offered, for the "decision quality" metric (achieved / best).
@@ -35,20 +39,15 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 
 from kvmesh_router.approx import DecisionPredictor
-from kvmesh_router.cost import COST_POLICIES, CostBatch, RouterConfigOverride, RouterPolicyConfig
+from kvmesh_router.candidates import DEFAULT_FILTERS, CandidateFilter
+from kvmesh_router.cost import CostBatch, RouterConfigOverride, RouterPolicyConfig
 from kvmesh_router.indexer import PrefixIndex
-from kvmesh_router.selection import (
-    MODES,
-    RoutingError,
-    SelectionContext,
-    Selector,
-    UnknownEngineError,
-    make_selector,
-)
+from kvmesh_router.policies import POLICIES
+from kvmesh_router.selection import RoutingError, SelectionContext, Selector, UnknownEngineError
 from kvmesh_router.slot_tracker import SlotTracker
 
 __all__ = [
@@ -73,12 +72,13 @@ class DuplicateRequestError(RoutingError):
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
-    """A routable engine: its id, KV capacity and block size."""
+    """A routable engine: its id, KV capacity, block size and worker role (``cost.ROLES``)."""
 
     engine_id: int
     total_blocks: int
     block_size: int
     max_num_batched_tokens: int | None = None
+    role: str = "aggregated"
 
     def __post_init__(self) -> None:
         if self.total_blocks <= 0 or self.block_size <= 0:
@@ -170,6 +170,7 @@ class Admission:
         thresholds: BusyThresholds | None = None,
         rng: random.Random | None = None,
         predictor: DecisionPredictor | None = None,
+        filters: Sequence[CandidateFilter] = DEFAULT_FILTERS,
     ) -> None:
         self.index = index
         self.slots = slots
@@ -181,15 +182,21 @@ class Admission:
         self._block_size: dict[int, int] = {}
         self._sorted: list[int] = []
         self._reported_used: dict[int, int] = {}
-        self._selectors: dict[str, Selector] = {mode: make_selector(mode) for mode in MODES}
+        self._by_role: dict[str, frozenset[int]] = {}
+        self.filters = tuple(filters)
+        self._selectors: dict[str, Selector] = {mode: POLICIES.make_selector(mode) for mode in POLICIES.modes}
 
     # ------------------------------------------------------------------ engines
 
     def add_engine(self, spec: EngineSpec) -> None:
         """Register (or update) a routable engine."""
-        if spec.engine_id not in self._specs:
+        old = self._specs.get(spec.engine_id)
+        if old is None:
             self._sorted.append(spec.engine_id)
             self._sorted.sort()
+        else:
+            self._set_role(spec.engine_id, old.role, None)
+        self._set_role(spec.engine_id, None, spec.role)
         self._specs[spec.engine_id] = spec
         self._block_size[spec.engine_id] = spec.block_size
         self.slots.add_engine(spec.engine_id, spec.block_size)
@@ -197,8 +204,10 @@ class Admission:
     def remove_engine(self, engine_id: int) -> list[str]:
         """Stop routing to an engine; drops its bookings (returned) and predictions. The event indexer is
         not touched (its owner removes the engine there)."""
-        if self._specs.pop(engine_id, None) is None:
+        spec = self._specs.pop(engine_id, None)
+        if spec is None:
             return []
+        self._set_role(engine_id, spec.role, None)
         del self._block_size[engine_id]
         self._sorted.remove(engine_id)
         self._reported_used.pop(engine_id, None)
@@ -209,8 +218,19 @@ class Admission:
     def engines(self) -> list[int]:
         return list(self._sorted)
 
-    def engine_spec(self, engine_id: int) -> EngineSpec | None:
-        return self._specs.get(engine_id)
+    def __len__(self) -> int:
+        """Registered engines (with :meth:`with_role`, the :class:`~kvmesh_router.candidates.FleetView`)."""
+        return len(self._specs)
+
+    def with_role(self, role: str) -> frozenset[int]:
+        """The registered engines of worker role ``role``."""
+        return self._by_role.get(role, frozenset())
+
+    def _set_role(self, engine_id: int, old: str | None, new: str | None) -> None:
+        if old is not None:
+            self._by_role[old] = self._by_role[old] - {engine_id}
+        if new is not None:
+            self._by_role[new] = self._by_role.get(new, frozenset()) | {engine_id}
 
     def report_kv_usage(self, engine_id: int, used_blocks: int | None) -> None:
         """An engine's own figure of used KV blocks (``kv_used_blocks``); None forgets it."""
@@ -218,9 +238,6 @@ class Admission:
             self._reported_used.pop(engine_id, None)
         else:
             self._reported_used[engine_id] = used_blocks
-
-    def set_thresholds(self, thresholds: BusyThresholds) -> None:
-        self.thresholds = thresholds
 
     def is_busy(self, engine_id: int) -> bool:
         """Whether an engine is over any busy threshold right now."""
@@ -269,33 +286,24 @@ class Admission:
         slots = self.slots
         if slots.has_request(rid):
             raise DuplicateRequestError(f"request {rid!r} is already booked")
-        try:
-            config = self.config.with_override(request.override)
-        except ValueError as e:
-            raise RoutingError(f"invalid policy override: {e}") from None
-        if config.cost_policy not in COST_POLICIES:
-            raise RoutingError(f"unknown cost policy {config.cost_policy!r}")
+        config = self.policy_for(request)
+        mode = config.mode
         slots.expire(now)
         if self.predictor is not None:
             self.predictor.expire(now)
 
         pinned = request.pinned_engine
-        allowed = request.allowed_engines
-        excluded = request.excluded_engines
+        eligible: Sequence[int]
         if pinned is not None:
-            mode = "direct"
             if pinned not in self._specs:
                 raise UnknownEngineError(pinned)
-            if (allowed is not None and pinned not in allowed) or pinned in excluded:
+            eligible = self._filter([pinned], request, config)
+            if not eligible:
                 raise UnknownEngineError(pinned, "is not allowed for this request")
-            eligible: Sequence[int] = [pinned]
         else:
-            mode = config.mode
             if mode == "direct":
                 raise RoutingError("routing mode 'direct' needs a pinned engine")
-            eligible = self._sorted
-            if allowed is not None or excluded:
-                eligible = [e for e in eligible if (allowed is None or e in allowed) and e not in excluded]
+            eligible = self._filter(self._sorted, request, config)
         if not eligible:
             return Rejection(rid, RejectReason.NO_ENGINES)
 
@@ -333,13 +341,48 @@ class Admission:
             )
 
         ctx = SelectionContext(available, config, self.rng, inputs, overlaps, pinned)
-        choice = self._selectors[mode].select(ctx)
+        selector = self._selectors.get(mode)
+        if selector is None:  # registered after this admission was built
+            selector = self._selectors[mode] = POLICIES.make_selector(mode)
+        choice = selector.select(ctx)
         engine = choice.engine_id
         overlap = overlaps.get(engine, 0)
         slots.add_request(rid, engine, seq_hashes, isl, overlap, request.expected_output_tokens, now=now)
         if self.predictor is not None:
             self.predictor.record(engine, seq_hashes, now)
         return Decision(rid, engine, overlap, best, mode, choice.cost)
+
+    def mode_of(self, request: RouteRequest) -> str:
+        """The routing mode ``request`` is decided in: ``direct`` when pinned, else its override's mode, else
+        the config's. The one place a decision's mode is determined (metrics label failures with it too)."""
+        if request.pinned_engine is not None:
+            return "direct"
+        override = request.override
+        if override is not None and override.mode is not None:
+            return override.mode
+        return self.config.mode
+
+    def policy_for(self, request: RouteRequest) -> RouterPolicyConfig:
+        """The policy ``request`` is decided with: the config plus its override, in :meth:`mode_of`'s mode.
+
+        Raises :class:`RoutingError` for an invalid override (unknown mode, role or cost policy, a
+        negative weight).
+        """
+        try:
+            config = self.config.with_override(request.override)
+            mode = self.mode_of(request)
+            if config.mode != mode:
+                config = replace(config, mode=mode)
+        except ValueError as e:
+            raise RoutingError(f"invalid policy override: {e}") from None
+        if not POLICIES.has_cost_policy(config.cost_policy):
+            raise RoutingError(f"unknown cost policy {config.cost_policy!r}")
+        return config
+
+    def _filter(self, engines: Sequence[int], request: RouteRequest, config: RouterPolicyConfig) -> Sequence[int]:
+        for keep in self.filters:
+            engines = keep(engines, request, config, self)
+        return engines
 
     # ------------------------------------------------------------------ lifecycle (pass-through)
 

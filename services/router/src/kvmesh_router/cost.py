@@ -13,9 +13,9 @@ approximate predictor): the prefill work it saves. ``decode_blocks`` is the memo
 Policy ``"affinity"`` (:class:`AffinityCost`, kvmesh's): backlog-discounted prefix affinity, see its docstring.
 
 Policies are pluggable: anything with ``name`` and ``cost(inputs, fleet, config) -> float`` satisfies
-:class:`CostPolicy`; :func:`register_cost_policy` makes it selectable by name through
-``RouterPolicyConfig.cost_policy`` (globally or per request), so a new policy runs side by side with
-Dynamo's. :class:`FleetContext` gives a policy fleet-relative facts (e.g. the least prefill backlog among
+:class:`CostPolicy`; ``POLICIES.register_cost_policy`` (:mod:`kvmesh_router.policies`) makes it selectable
+by name through ``RouterPolicyConfig.cost_policy`` (globally or per request), so a new policy runs side by
+side with Dynamo's. :class:`FleetContext` gives a policy fleet-relative facts (e.g. the least prefill backlog among
 the candidates) for load-aware variants; ``RouterPolicyConfig.params`` carries their extra knobs.
 
 Selection hands a policy the candidates as a :class:`CostBatch` (one column per input). A policy may
@@ -31,9 +31,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from kvmesh_router.policies import POLICIES
+
 __all__ = [
-    "COST_POLICIES",
     "MODES",
+    "ROLES",
     "AffinityCost",
     "CostBatch",
     "CostInputs",
@@ -44,19 +46,21 @@ __all__ = [
     "RouterPolicyConfig",
     "dynamo_cost",
     "fleet_context",
-    "get_cost_policy",
     "policy_costs",
-    "register_cost_policy",
 ]
 
 MODES = ("kv", "round_robin", "random", "power_of_two", "direct")
+#: Worker roles a query may ask for (``discovery.proto`` ``WorkerRole``; unspecified counts as aggregated).
+ROLES = ("aggregated", "prefill", "decode")
 
 
 @dataclass(frozen=True, slots=True)
 class RouterPolicyConfig:
     """Global routing policy; a request may override parts of it with :class:`RouterConfigOverride`.
 
-    - ``mode``: ``kv`` (cost-based, default), ``round_robin``, ``random``, ``power_of_two``, ``direct``.
+    - ``mode``: ``kv`` (cost-based, default), ``round_robin``, ``random``, ``power_of_two``, ``direct``, or
+      any selector registered in :data:`~kvmesh_router.policies.POLICIES`.
+    - ``role``: the worker role candidates must have (:data:`ROLES`); the role filter of admission applies it.
     - ``cost_policy``: name of a registered :class:`CostPolicy` (``"dynamo"``).
     - ``overlap_score_weight``: weight of the prefill term (Dynamo ``--router-kv-overlap-score-weight``).
     - ``temperature``: 0 = argmin with a random tie-break; > 0 = softmax sampling over range-normalised
@@ -69,10 +73,13 @@ class RouterPolicyConfig:
     overlap_score_weight: float = 1.0
     temperature: float = 0.0
     params: Mapping[str, float] = field(default_factory=dict, hash=False, compare=True)
+    role: str = "aggregated"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"unknown routing mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        if self.mode not in MODES and self.mode not in POLICIES.modes:
+            raise ValueError(f"unknown routing mode {self.mode!r}; expected one of {', '.join(POLICIES.modes)}")
+        if self.role not in ROLES:
+            raise ValueError(f"unknown worker role {self.role!r}; expected one of {', '.join(ROLES)}")
         if not (self.overlap_score_weight >= 0 and math.isfinite(self.overlap_score_weight)):
             raise ValueError(f"overlap_score_weight must be finite and >= 0, got {self.overlap_score_weight}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -83,6 +90,10 @@ class RouterPolicyConfig:
         if override is None:
             return self
         changes: dict[str, Any] = {}
+        if override.mode is not None:
+            changes["mode"] = override.mode
+        if override.role is not None:
+            changes["role"] = override.role
         if override.cost_policy is not None:
             changes["cost_policy"] = override.cost_policy
         if override.overlap_score_weight is not None:
@@ -96,8 +107,15 @@ class RouterPolicyConfig:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfigOverride:
-    """Per-request policy override (Dynamo ``RouterConfigOverride`` / ``nvext``); None = keep the global."""
+    """Per-query override of the policy (Dynamo ``RouterConfigOverride`` / ``nvext``); None = keep the global.
 
+    Mode and role are overrides like any other knob: a query asking for ``round_robin``, or (with
+    disaggregation) for a ``prefill`` engine, is decided with the replica's config plus this override, in
+    the same call; nothing global is swapped.
+    """
+
+    mode: str | None = None
+    role: str | None = None
     cost_policy: str | None = None
     overlap_score_weight: float | None = None
     temperature: float | None = None
@@ -342,18 +360,5 @@ def _affinity(
     return weight * (new + backlog_weight * (prefill / bs)) + decode_weight * decode_blocks
 
 
-COST_POLICIES: dict[str, CostPolicy] = {"dynamo": DynamoCost(), "affinity": AffinityCost()}
-
-
-def register_cost_policy(policy: CostPolicy, *, replace: bool = False) -> None:
-    """Make ``policy`` selectable as ``RouterPolicyConfig(cost_policy=policy.name)``."""
-    if policy.name in COST_POLICIES and not replace:
-        raise ValueError(f"cost policy {policy.name!r} is already registered")
-    COST_POLICIES[policy.name] = policy
-
-
-def get_cost_policy(name: str) -> CostPolicy:
-    try:
-        return COST_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown cost policy {name!r}; registered: {', '.join(sorted(COST_POLICIES))}") from None
+POLICIES.register_cost_policy(DynamoCost())
+POLICIES.register_cost_policy(AffinityCost())

@@ -9,9 +9,10 @@ An engine is routable while both of its discovery records exist (both live under
 Two ``list_and_watch`` streams feed one join; a Snapshot (the first one, and any after a resync) is
 diffed against what the fleet had. The fleet reports changes through two synchronous callbacks,
 ``on_added(EngineInfo)`` and ``on_removed(engine_id)``, which the daemon wires to the router state
-(index, slot tracker, admission) and the ingest (subscribe with a full restore / stop). Only
-aggregated engines (or engines that do not say) are routable for frontends: prefill/decode engines
-of a disaggregated pool need a role in ``RouteQuery`` first.
+(index, slot tracker, admission) and the ingest (subscribe with a full restore / stop). Engines of
+every known worker role join (their caches are indexed); which role a query may use is the router's
+role filter (:mod:`kvmesh_router.candidates`): aggregated unless ``RouterConfigOverride.role`` says
+otherwise. An engine whose role this build does not know is left out.
 """
 
 from __future__ import annotations
@@ -33,14 +34,12 @@ from kvmesh.discovery import (
 )
 from kvmesh.v1 import discovery_pb2
 
-from kvmesh_router.state import EngineInfo
+from kvmesh_router.engines import EngineInfo
+from kvmesh_router.translate import role_name
 
 __all__ = ["Fleet", "engine_info"]
 
 log = logging.getLogger(__name__)
-
-_ROUTABLE_ROLES = (discovery_pb2.WORKER_ROLE_UNSPECIFIED, discovery_pb2.WORKER_ROLE_AGGREGATED)
-
 
 def engine_info(record: discovery_pb2.InstanceRecord, card: discovery_pb2.ModelCard) -> EngineInfo:
     return EngineInfo(
@@ -51,6 +50,7 @@ def engine_info(record: discovery_pb2.InstanceRecord, card: discovery_pb2.ModelC
         total_blocks=card.total_kv_blocks or 1,
         max_num_batched_tokens=card.max_num_batched_tokens or None,
         kv_events=card.capabilities.kv_events,
+        role=role_name(record.role) or "aggregated",
     )
 
 
@@ -140,7 +140,7 @@ class Fleet:
     def _reconcile(self, engine_id: int) -> None:
         record = self._records.get(engine_id)
         card = self._cards.get(engine_id)
-        live = record is not None and card is not None and record.role in _ROUTABLE_ROLES
+        live = record is not None and card is not None and role_name(record.role) is not None
         old = self.engines.get(engine_id)
         if not live:
             if old is not None:

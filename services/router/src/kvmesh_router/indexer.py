@@ -1,5 +1,8 @@
 """The prefix index: which engines hold which cached KV blocks, fed by the engines' KV events.
 
+(About 600 lines on purpose: the bitmask store, its eviction and the match walk share one private data
+layout tuned together for the hot path; split, each piece would expose that layout.)
+
 Design (a flat sequence-hash index, not a node-object radix tree)
 -----------------------------------------------------------------
 A block's identity is its *sequence* hash, which chains every preceding block, so one sequence hash names

@@ -14,9 +14,11 @@ import logging
 from collections.abc import Callable, Mapping
 
 import grpc
+from kvmesh.backoff import Backoff
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
-from kvmesh_router.state import EngineInfo, RouterState
+from kvmesh_router.engines import EngineInfo
+from kvmesh_router.state import RouterState
 
 __all__ = ["LoadWatch"]
 
@@ -50,21 +52,21 @@ class LoadWatch:
     async def _watch(self, address: str, engine_ids: frozenset[int]) -> None:
         stub = worker_pb2_grpc.WorkerServiceStub(self.channel_for(address))
         report = self.state.admission.report_kv_usage
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         while True:
             call = stub.WatchLoad(worker_pb2.WatchLoadRequest(engine_ids=sorted(engine_ids)))
             try:
                 async for message in call:
-                    backoff = 0.1
+                    if backoff.attempts:
+                        backoff.reset()
                     for load in message.loads:
                         if load.engine_id in self.state.engines:
                             report(load.engine_id, load.active_blocks)
             except grpc.aio.AioRpcError as exc:
-                log.info("load watch of %s broke (%s); retrying in %.1f s", address, exc.code().name, backoff)
+                log.info("load watch of %s broke (%s); retrying", address, exc.code().name)
             finally:
                 call.cancel()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            await backoff.sleep()
 
     async def close(self) -> None:
         tasks = [task for _, task in self._watches.values()]

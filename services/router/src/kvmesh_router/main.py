@@ -35,6 +35,7 @@ from kvmesh.config import Config, Flag, fail, non_negative_float, non_negative_i
 from kvmesh.runtime import DaemonRuntime
 from kvmesh.v1 import router_pb2
 
+from kvmesh_router.engines import EngineInfo
 from kvmesh_router.fleet import Fleet
 from kvmesh_router.indexer import DEFAULT_MAX_ENTRIES
 from kvmesh_router.ingest import Ingest
@@ -42,7 +43,8 @@ from kvmesh_router.load_watch import LoadWatch
 from kvmesh_router.metrics import RouterMetrics
 from kvmesh_router.replica_sync import DEFAULT_QUEUE_SIZE, ReplicaHub
 from kvmesh_router.service import RouterServicer, add_to_server
-from kvmesh_router.state import DEFAULT_COST_POLICY, EngineInfo, RouterSettings, RouterState
+from kvmesh_router.settings import DEFAULT_COST_POLICY, RouterSettings
+from kvmesh_router.state import RouterState
 
 log = logging.getLogger("kvmesh_router")
 
@@ -286,7 +288,7 @@ async def serve(cfg: Config) -> int:
         index_size,
         len(engines) - len(late_engines),
         t_index - t_fleet,
-        len(state.slots) - len(state.local_keys),
+        len(state.slots) - len(state.bookings.local_keys),
         peers,
         t_peers - t_index,
         runtime.instance_id,

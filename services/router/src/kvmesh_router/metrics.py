@@ -8,6 +8,9 @@ Two kinds, chosen by how hot the code path that feeds them is:
   replica hub, read at scrape time by :class:`_CoreCollector`. The event path pays one integer add per
   batch, nothing per event.
 
+:class:`TimedIndex` times the prefix lookups of decisions; :func:`index_stats` is the index's scrape-time
+source.
+
 Rates (events/s, decisions/s) are ``rate()`` of the counters. Each :class:`RouterMetrics` owns its
 registry unless given one, so tests and benchmarks can build several routers in one process; the
 daemon passes prometheus-client's default registry (what ``--metrics-port`` serves).
@@ -15,14 +18,18 @@ daemon passes prometheus-client's default registry (what ``--metrics-port`` serv
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["RouterMetrics"]
+from kvmesh_router.approx import ApproxIndexer
+from kvmesh_router.indexer import KvIndexer
+
+__all__ = ["RouterMetrics", "TimedIndex", "index_stats"]
 
 _LATENCY_BUCKETS = (
     10e-6,
@@ -187,3 +194,35 @@ class RouterMetrics:
             self.overlap.observe(overlap)
             if best:
                 self.quality.observe(overlap / best)
+
+
+class TimedIndex:
+    """Wraps a prefix index to time ``find_matches``; everything else passes through."""
+
+    __slots__ = ("_index", "_observe")
+
+    def __init__(self, index: KvIndexer | ApproxIndexer, observe: Callable[[float], None]) -> None:
+        self._index = index
+        self._observe = observe
+
+    def find_matches(self, seq_hashes: Sequence[int]) -> dict[int, int]:
+        t0 = time.perf_counter()
+        out = self._index.find_matches(seq_hashes)
+        self._observe(time.perf_counter() - t0)
+        return out
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._index, name)
+
+
+def index_stats(index: KvIndexer) -> dict[str, int]:
+    """The event index's size and health counters (the ``index`` scrape-time source)."""
+    c = index.counters
+    return {
+        "entries": index.size,
+        "blocks": index.num_blocks,
+        "max_entries": index.max_entries or 0,
+        "evicted_entries": c.evicted_entries,
+        "stores_dropped": c.stores_dropped,
+        "unknown_removals": c.unknown_removals,
+    }

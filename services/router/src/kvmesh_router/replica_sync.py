@@ -1,5 +1,8 @@
 """Replica sync: router replicas exchange their active-load bookings over ``RouterService.ReplicaSync``.
 
+(Over 400 lines because link protocol, pair topology and the warm-up wait all act on one link table;
+what the links carry lives in :mod:`kvmesh_router.replication`.)
+
 Replicas are active-active: any frontend may use any replica, and each replica books the requests it
 routes in its own slot tracker (it stays authoritative for them). To predict load from the whole
 fleet's traffic, every replica also applies its peers' bookings, which arrive over one bidirectional
@@ -37,11 +40,14 @@ from functools import partial
 from typing import Any
 
 import grpc
+from kvmesh.backoff import Backoff
 from kvmesh.discovery import Discovery, Snapshot, apply_watch_event, instance_prefix, parse_instance_key
 from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc
 
+from kvmesh_router.replication import BookingListener
 from kvmesh_router.slot_tracker import Booking
-from kvmesh_router.state import BookingListener, RouterState, booking_to_proto
+from kvmesh_router.state import RouterState
+from kvmesh_router.translate import booking_to_proto
 
 __all__ = ["Link", "ReplicaHub"]
 
@@ -112,7 +118,7 @@ class Link:
     async def run(self) -> None:
         hub = self.hub
         hub.links.add(self)  # subscribe and snapshot in one synchronous step
-        snapshot = hub.state.local_snapshot()
+        snapshot = hub.state.bookings.local_snapshot()
         tasks: list[asyncio.Task[Any]] = []
         try:
             await self._send(self._message(snapshot=snapshot))
@@ -176,7 +182,7 @@ class Link:
         message = first
         while True:
             if message.events:
-                lag = hub.state.apply_peer_events(peer, message.events)
+                lag = hub.state.bookings.apply_peer_events(peer, message.events)
                 hub.received += len(message.events)
                 if lag:
                     hub.state.metrics.sync_lag.observe(lag)
@@ -215,7 +221,7 @@ class ReplicaHub(BookingListener):
         self.sent = 0
         self.received = 0
         self.overflows = 0
-        state.add_listener(self)
+        state.bookings.add_listener(self)
 
     # ------------------------------------------------------------------ local changes -> every link
 
@@ -256,7 +262,7 @@ class ReplicaHub(BookingListener):
         self.current[peer] = link
         link.attached = link.ever_attached = True
         self.unreachable.discard(peer)
-        self.state.apply_peer_snapshot(peer, snapshot)
+        self.state.bookings.apply_peer_snapshot(peer, snapshot)
         log.info(
             "replica sync: linked with %x (%s, %d bookings in its snapshot)",
             peer,
@@ -271,7 +277,7 @@ class ReplicaHub(BookingListener):
         peer = link.peer_id
         if peer is not None and self.current.get(peer) is link:
             del self.current[peer]
-            dropped = self.state.drop_peer(peer)
+            dropped = self.state.bookings.drop_peer(peer)
             log.info("replica sync: link with %x closed; dropped its %d bookings", peer, dropped)
         link.attached = False
         self._notify()
@@ -369,7 +375,7 @@ class ReplicaHub(BookingListener):
         self._notify()
 
     async def _supervise(self, peer: int, initial: bool) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)
         while peer in self.peers and not self._closing:
             cur = self.current.get(peer)
             if cur is not None and not cur.closed.is_set():
@@ -382,12 +388,11 @@ class ReplicaHub(BookingListener):
                 continue
             link = await self._dial(peer, self.peers[peer])
             if link.ever_attached:  # it worked for a while: retry quickly
-                backoff = 0.05
+                backoff.reset()
             elif peer not in self.unreachable:
                 self.unreachable.add(peer)  # e.g. a kill -9'd replica whose record has not expired yet
                 self._notify()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+            await backoff.sleep()
 
     async def wait_initial_synced(self, timeout: float) -> list[int]:
         """Wait until every peer of the first discovery snapshot sent its bookings, went away, or could not

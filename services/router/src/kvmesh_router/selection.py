@@ -14,8 +14,10 @@ Modes (``RouterPolicyConfig.mode``):
 - ``direct``: the request pins its engine; an engine that is not a candidate raises
   :class:`UnknownEngineError`.
 
-All randomness comes from the ``random.Random`` in the :class:`SelectionContext` (seed it for
-deterministic tests and simulations). The only state a selector keeps is round robin's cursor.
+Selectors are registered by mode name in :data:`~kvmesh_router.policies.POLICIES` (one registry for
+selectors and cost policies). All randomness comes from the ``random.Random`` in the
+:class:`SelectionContext` (seed it for deterministic tests and simulations). The only state a selector
+keeps is round robin's cursor.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from kvmesh_router.cost import (
     CostInputs,
     RouterPolicyConfig,
     fleet_context,
-    get_cost_policy,
     policy_costs,
 )
+from kvmesh_router.policies import POLICIES
 
 __all__ = [
     "MODES",
@@ -49,7 +51,6 @@ __all__ = [
     "Selector",
     "UnknownEngineError",
     "argmin_index",
-    "make_selector",
     "pick_index",
     "softmax_index",
     "softmax_probabilities",
@@ -184,7 +185,7 @@ class KvSelector:
         if not len(batch):
             raise ValueError("no candidates")
         config = ctx.config
-        costs = policy_costs(get_cost_policy(config.cost_policy), batch, fleet_context(batch), config)
+        costs = policy_costs(POLICIES.cost_policy(config.cost_policy), batch, fleet_context(batch), config)
         i = pick_index(costs, config.temperature, ctx.rng)
         return Choice(batch.engine_ids[i], costs[i])
 
@@ -240,19 +241,5 @@ class DirectSelector:
         return Choice(engine)
 
 
-_SELECTORS: dict[str, type[Selector]] = {
-    "kv": KvSelector,
-    "round_robin": RoundRobinSelector,
-    "random": RandomSelector,
-    "power_of_two": PowerOfTwoSelector,
-    "direct": DirectSelector,
-}
-assert set(_SELECTORS) == set(MODES)
-
-
-def make_selector(mode: str) -> Selector:
-    """A fresh selector for ``mode`` (one per admission: round robin keeps a cursor)."""
-    try:
-        return _SELECTORS[mode]()
-    except KeyError:
-        raise ValueError(f"unknown routing mode {mode!r}; expected one of {', '.join(MODES)}") from None
+for _selector in (KvSelector, RoundRobinSelector, RandomSelector, PowerOfTwoSelector, DirectSelector):
+    POLICIES.register_selector(_selector.name, _selector)

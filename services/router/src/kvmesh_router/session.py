@@ -14,10 +14,9 @@ died), every booking the session still holds is freed: a dead frontend leaks not
 Each decision is computed synchronously inside the stream's handler (select + book never yields), so
 decisions of all sessions are serialized on the event loop: no two see the same pre-booking load.
 
-Batching (negotiated: the handler advertises ``kvmesh-session-batching: 1`` in its initial metadata):
-a ``SessionRequestBatch`` is a run of queries and updates applied in order, each exactly as if it had
-come alone; its decisions go back together in one ``RouteDecisionBatch`` (none if it held no query).
-Frontends that do not batch (older ones) get single decisions as before.
+Batching: a ``SessionRequestBatch`` is a run of queries and updates applied in order, each exactly as if
+it had come alone; its decisions go back together in one ``RouteDecisionBatch`` (none if it held no
+query). A lone query or update is served the same way, one decision for one query.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from typing import Any
 import grpc
 from kvmesh.v1 import router_pb2
 
-from kvmesh_router.state import INVALID, ROUTED, RouterState
+from kvmesh_router.state import RouterState
+from kvmesh_router.translate import INVALID, ROUTED
 
 __all__ = ["SessionHandler"]
 
@@ -38,8 +38,6 @@ log = logging.getLogger(__name__)
 
 _FIRST_TOKEN = router_pb2.LIFECYCLE_STAGE_FIRST_TOKEN
 _FINISHED = router_pb2.LIFECYCLE_STAGE_FINISHED
-# The initial metadata that tells a frontend this replica understands the batch messages.
-BATCHING_METADATA = (("kvmesh-session-batching", str(router_pb2.SESSION_BATCHING_V1)),)
 
 
 class SessionHandler:
@@ -57,7 +55,6 @@ class SessionHandler:
     ) -> AsyncIterator[router_pb2.SessionResponse]:
         if not self.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "router replica is warming up; retry shortly")
-        await context.send_initial_metadata(BATCHING_METADATA)
         state = self.state
         prefix = f"s{next(self._ids)}/"
         active: dict[str, str] = {}  # request id -> booking key

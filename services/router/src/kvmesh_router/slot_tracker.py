@@ -249,10 +249,6 @@ class SlotTracker:
         eng = self._engines.get(engine_id)
         return 0 if eng is None else len(eng.bookings)
 
-    def block_size_of(self, engine_id: int) -> int:
-        eng = self._engines.get(engine_id)
-        return self.block_size if eng is None else eng.block_size
-
     def potential_load(
         self, engine_id: int, seq_hashes: Sequence[int], isl_tokens: int, overlap_blocks: int
     ) -> PotentialLoad:

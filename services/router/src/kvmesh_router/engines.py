@@ -1,0 +1,68 @@
+"""The engine registry: every routable engine as discovery describes it, and the engines of each model.
+
+:mod:`kvmesh_router.fleet` turns discovery records into :class:`EngineInfo`; :class:`RouterState` keeps
+this registry, admission and the index in step (it is the only caller of :meth:`EngineRegistry.put` /
+:meth:`EngineRegistry.remove`).
+
+Invariants: an engine serves exactly one model; :meth:`EngineRegistry.for_model` returns frozensets that
+are replaced, never mutated (a decision in flight holds its model's set as ``allowed_engines``); a model
+with no engine has no entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["EngineInfo", "EngineRegistry"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """A routable engine as discovery describes it (instance record + model card)."""
+
+    engine_id: int
+    model: str
+    address: str
+    block_size: int
+    total_blocks: int
+    max_num_batched_tokens: int | None = None
+    kv_events: bool = True
+    role: str = "aggregated"  # cost.ROLES; discovery's WORKER_ROLE_UNSPECIFIED counts as aggregated
+
+
+class EngineRegistry(dict[int, EngineInfo]):
+    """``{engine id: EngineInfo}`` plus the engines of each model."""
+
+    __slots__ = ("_by_model",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_model: dict[str, frozenset[int]] = {}
+
+    def put(self, info: EngineInfo) -> EngineInfo | None:
+        """Register or update ``info``; returns what was registered under its id before."""
+        old = self.get(info.engine_id)
+        self[info.engine_id] = info
+        if old is None or old.model != info.model:
+            self._set_model(info.engine_id, old.model if old is not None else None, info.model)
+        return old
+
+    def remove(self, engine_id: int) -> EngineInfo | None:
+        info = super().pop(engine_id, None)
+        if info is not None:
+            self._set_model(engine_id, info.model, None)
+        return info
+
+    def for_model(self, model: str) -> frozenset[int] | None:
+        """The engines serving ``model`` (None if none does)."""
+        return self._by_model.get(model)
+
+    def _set_model(self, engine_id: int, old: str | None, new: str | None) -> None:
+        if old is not None:
+            rest = self._by_model.get(old, frozenset()) - {engine_id}
+            if rest:
+                self._by_model[old] = rest
+            else:
+                self._by_model.pop(old, None)
+        if new is not None:
+            self._by_model[new] = self._by_model.get(new, frozenset()) | {engine_id}
