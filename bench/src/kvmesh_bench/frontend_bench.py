@@ -52,7 +52,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -62,6 +62,8 @@ from inference import grpc_service_pb2_grpc as kserve_grpc
 from kvmesh.discovery import model_prefix, open_discovery
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from tokenizers import Tokenizer
+
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc.aio exports EOF at runtime; types-grpcio omits it
 
 NAMESPACE = "bench-frontend"
 WORDS = [
@@ -181,7 +183,7 @@ class Deployment:
                 proc.wait()
 
 
-async def _wait_ready(stub: kserve_grpc.GRPCInferenceServiceStub, deployment: Deployment, model: str) -> None:
+async def _wait_ready(stub: kserve_grpc.GRPCInferenceServiceAsyncStub, deployment: Deployment, model: str) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         deployment.check()
@@ -240,7 +242,7 @@ class WorkerStream:
     (a finish reason, or an in-band error, raised as RuntimeError).
     """
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub) -> None:
+    def __init__(self, stub: worker_pb2_grpc.WorkerServiceAsyncStub) -> None:
         self._stub = stub
         self._call: Any = None
         self._reader: asyncio.Task[None] | None = None  # held: the loop keeps only weak task references
@@ -297,7 +299,9 @@ class _Relay(kserve_grpc.GRPCInferenceServiceServicer):
 
 async def _serve_relay(port: int, targets: list[tuple[int, str]]) -> None:
     server = grpc.aio.server()
-    kserve_grpc.add_GRPCInferenceServiceServicer_to_server(_Relay(targets), server)
+    # _Relay serves ModelStreamInfer only: the generated base class answers the other RPCs UNIMPLEMENTED at
+    # runtime, while its .pyi declares every method abstract.
+    kserve_grpc.add_GRPCInferenceServiceServicer_to_server(_Relay(targets), server)  # type: ignore[abstract]
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -306,7 +310,7 @@ async def _serve_relay(port: int, targets: list[tuple[int, str]]) -> None:
 class FrontendClient:
     """One ModelStreamInfer stream; one request at a time on it (like one perf_analyzer context)."""
 
-    def __init__(self, stub: kserve_grpc.GRPCInferenceServiceStub) -> None:
+    def __init__(self, stub: kserve_grpc.GRPCInferenceServiceAsyncStub) -> None:
         self.call = stub.ModelStreamInfer()
         self.responses = 0
 
@@ -315,9 +319,11 @@ class FrontendClient:
         first = 0.0
         await self.call.write(request)
         while True:
-            message = await self.call.read()
-            if message is grpc.aio.EOF:
+            read = await self.call.read()
+            if read is _EOF:
                 raise RuntimeError("the frontend closed the stream")
+            # types-grpcio types read() as object | response (its EOF type is object), so `is` cannot narrow it
+            message = cast(kserve.ModelStreamInferResponse, read)
             if message.error_message:
                 raise RuntimeError(message.error_message)
             self.responses += 1
@@ -330,7 +336,7 @@ class FrontendClient:
     async def close(self) -> None:
         await self.call.done_writing()
         with contextlib.suppress(grpc.aio.AioRpcError):
-            while await self.call.read() is not grpc.aio.EOF:
+            while await self.call.read() is not _EOF:
                 pass
 
 

@@ -259,6 +259,8 @@ def bytes_per_entry(ops: list[Op]) -> tuple[float, int]:
     base = tracemalloc.get_traced_memory()[0]
     index = KvIndexer(max_entries=None)
     for engine, payload in events:
+        # Op pairs an engine with an event and None with a query, so payload is EventData here; mypy cannot
+        # narrow the tuple union through the unpacked engine.
         index.apply(engine, payload)  # type: ignore[arg-type]
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()

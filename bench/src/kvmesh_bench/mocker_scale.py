@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.metadata
 import json
 import math
 import os
@@ -391,7 +392,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload: dict[str, Any] = {
             "benchmark": "mocker-scale",
             "params": {k: v for k, v in vars(args).items() if k not in {"json", "engine_counts"} and not callable(v)},
-            "host": {"python": sys.version.split()[0], "machine": platform.machine(), "uvloop": uvloop.__version__},
+            "host": {
+                "python": sys.version.split()[0],
+                "machine": platform.machine(),
+                "uvloop": importlib.metadata.version("uvloop"),
+            },
             "goal": {"engines": GOAL_ENGINES, "drift_p99_pct": 100 * GOAL_DRIFT_P99},
             "results": [asdict(r) for r in results],
         }

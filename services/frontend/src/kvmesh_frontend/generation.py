@@ -116,7 +116,7 @@ class Generator:
                 excluded_engine_ids=excluded,
             )
             if req.router_mode:
-                query.overrides.mode = req.router_mode
+                query.overrides.mode = router_pb2.RouterMode.ValueType(req.router_mode)
             if req.router_policy:
                 query.overrides.policy = req.router_policy
             if req.pinned_engine_id is not None:

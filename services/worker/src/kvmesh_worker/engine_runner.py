@@ -139,6 +139,7 @@ class DeadlineTimer:
         value = self._spec.it_value
         value.tv_sec = int(deadline)
         value.tv_nsec = int((deadline - value.tv_sec) * 1e9)
+        # _arm runs only on a timer whose __init__ opened the timerfd, so _TIMERFD is not None here.
         if _TIMERFD[1](self._fd, _TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) != 0:  # type: ignore[index]
             raise OSError(ctypes.get_errno(), "timerfd_settime failed")
 

@@ -84,7 +84,7 @@ class GenerateStreamSession:
         engines: Mapping[int, Engine],
         refusal: Callable[[], str | None],
         on_aborted: Callable[[Engine], None],
-        context: grpc.aio.ServicerContext,
+        context: grpc.aio.ServicerContext[worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse],
     ) -> None:
         self._engines = engines
         self._refusal = refusal

@@ -11,6 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -33,9 +34,10 @@ class ModelFiles:
     digest: str
 
 
-def _json(path: Path) -> dict:
+def _json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        data: dict[str, Any] = json.loads(path.read_text())  # HF config files are JSON objects
+        return data
     except OSError as exc:
         raise ModelFilesError(f"{path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:

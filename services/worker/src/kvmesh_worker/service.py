@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 import grpc
 from kvmesh import kv_events_pb
@@ -85,7 +86,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         for watcher in self._watchers:
             watcher.on_pass(engine_id, metrics, wall_s)
 
-    async def _engine(self, engine_id: int, context: grpc.aio.ServicerContext) -> Engine:
+    async def _engine(self, engine_id: int, context: grpc.aio.ServicerContext[Any, Any]) -> Engine:
         engine = self.engines.get(engine_id)
         if engine is None:
             await context.abort(
@@ -93,11 +94,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 f"engine {engine_id:x} is not hosted by this worker (it hosts "
                 f"{', '.join(f'{e:x}' for e in self.engines)})",
             )
-        return engine  # type: ignore[return-value]  # context.abort() raises; grpc's stubs do not say so
+        return engine
 
     # -- generation -----------------------------------------------------------------------------
-    async def GenerateStream(
-        self, request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext
+    # grpc.aio also serves a stream-stream RPC from a coroutine that writes through context.write (the
+    # session's writer task); the generated servicer stub only models generator methods.
+    async def GenerateStream(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext[worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse],
     ) -> None:
         session = GenerateStreamSession(self.engines, self._refusal, self._aborted, context)
         self._sessions.add(session)
@@ -121,7 +126,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     # -- KV journal -----------------------------------------------------------------------------
     async def SubscribeKvEvents(
-        self, request: worker_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+        self,
+        request: worker_pb2.SubscribeKvEventsRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.SubscribeKvEventsRequest, worker_pb2.SubscribeKvEventsResponse],
     ) -> AsyncIterator[worker_pb2.SubscribeKvEventsResponse]:
         engine = await self._engine(request.engine_id, context)
         start = request.start_event_id if request.HasField("start_event_id") else None
@@ -148,7 +155,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             engine.unsubscribe(subscription)
 
     async def DumpKvIndex(
-        self, request: worker_pb2.DumpKvIndexRequest, context: grpc.aio.ServicerContext
+        self,
+        request: worker_pb2.DumpKvIndexRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.DumpKvIndexRequest, worker_pb2.DumpKvIndexResponse],
     ) -> worker_pb2.DumpKvIndexResponse:
         engine = await self._engine(request.engine_id, context)
         dump = engine.dump_cache()
@@ -168,7 +177,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         )
 
     async def WatchLoad(
-        self, request: worker_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+        self,
+        request: worker_pb2.WatchLoadRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.WatchLoadRequest, worker_pb2.WatchLoadResponse],
     ) -> AsyncIterator[worker_pb2.WatchLoadResponse]:
         wanted = set(request.engine_ids) or None
         unknown = (wanted or set()) - set(self.engines)
@@ -192,13 +203,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     # -- model ----------------------------------------------------------------------------------
     async def GetModelCard(
-        self, request: worker_pb2.GetModelCardRequest, context: grpc.aio.ServicerContext
+        self,
+        request: worker_pb2.GetModelCardRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.GetModelCardRequest, worker_pb2.GetModelCardResponse],
     ) -> worker_pb2.GetModelCardResponse:
         await self._engine(request.engine_id, context)
         return worker_pb2.GetModelCardResponse(card=self.cards[request.engine_id])
 
     async def GetModelFile(
-        self, request: worker_pb2.GetModelFileRequest, context: grpc.aio.ServicerContext
+        self,
+        request: worker_pb2.GetModelFileRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.GetModelFileRequest, worker_pb2.GetModelFileResponse],
     ) -> AsyncIterator[worker_pb2.GetModelFileResponse]:
         await self._engine(request.engine_id, context)
         data = self.model.files.get(request.name)
@@ -212,7 +227,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             yield worker_pb2.GetModelFileResponse(data=data[offset : offset + FILE_CHUNK_BYTES])
 
     async def ReleaseKv(
-        self, request: worker_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
+        self,
+        request: worker_pb2.ReleaseKvRequest,
+        context: grpc.aio.ServicerContext[worker_pb2.ReleaseKvRequest, worker_pb2.ReleaseKvResponse],
     ) -> worker_pb2.ReleaseKvResponse:
         engine = await self._engine(request.engine_id, context)
         try:

@@ -30,6 +30,8 @@ from kvmesh.kv_events import AllCleared, BlocksRemoved, BlocksStored, EventData,
 
 from .evictor import LRUEvictor
 
+_NO_CHILDREN: tuple[int, ...] = ()  # typed so that ``children.get(h, _NO_CHILDREN)[0]`` is an int
+
 
 class NoFreeBlocks(RuntimeError):
     """A move needed a slot that does not exist (the caller skipped its capacity check: a bug)."""
@@ -236,11 +238,11 @@ class BlockManager:
         while stack:
             parent, h = stack.pop()
             chain = [h]
-            while len(kids := children.get(h, ())) == 1:
+            while len(kids := children.get(h, _NO_CHILDREN)) == 1:
                 h = kids[0]
                 chain.append(h)
             out.append(BlocksStored(parent, tuple(StoredBlock(b, meta[b][1]) for b in chain)))
-            stack.extend((h, kid) for kid in reversed(children.get(h, ())))
+            stack.extend((h, kid) for kid in reversed(children.get(h, _NO_CHILDREN)))
         return out
 
     # ----------------------------------------------------------------------------------------- helpers
