@@ -150,9 +150,9 @@ class Bookings:
                 lag = max(lag, ab.age_ms / 1000.0)
             elif kind == "prefill_completed_request_id":
                 rid = ev.prefill_completed_request_id
-                ab = mine.get(rid)
-                if ab is not None:
-                    ab.prefill_completed = True
+                booked = mine.get(rid)
+                if booked is not None:
+                    booked.prefill_completed = True
                     self.slots.mark_prefill_completed(prefix + rid)
             elif kind == "freed_request_id":
                 rid = ev.freed_request_id
