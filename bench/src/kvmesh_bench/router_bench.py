@@ -50,7 +50,8 @@ from kvmesh.kv_events import EventData, KvEvent
 from kvmesh.v1 import kv_events_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh_router.ingest import EngineCursor, IngestStats
 from kvmesh_router.metrics import RouterMetrics
-from kvmesh_router.state import EngineInfo, RouterSettings, RouterState
+from kvmesh_router.settings import RouterSettings
+from kvmesh_router.state import EngineInfo, RouterState
 
 from kvmesh_bench import indexer_microbench as mb
 from kvmesh_bench.tables import format_table

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvmesh.config import default_discovery_url
+from kvmesh.settings import default_discovery_url
 
 from kvmesh_cli.kserve_demo import demo_request, server_ready
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh_router.cost import COST_POLICIES, MODES
-from kvmesh_router.state import DEFAULT_COST_POLICY
+from kvmesh_router.settings import DEFAULT_COST_POLICY
 
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, format_table, plot_run, run_json, summarize, write_json

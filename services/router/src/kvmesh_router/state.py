@@ -35,10 +35,11 @@ from kvmesh_router.admission import (
     RouteRequest,
 )
 from kvmesh_router.approx import ApproxIndexer
-from kvmesh_router.cost import MODES, RouterConfigOverride, RouterPolicyConfig
+from kvmesh_router.cost import RouterConfigOverride, RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
 from kvmesh_router.metrics import RouterMetrics
 from kvmesh_router.selection import RoutingError, UnknownEngineError
+from kvmesh_router.settings import RouterSettings
 from kvmesh_router.slot_tracker import Booking, SlotTracker
 
 __all__ = ["BookingListener", "EngineInfo", "RouterSettings", "RouterState", "TimedIndex"]
@@ -59,33 +60,6 @@ REJECTED = router_pb2.DECISION_OUTCOME_REJECTED
 NO_ENGINE = router_pb2.DECISION_OUTCOME_NO_ENGINE
 INVALID = router_pb2.DECISION_OUTCOME_INVALID
 _OUTCOME_NAMES = {ROUTED: "routed", REJECTED: "rejected", NO_ENGINE: "no_engine", INVALID: "invalid"}
-
-
-# The daemon's kv cost policy: kvmesh's "affinity" beats Dynamo's cost on the Mooncake trace at low and
-# high load (docs/benchmarks.md); "dynamo" stays selectable (--cost-policy, or per request).
-DEFAULT_COST_POLICY = "affinity"
-
-
-@dataclass(frozen=True, slots=True)
-class RouterSettings:
-    """The routing policy of one replica (from flags; see ``kvmesh_router.main``)."""
-
-    mode: str = "kv"
-    cost_policy: str = DEFAULT_COST_POLICY
-    overlap_weight: float = 1.0
-    temperature: float = 0.0
-    busy_prefill_tokens: int | None = None
-    busy_prefill_frac: float | None = None
-    busy_kv_usage: float | None = None
-    kv_events: bool = True
-    index_max_blocks: int | None = None  # None = unbounded
-    approx_ttl_s: float = 120.0
-    booking_ttl_s: float = 300.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES or self.mode == "direct":
-            raise ValueError(f"router mode must be one of kv, round_robin, random, power_of_two; got {self.mode!r}")
 
 
 @dataclass(frozen=True, slots=True)
