@@ -78,7 +78,7 @@ def test_settings_are_frozen_and_keyword_only():
         (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
         (["--discovery", "redis://x"], {}, "expected etcd://host:port"),
         (["--discovery", "etcd://nohost"], {}, "is not host:port"),
-        ([], {"KVMESH_ENABLE_THING": "maybe"}, "--enable-thing (from KVMESH_ENABLE_THING): Input should be a valid bool"),
+        ([], {"KVMESH_ENABLE_THING": "maybe"}, "--enable-thing (from KVMESH_ENABLE_THING): Input should be a valid"),
         (["--log-level", "loud"], {}, "invalid choice: 'loud'"),
         ([], {"KVMESH_LOG_LEVEL": "loud"}, "--log-level (from KVMESH_LOG_LEVEL): Input should be 'debug'"),
         ([], {"KVMESH_NUM_ENGINE": "2"}, "KVMESH_NUM_ENGINE: unknown setting (environment)"),
