@@ -6,9 +6,10 @@ Invariants (the reasons this module exists):
   reflection) are refused with UNAVAILABLE; when discovery is back the keeper re-registers under a
   new lease and serving resumes, without a restart. Instance ids stay stable across re-grants
   (they are minted from the first lease), so caches and in-flight streams keyed by them survive.
-- **Graceful exit.** SIGTERM/SIGINT: the lease is revoked first (every record vanishes at once, so
-  nobody routes new work here), health goes NOT_SERVING, in-flight calls get ``--drain-timeout``
-  seconds to finish, then the process exits 0.
+- **Graceful exit.** SIGTERM/SIGINT: new calls are refused and the lease is revoked first (every
+  record vanishes at once, so nobody routes new work here) while ``on_draining`` hooks end endless
+  streams; then health goes NOT_SERVING, in-flight calls get ``--drain-timeout`` seconds to finish,
+  and the process exits 0.
 - **Bad config or unreachable discovery** exits 2 with one line (``kvmesh.settings.fail``).
 - **Ownership.** ``async with DaemonRuntime(...)`` is the process's lifetime, as with Temporal's
   ``Worker``. Leaving the block (stop signal, error or ``fail``) always runs the same sequence:
@@ -100,7 +101,8 @@ class DaemonRuntime:
     Usage (``async with`` takes the lease; leaving it drains and releases everything)::
 
         async with DaemonRuntime("kvmesh-worker", settings) as runtime:
-            pool = runtime.resources.push_async_callback(pool.close)  # closed after the drain
+            pool = ChannelPool()
+            runtime.resources.push_async_callback(pool.close)  # closed after the drain
             runtime.add_service(...)
             await runtime.start(settings.grpc_port)
             await runtime.register(runtime.instance_record(...))
@@ -173,18 +175,20 @@ class DaemonRuntime:
         return await self._exit.__aexit__(exc_type, exc, tb)
 
     async def _drain(self) -> None:
-        """Deregister at once, then drain in-flight calls up to --drain-timeout."""
+        """Deregister at once (while ``on_draining`` hooks end endless streams), then drain in-flight calls."""
         self._draining = True  # before the first await: from here on new calls are refused
-        for hook in self._drain_hooks:
-            result = hook()
-            if inspect.isawaitable(result):
-                await result
+        started = [result for hook in self._drain_hooks if inspect.isawaitable(result := hook())]
+        for error in await asyncio.gather(self._revoke(), *started, return_exceptions=True):
+            if isinstance(error, BaseException):
+                log.error("a drain hook failed", exc_info=error)
+        await self._set_health(False)
+        await self.server.stop(grace=self.settings.drain_timeout)
+
+    async def _revoke(self) -> None:
         try:
             await self.lease.revoke()
         except Exception:  # discovery may be down; the lease then expires by itself
             log.warning("could not revoke the lease; records expire within the TTL", exc_info=True)
-        await self._set_health(False)
-        await self.server.stop(grace=self.settings.drain_timeout)
 
     def add_service(self, full_name: str, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
         add_to_server(servicer, self.server)
