@@ -5,7 +5,7 @@ A daemon declares them once, as a frozen pydantic model; everything else is deri
 
 import pydantic
 import pytest
-from kvmesh.settings import DaemonSettings
+from kvmesh.settings import DaemonSettings, is_setting_variable
 from pydantic import PositiveInt
 
 
@@ -119,3 +119,14 @@ def test_help_shows_every_setting_with_its_default_and_variable(capsys):
         default = info.get_default(call_default_factory=True)
         assert f"{info.description} (env KVMESH_{name.upper()}; default: {default!r})" in out, flag
     assert "tables [common], [worker]" in out
+
+
+def test_a_daemon_names_the_variables_it_reads():
+    assert {"KVMESH_NUM_ENGINES", "KVMESH_DISCOVERY"} <= WorkerLike.variables()
+    assert not {"KVMESH_CONFIG", "KVMESH_TEST_ETCD"} & WorkerLike.variables()
+    assert [is_setting_variable(v) for v in ("KVMESH_X", "KVMESH_CONFIG", "KVMESH_TEST_ETCD", "PATH")] == [
+        True,
+        False,
+        False,
+        False,
+    ]

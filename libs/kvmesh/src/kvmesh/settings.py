@@ -110,7 +110,7 @@ class DaemonSettings(BaseModel):
                 for key, value in _load_toml(config_path, prog, cls).items():
                     raw[names[key]] = (value, config_path)
             for var, value in env.items():
-                if not var.startswith(ENV_PREFIX) or var in _NOT_SETTINGS or var.startswith(_NOT_SETTINGS_PREFIX):
+                if not is_setting_variable(var):
                     continue
                 key = var.removeprefix(ENV_PREFIX).lower()
                 if key not in names:
@@ -129,6 +129,16 @@ class DaemonSettings(BaseModel):
                 raise _Problem(f"{flag} (from {source}): {error['msg'].removeprefix('Value error, ')}") from None
         except _Problem as exc:
             fail(prog, str(exc))
+
+    @classmethod
+    def variables(cls) -> frozenset[str]:
+        """The ``KVMESH_*`` environment variables this daemon reads."""
+        return frozenset(ENV_PREFIX + _key(name, info).upper() for name, info in cls.model_fields.items())
+
+
+def is_setting_variable(var: str) -> bool:
+    """Whether ``var`` is meant for a daemon's settings (so unknown ones are errors, not ignored)."""
+    return var.startswith(ENV_PREFIX) and var not in _NOT_SETTINGS and not var.startswith(_NOT_SETTINGS_PREFIX)
 
 
 class _Problem(Exception):
