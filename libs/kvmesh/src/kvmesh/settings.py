@@ -121,7 +121,8 @@ class DaemonSettings(BaseModel):
                 return cls.model_validate({name: value for name, (value, _) in raw.items()})
             except ValidationError as exc:
                 error = exc.errors()[0]
-                name = str(error["loc"][0]) if error["loc"] else ""
+                loc = str(error["loc"][0]) if error["loc"] else ""
+                name = names.get(loc, loc)  # pydantic may report a field by its alias
                 if name not in cls.model_fields:
                     raise _Problem(error["msg"].removeprefix("Value error, ")) from None
                 source = raw[name][1] if name in raw else "default"
