@@ -1,6 +1,7 @@
 """Every daemon's lifecycle contract, with real processes, real gRPC and real discovery backends.
 
-- ``--help`` documents every flag; a bad flag or unreachable discovery exits 2 with one line.
+- ``--help`` documents every flag with its default; a bad flag, an unknown TOML table or key, an
+  unknown ``KVMESH_*`` variable or unreachable discovery exits 2 with one line.
 - A started daemon answers grpc.health.v1 SERVING and lists its services through reflection.
 - SIGTERM: the discovery record disappears at once, in-flight calls finish, exit code 0.
 - kill -9: the record is gone within TTL + 1 s.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import threading
 import time
@@ -51,6 +53,11 @@ def test_help_documents_every_flag(daemon):
     assert result.returncode == 0, result.stderr
     for flag in COMMON_FLAGS:
         assert flag in result.stdout, f"{daemon} --help does not mention {flag}"
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    settings = text.count("(env KVMESH_") - text.count("(env KVMESH_CONFIG)")
+    with_default = len(re.findall(r"\(env KVMESH_\w+; default: ", text))
+    assert settings > len(COMMON_FLAGS) and with_default == settings, "every setting shows its default"
+    assert f"tables [common], [{daemon.removeprefix('kvmesh-')}]" in text, "--help names the table the daemon reads"
 
 
 @pytest.mark.parametrize("daemon", DAEMONS)
@@ -69,6 +76,39 @@ def test_unreachable_discovery_exits_2_with_one_line(daemon):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{daemon}: error: --discovery {url}"), result.stderr
     assert time.monotonic() - started < 15
+
+
+SHARED_CONFIG = """
+[common]
+namespace = "shared"
+[worker]
+num-engines = 2
+[router]
+seed = 7
+[frontend]
+migration-limit = 1
+"""
+
+
+@pytest.mark.parametrize("daemon", DAEMONS)
+def test_one_config_file_serves_every_daemon_and_unknown_settings_exit_2(daemon, tmp_path):
+    good, unknown_table, unknown_key = (tmp_path / f"{n}.toml" for n in ("good", "table", "key"))
+    good.write_text(SHARED_CONFIG)
+    unknown_table.write_text(SHARED_CONFIG + "[wroker]\nnum-engines = 3\n")
+    table = daemon.removeprefix("kvmesh-")
+    unknown_key.write_text(f"[{table}]\nno-such-setting = 1\n")
+    url = f"etcd://127.0.0.1:{free_port()}"  # nothing listens: a daemon that accepted its settings exits here
+
+    def first_line(*args: str, env: dict[str, str] | None = None) -> str:
+        result = run_cli(daemon, "--discovery", url, *args, env=env, timeout=30)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        return lines[0]
+
+    assert first_line("--config", str(good)).startswith(f"{daemon}: error: --discovery {url}")
+    assert f"unknown table [wroker] in {unknown_table}" in first_line("--config", str(unknown_table))
+    assert f"unknown setting 'no-such-setting' in [{table}]" in first_line("--config", str(unknown_key))
+    assert "KVMESH_NO_SUCH_SETTING: unknown setting" in first_line(env={"KVMESH_NO_SUCH_SETTING": "1"})
 
 
 # -- a worker as the representative daemon, on both discovery backends ---------------------------

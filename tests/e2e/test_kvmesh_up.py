@@ -1,7 +1,12 @@
-"""``kvmesh up`` (what ``make run`` runs): the whole local mesh, a demo request, a clean Ctrl-C."""
+"""``kvmesh up`` (what ``make run`` runs): the whole local mesh, a demo request, a clean Ctrl-C.
+
+Each daemon gets the ``KVMESH_*`` variables it declares (a worker setting in the environment does not
+stop the router), and a variable no daemon declares is an error before anything starts.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -19,7 +24,8 @@ def test_kvmesh_up_serves_a_request_and_stops_cleanly_on_ctrl_c(tmp_path):
     proc = subprocess.Popen(
         [script("kvmesh"), "up", "--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'disc'}",
          "--log-dir", str(tmp_path / "logs"), "--speedup-ratio", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "KVMESH_NUM_GPU_BLOCKS": "4096", "KVMESH_MIGRATION_LIMIT": "2"})  # fmt: skip
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 60
@@ -40,3 +46,12 @@ def test_kvmesh_up_serves_a_request_and_stops_cleanly_on_ctrl_c(tmp_path):
     assert set(logs) == {"kvmesh-frontend.log", "kvmesh-router.log", "kvmesh-worker.log"}
     for name, text in logs.items():
         assert "Traceback" not in text, f"{name}:\n{text}"
+
+
+def test_kvmesh_up_refuses_a_variable_no_daemon_declares(tmp_path):
+    result = subprocess.run(
+        [script("kvmesh"), "up", "--log-dir", str(tmp_path / "logs")],
+        env={**os.environ, "KVMESH_NUM_ENGINE": "2"}, capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["kvmesh up: error: KVMESH_NUM_ENGINE: unknown setting (environment)"]
+    assert not (tmp_path / "logs").exists(), "nothing was started"

@@ -1,4 +1,4 @@
-"""The architecture rule "daemons never import each other" is a test, not a convention.
+"""Architecture rules ("daemons never import each other", no discovery import cycle) are a test, not a convention.
 
 The import-linter contracts live in the root pyproject.toml ([tool.importlinter]).
 """
@@ -25,4 +25,4 @@ def test_import_linter_contracts_hold():
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 3 kept, 0 broken." in result.stdout
+    assert " kept, 0 broken." in result.stdout

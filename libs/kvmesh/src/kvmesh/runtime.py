@@ -6,31 +6,40 @@ Invariants (the reasons this module exists):
   reflection) are refused with UNAVAILABLE; when discovery is back the keeper re-registers under a
   new lease and serving resumes, without a restart. Instance ids stay stable across re-grants
   (they are minted from the first lease), so caches and in-flight streams keyed by them survive.
-- **Graceful exit.** SIGTERM/SIGINT: the lease is revoked first (every record vanishes at once, so
-  nobody routes new work here), health goes NOT_SERVING, in-flight calls get ``--drain-timeout``
-  seconds to finish, then the process exits 0.
-- **Bad config or unreachable discovery** exits 2 with one line (``kvmesh.config.fail``).
+- **Graceful exit.** SIGTERM/SIGINT: new calls are refused and the lease is revoked first (every
+  record vanishes at once, so nobody routes new work here) while ``on_draining`` hooks end endless
+  streams; then health goes NOT_SERVING, in-flight calls get ``--drain-timeout`` seconds to finish,
+  and the process exits 0.
+- **Bad config or unreachable discovery** exits 2 with one line (``kvmesh.settings.fail``).
+- **Ownership.** ``async with DaemonRuntime(...)`` is the process's lifetime, as with Temporal's
+  ``Worker``. Leaving the block (stop signal, error or ``fail``) always runs the same sequence:
+  draining starts (new calls refused, ``on_draining`` hooks), the lease is revoked, in-flight calls
+  drain, then everything handed to ``runtime.resources`` (an ``AsyncExitStack``) closes, newest
+  first, and discovery and tracing last. No daemon orders ``close()`` calls by hand.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import Any, Self
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh import telemetry
-from kvmesh.config import Config, fail
 from kvmesh.discovery import Discovery, DiscoveryUnavailable, Lease, instance_key, open_discovery
 from kvmesh.grpc_options import SERVER_OPTIONS
+from kvmesh.settings import DaemonSettings, fail
 from kvmesh.v1 import discovery_pb2
 
 log = logging.getLogger(__name__)
@@ -87,13 +96,24 @@ class _ServingGate(grpc.aio.ServerInterceptor):
 
 
 class DaemonRuntime:
-    """Owns discovery, the lease, the gRPC server and the signal handling of one daemon process."""
+    """Owns discovery, the lease, the gRPC server and the signal handling of one daemon process.
 
-    def __init__(self, name: str, config: Config) -> None:
+    Usage (``async with`` takes the lease; leaving it drains and releases everything)::
+
+        async with DaemonRuntime("kvmesh-worker", settings) as runtime:
+            pool = ChannelPool()
+            runtime.resources.push_async_callback(pool.close)  # closed after the drain
+            runtime.add_service(...)
+            await runtime.start(settings.grpc_port)
+            await runtime.register(runtime.instance_record(...))
+            await runtime.wait_for_stop()
+    """
+
+    def __init__(self, name: str, settings: DaemonSettings) -> None:
         self.name = name
-        self.config = config
-        self.discovery: Discovery | None = None
-        self.lease: Lease | None = None
+        self.settings = settings
+        self.resources = AsyncExitStack()
+        """What the daemon built on top of the runtime; closed after the drain, newest first."""
         self.instance_id = 0
         self.address = ""
         self.metrics_address = ""
@@ -102,6 +122,8 @@ class DaemonRuntime:
             options=SERVER_OPTIONS,
         )
         self.health = health.aio.HealthServicer()
+        self._discovery: Discovery | None = None
+        self._lease: Lease | None = None
         self._service_names: list[str] = [
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
@@ -110,25 +132,63 @@ class DaemonRuntime:
         self._draining = False
         self._ready = True
         self._stop = asyncio.Event()
-        self._lost_hooks: list[Callable[[], None]] = []
-        self._drain_hooks: list[Callable[[], None]] = []
-        self._renewed_hooks: list[Callable[[], Awaitable[None]]] = []
+        self._drain_hooks: list[Callable[[], Awaitable[None] | None]] = []
+        self._exit = AsyncExitStack()
         self.started_unix_ms = int(time.time() * 1000)
 
+    @property
+    def discovery(self) -> Discovery:
+        assert self._discovery is not None, "inside `async with DaemonRuntime(...)` only"
+        return self._discovery
+
+    @property
+    def lease(self) -> Lease:
+        assert self._lease is not None, "inside `async with DaemonRuntime(...)` only"
+        return self._lease
+
     # -- lifecycle ------------------------------------------------------------------------------
-    async def connect(self) -> None:
+    async def __aenter__(self) -> Self:
         """Open discovery and take the lease; unreachable discovery exits 2 with one line."""
+        settings = self.settings
+        async with AsyncExitStack() as stack:  # unwinds what was opened if anything here fails
+            stack.callback(telemetry.shutdown_tracing)
+            try:
+                self._discovery = await open_discovery(settings.discovery, ttl=settings.lease_ttl)
+                stack.push_async_callback(self._discovery.close)
+                self._lease = await self._discovery.grant_lease(
+                    on_lost=self._on_lease_lost, on_renewed=self._on_lease_renewed
+                )
+            except DiscoveryUnavailable as exc:
+                fail(self.name, f"--discovery {settings.discovery}: {exc}")
+            self.instance_id = self._lease.id
+            port = telemetry.start_metrics_server(settings.metrics_port)
+            if port is not None:
+                self.metrics_address = f"{settings.host}:{port}"
+            stack.push_async_callback(self.resources.aclose)
+            stack.push_async_callback(self._drain)  # exits run newest first: drain, resources, discovery
+            self._exit = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        return await self._exit.__aexit__(exc_type, exc, tb)
+
+    async def _drain(self) -> None:
+        """Deregister at once (while ``on_draining`` hooks end endless streams), then drain in-flight calls."""
+        self._draining = True  # before the first await: from here on new calls are refused
+        started = [result for hook in self._drain_hooks if inspect.isawaitable(result := hook())]
+        for error in await asyncio.gather(self._revoke(), *started, return_exceptions=True):
+            if isinstance(error, BaseException):
+                log.error("a drain hook failed", exc_info=error)
+        await self._set_health(False)
+        await self.server.stop(grace=self.settings.drain_timeout)
+
+    async def _revoke(self) -> None:
         try:
-            self.discovery = await open_discovery(self.config.discovery, ttl=self.config.lease_ttl)
-            self.lease = await self.discovery.grant_lease(
-                on_lost=self._on_lease_lost, on_renewed=self._on_lease_renewed
-            )
-        except DiscoveryUnavailable as exc:
-            fail(self.name, f"--discovery {self.config.discovery}: {exc}")
-        self.instance_id = self.lease.id
-        port = telemetry.start_metrics_server(self.config.metrics_port)
-        if port is not None:
-            self.metrics_address = f"{self.config.host}:{port}"
+            await self.lease.revoke()
+        except Exception:  # discovery may be down; the lease then expires by itself
+            log.warning("could not revoke the lease; records expire within the TTL", exc_info=True)
 
     def add_service(self, full_name: str, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
         add_to_server(servicer, self.server)
@@ -151,7 +211,7 @@ class DaemonRuntime:
         if bound == 0:
             fail(self.name, f"--grpc-port {port}: cannot bind (address in use?)")
         await self.server.start()
-        self.address = f"{self.config.host}:{bound}"
+        self.address = f"{self.settings.host}:{bound}"
         await self._set_health(True)
         return bound
 
@@ -163,9 +223,8 @@ class DaemonRuntime:
     def instance_record(
         self, component: str, endpoint: str, instance_id: int | None = None, **fields: Any
     ) -> discovery_pb2.InstanceRecord:
-        assert self.lease is not None, "connect() first"
         return discovery_pb2.InstanceRecord(
-            namespace=self.config.namespace,
+            namespace=self.settings.namespace,
             component=component,
             endpoint=endpoint,
             instance_id=instance_id if instance_id is not None else self.instance_id,
@@ -181,7 +240,6 @@ class DaemonRuntime:
 
     async def register(self, record: discovery_pb2.InstanceRecord) -> str:
         """Publish an instance record under the lease; it lives exactly as long as the lease."""
-        assert self.lease is not None, "connect() first"
         key = instance_key(record.namespace, record.component, record.endpoint, record.instance_id)
         self._records[key] = record
         await self.lease.put(key, record.SerializeToString())
@@ -189,24 +247,17 @@ class DaemonRuntime:
 
     async def put(self, key: str, value: bytes) -> None:
         """Publish any other record (e.g. a model card) under the lease."""
-        assert self.lease is not None, "connect() first"
         await self.lease.put(key, value)
 
-    def on_lease_lost(self, hook: Callable[[], None]) -> None:
-        self._lost_hooks.append(hook)
-
-    def on_lease_renewed(self, hook: Callable[[], Awaitable[None]]) -> None:
-        self._renewed_hooks.append(hook)
-
     def is_serving(self) -> bool:
-        return not self._draining and self.lease is not None and self.lease.alive
+        return not self._draining and self._lease is not None and self._lease.alive
 
     def refusal(self) -> str | None:
         """Why new work is refused right now (lease lost, draining); None while serving."""
         return None if self.is_serving() else self._refusal_reason()
 
-    def on_draining(self, hook: Callable[[], None]) -> None:
-        """Call ``hook`` when shutdown begins, before in-flight calls are drained (long-lived streams end early)."""
+    def on_draining(self, hook: Callable[[], Awaitable[None] | None]) -> None:
+        """Run ``hook`` (awaited if async) when shutdown begins, before in-flight calls drain: endless streams end."""
         self._drain_hooks.append(hook)
 
     def _refusal_reason(self) -> str:
@@ -214,46 +265,22 @@ class DaemonRuntime:
             return f"{self.name} is shutting down; retry on another instance"
         return f"{self.name} lost its discovery lease and is not serving; retry on another instance"
 
-    def request_stop(self) -> None:
-        self._stop.set()
-
     async def wait_for_stop(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         await self._stop.wait()
 
-    async def shutdown(self) -> None:
-        """Deregister at once, drain in-flight calls up to --drain-timeout, release everything."""
-        self._draining = True
-        for hook in self._drain_hooks:
-            hook()
-        if self.lease is not None:
-            try:
-                await self.lease.revoke()
-            except Exception:  # discovery may be down; the lease then expires by itself
-                log.warning("could not revoke the lease; records expire within the TTL", exc_info=True)
-        await self._set_health(False)
-        await self.server.stop(grace=self.config.drain_timeout)
-        if self.discovery is not None:
-            await self.discovery.close()
-        telemetry.shutdown_tracing()
-
     # -- lease callbacks ------------------------------------------------------------------------
     def _on_lease_lost(self) -> None:
         log.error("discovery lease lost: not serving until it is re-established")
-        for hook in self._lost_hooks:
-            hook()
         asyncio.get_running_loop().create_task(self._set_health(False))
 
     async def _on_lease_renewed(self, new_lease_id: int) -> None:
         log.warning("discovery lease re-established as %x: serving again", new_lease_id)
-        assert self.lease is not None
         for key, record in self._records.items():  # refresh the lease id the records carry
             record.lease_id = new_lease_id
             await self.lease.put(key, record.SerializeToString())
-        for hook in self._renewed_hooks:
-            await hook()
         await self._set_health(True)
 
     async def _set_health(self, serving: bool) -> None:

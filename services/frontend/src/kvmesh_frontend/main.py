@@ -18,49 +18,23 @@ import uvloop
 from inference import grpc_service_pb2, grpc_service_pb2_grpc
 from kvmesh import telemetry
 from kvmesh.channels import ChannelPool
-from kvmesh.config import Config, Flag, non_negative_float, non_negative_int, parse_config, port, positive_int
 from kvmesh.discovery.base import Discovery, WatchEvent, instance_prefix, model_prefix
 from kvmesh.runtime import VERSION, DaemonRuntime
 
 from kvmesh_frontend.generation import Generator
 from kvmesh_frontend.metrics import default_metrics
 from kvmesh_frontend.models import ModelRegistry
-from kvmesh_frontend.pipeline import DEFAULT_MAX_TOKENS, Frontend
+from kvmesh_frontend.pipeline import Frontend
 from kvmesh_frontend.routing import RouterClient
 from kvmesh_frontend.service import InferenceServicer
+from kvmesh_frontend.settings import Settings
 
 PROG = "kvmesh-frontend"
 log = logging.getLogger(PROG)
 
-FLAGS: tuple[Flag, ...] = (
-    Flag("grpc-port", "KServe v2 gRPC port (Triton's default; 0 picks a free one)", default=8001, type=port),
-    Flag("bind-host", "interface the gRPC server listens on", default="0.0.0.0"),
-    Flag(
-        "migration-limit",
-        "times a request may move to another engine when its engine dies mid-stream (0 = off)",
-        default=3,
-        type=non_negative_int,
-    ),
-    Flag(
-        "route-timeout",
-        "seconds to wait for a router decision before answering UNAVAILABLE",
-        default=30.0,
-        type=non_negative_float,
-        metavar="SECONDS",
-    ),
-    Flag("default-max-tokens", "max_tokens of requests that do not say", default=DEFAULT_MAX_TOKENS, type=positive_int),
-    Flag(
-        "model-fetch-timeout",
-        "seconds to download a model's tokenizer files from a worker",
-        default=30.0,
-        type=non_negative_float,
-        metavar="SECONDS",
-    ),
-)
-
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_config(PROG, "KServe v2 / Triton-compatible gRPC frontend of a kvmesh deployment", FLAGS, argv)
+    config = Settings.load(PROG, "KServe v2 / Triton-compatible gRPC frontend of a kvmesh deployment", argv)
     telemetry.setup_logging(PROG, config.log_level, config.log_format)
     telemetry.setup_tracing(PROG, config.otel_exporter, config.otel_endpoint)
     uvloop.run(serve(config))
@@ -76,12 +50,18 @@ async def _watch(discovery: Discovery, prefix: str, apply: Callable[[WatchEvent]
                 log.exception("discovery event under %s could not be applied", prefix)
 
 
-async def serve(config: Config) -> None:
-    runtime = DaemonRuntime(PROG, config)
-    await runtime.connect()
-    assert runtime.discovery is not None
+async def serve(config: Settings) -> None:
+    async with DaemonRuntime(PROG, config) as runtime:
+        await _serve(runtime, config)
+    log.info("stopped")
+
+
+async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
+    """Build the frontend on ``runtime``; what it opens closes, after the drain, in reverse order."""
     pool = ChannelPool()
+    runtime.resources.push_async_callback(pool.close)
     registry = ModelRegistry(pool, config.namespace, fetch_timeout=config.model_fetch_timeout)
+    runtime.resources.push_async_callback(registry.close)
     router = RouterClient(pool, config.namespace, route_timeout=config.route_timeout)
     metrics = default_metrics()
     generator = Generator(
@@ -92,6 +72,8 @@ async def serve(config: Config) -> None:
         engine_alive=registry.engine_alive,
         address_live=registry.address_live,
     )
+    runtime.resources.push_async_callback(generator.engines.close)
+    runtime.resources.push_async_callback(router.close)
     registry.on_address_gone = generator.engines.retire
     frontend = Frontend(
         registry, generator, metrics, id_prefix=f"{runtime.instance_id:x}", default_max_tokens=config.default_max_tokens
@@ -109,6 +91,13 @@ async def serve(config: Config) -> None:
             _watch(runtime.discovery, instance_prefix(config.namespace, "router", "router"), router.apply)
         ),
     ]
+
+    async def stop_watching() -> None:  # the registry stays as it is while in-flight requests drain
+        for task in watchers:
+            task.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+
+    runtime.on_draining(stop_watching)
     await runtime.register(runtime.instance_record("frontend", "kserve"))
     log.info(
         "serving KServe v2 gRPC on %s:%d (instance %x, namespace %s, discovery %s)",
@@ -118,19 +107,8 @@ async def serve(config: Config) -> None:
         config.namespace,
         config.discovery,
     )
-    try:
-        await runtime.wait_for_stop()
-    finally:
-        log.info("shutting down: draining in-flight requests for up to %gs", config.drain_timeout)
-        for task in watchers:  # the registry stays as it is while in-flight requests drain
-            task.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)
-        await runtime.shutdown()
-        await router.close()
-        await generator.engines.close()
-        await registry.close()
-        await pool.close()
-    log.info("stopped")
+    await runtime.wait_for_stop()
+    log.info("shutting down: draining in-flight requests for up to %gs", config.drain_timeout)
 
 
 if __name__ == "__main__":

@@ -31,19 +31,17 @@ import prometheus_client
 import uvloop
 from kvmesh import telemetry
 from kvmesh.channels import ChannelPool
-from kvmesh.config import Config, Flag, fail, non_negative_float, non_negative_int, parse_config, port, positive_int
 from kvmesh.runtime import DaemonRuntime
 from kvmesh.v1 import router_pb2
 
 from kvmesh_router.engines import EngineInfo
 from kvmesh_router.fleet import Fleet
-from kvmesh_router.indexer import DEFAULT_MAX_ENTRIES
 from kvmesh_router.ingest import Ingest
 from kvmesh_router.load_watch import LoadWatch
 from kvmesh_router.metrics import RouterMetrics
-from kvmesh_router.replica_sync import DEFAULT_QUEUE_SIZE, ReplicaHub
+from kvmesh_router.replica_sync import ReplicaHub
 from kvmesh_router.service import RouterServicer, add_to_server
-from kvmesh_router.settings import DEFAULT_COST_POLICY, RouterSettings
+from kvmesh_router.settings import Settings
 from kvmesh_router.state import RouterState
 
 log = logging.getLogger("kvmesh_router")
@@ -66,135 +64,17 @@ def _process_started() -> float:
 _STARTED = _process_started()
 
 
-def _optional(parse: type) -> object:
-    def convert(text: str) -> object:
-        if text.strip().lower() in {"", "none", "off"}:
-            return None
-        value = parse(text)
-        if value < 0:
-            raise ValueError(f"must be >= 0 (or 'none'), got {value}")
-        return value
-
-    convert.__name__ = f"optional {parse.__name__}"
-    return convert
+async def serve(settings: Settings) -> int:
+    async with DaemonRuntime(PROG, settings) as runtime:
+        return await _serve(runtime, settings)
 
 
-FLAGS = (
-    Flag("grpc-port", "gRPC port of RouterService (0 = any free port)", default=0, type=port),
-    Flag(
-        "router-mode",
-        "how engines are picked when a query does not pin one",
-        default="kv",
-        choices=("kv", "round_robin", "random", "power_of_two"),
-    ),
-    Flag(
-        "cost-policy",
-        "kv cost function: 'affinity' (kvmesh's, backlog-discounted prefix affinity) or 'dynamo' (Dynamo's "
-        "overlap-weighted prefill + decode blocks); see docs/benchmarks.md for the measured difference",
-        default=DEFAULT_COST_POLICY,
-        choices=("affinity", "dynamo"),
-    ),
-    Flag(
-        "overlap-weight",
-        "weight of prefill blocks against decode blocks in the kv cost",
-        default=1.0,
-        type=non_negative_float,
-    ),
-    Flag(
-        "temperature", "softmax temperature of kv selection (0 = cheapest engine)", default=0.0, type=non_negative_float
-    ),
-    Flag(
-        "busy-prefill-tokens",
-        "an engine with more booked prefill tokens is busy ('none' = off)",
-        default=None,
-        type=_optional(int),
-        metavar="TOKENS",
-    ),
-    Flag(
-        "busy-prefill-frac",
-        "busy above this fraction of the engine's max_num_batched_tokens ('none' = off)",
-        default=None,
-        type=_optional(float),
-        metavar="FRAC",
-    ),
-    Flag(
-        "busy-kv-usage",
-        "busy above this fraction of the engine's KV blocks in use ('none' = off); a query is "
-        "REJECTED only when every eligible engine is busy",
-        default=None,
-        type=_optional(float),
-        metavar="FRAC",
-    ),
-    Flag(
-        "kv-events",
-        "follow the engines' KV events (--no-kv-events: approximate mode, the router's own "
-        "decisions become predicted cached blocks with a TTL)",
-        default=True,
-        is_bool=True,
-    ),
-    Flag(
-        "index-max-blocks",
-        "cap on (engine, block) entries in the prefix index (0 = unbounded)",
-        default=DEFAULT_MAX_ENTRIES,
-        type=non_negative_int,
-    ),
-    Flag("approx-ttl", "approximate mode: seconds a predicted block lives", default=120.0, type=non_negative_float),
-    Flag(
-        "booking-ttl",
-        "seconds after which a booking with no FINISHED is dropped (lost-update backstop)",
-        default=300.0,
-        type=non_negative_float,
-    ),
-    Flag("replica-sync", "exchange active-load bookings with the other router replicas", default=True, is_bool=True),
-    Flag(
-        "sync-queue-size",
-        "booking events queued per replica link before the link is cut and re-synced",
-        default=DEFAULT_QUEUE_SIZE,
-        type=positive_int,
-    ),
-    Flag(
-        "warmup-timeout",
-        "longest wait, per phase, for engines' snapshots and peers' bookings before SERVING",
-        default=10.0,
-        type=non_negative_float,
-    ),
-    Flag(
-        "seed",
-        "seed of the router's random choices (tie-breaks, random modes); default: random",
-        default=None,
-        type=int,
-    ),
-)
-
-
-def settings_from(cfg: Config) -> RouterSettings:
-    try:
-        return RouterSettings(
-            mode=cfg.router_mode,
-            cost_policy=cfg.cost_policy,
-            overlap_weight=cfg.overlap_weight,
-            temperature=cfg.temperature,
-            busy_prefill_tokens=cfg.busy_prefill_tokens,
-            busy_prefill_frac=cfg.busy_prefill_frac,
-            busy_kv_usage=cfg.busy_kv_usage,
-            kv_events=cfg.kv_events,
-            index_max_blocks=cfg.index_max_blocks or None,
-            approx_ttl_s=cfg.approx_ttl or 120.0,
-            booking_ttl_s=cfg.booking_ttl or 300.0,
-            seed=cfg.seed,
-        )
-    except ValueError as exc:
-        fail(PROG, str(exc))
-
-
-async def serve(cfg: Config) -> int:
-    settings = settings_from(cfg)
-    runtime = DaemonRuntime(PROG, cfg)
-    await runtime.connect()
-    assert runtime.discovery is not None
+async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
+    """Build the replica on ``runtime``; what it opens closes, after the drain, in reverse order."""
     metrics = RouterMetrics(prometheus_client.REGISTRY)
     state = RouterState(settings, metrics)
     pool = ChannelPool()
+    runtime.resources.push_async_callback(pool.close)
 
     def channel_for(address: str):  # noqa: ANN202 - grpc.aio.Channel
         return pool.get(address, address)
@@ -203,12 +83,17 @@ async def serve(cfg: Config) -> int:
     if state.kv_index is not None:
         ingest = Ingest(state.kv_index, channel_for, on_recovered=lambda s, _m: metrics.recovery_seconds.observe(s))
         metrics.add_source("ingest", ingest.stats_dict)
+        runtime.resources.push_async_callback(ingest.close)
     hub: ReplicaHub | None = None
-    if cfg.replica_sync:
-        hub = ReplicaHub(state, runtime.instance_id, channel_for, queue_size=cfg.sync_queue_size)
+    if settings.replica_sync:
+        hub = ReplicaHub(state, runtime.instance_id, channel_for, queue_size=settings.sync_queue_size)
         metrics.add_source("replicas", hub.stats_dict)
+        # Replica links are endless streams: they end when draining starts, or the drain would wait for them.
+        runtime.on_draining(hub.close)
 
     load_watch = LoadWatch(state, channel_for) if settings.busy_kv_usage is not None else None
+    if load_watch is not None:
+        runtime.resources.push_async_callback(load_watch.close)
 
     def engine_added(info: EngineInfo) -> None:
         state.add_engine(info)
@@ -231,27 +116,29 @@ async def serve(cfg: Config) -> int:
         if dropped:
             log.info("engine %x gone: dropped %d bookings", engine_id, len(dropped))
 
-    fleet = Fleet(runtime.discovery, cfg.namespace, engine_added, engine_removed)
-    ready = False
-    servicer = RouterServicer(state, hub, ingest.next_event_id if ingest else lambda _e: None, lambda: ready)
+    fleet = Fleet(runtime.discovery, settings.namespace, engine_added, engine_removed)
+    runtime.resources.push_async_callback(fleet.close)
+    warm = asyncio.Event()  # set once warm, cleared when draining starts
+    runtime.on_draining(warm.clear)
+    servicer = RouterServicer(state, hub, ingest.next_event_id if ingest else lambda _e: None, warm.is_set)
     runtime.add_service(router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name, add_to_server, servicer)
 
     # Health answers NOT_SERVING from the first moment until the replica is warm.
-    await runtime.start(cfg.grpc_port, ready=False)
+    await runtime.start(settings.grpc_port, ready=False)
     t_warm = time.monotonic()
 
     # 1. The fleet as discovery knows it.
     fleet.start()
-    if not await fleet.wait_initial(max(cfg.warmup_timeout, 1.0)):
-        log.warning("warm-up: discovery gave no initial fleet within %.1f s", cfg.warmup_timeout)
+    if not await fleet.wait_initial(max(settings.warmup_timeout, 1.0)):
+        log.warning("warm-up: discovery gave no initial fleet within %.1f s", settings.warmup_timeout)
     t_fleet = time.monotonic()
     # 2. Every engine's index from its worker, and 3. every peer's bookings, concurrently.
     if hub is not None:
-        hub.start(runtime.discovery, cfg.namespace)
+        hub.start(runtime.discovery, settings.namespace)
     engines = list(fleet.engines)
-    late_engines = await ingest.wait_restored(engines, cfg.warmup_timeout) if ingest else []
+    late_engines = await ingest.wait_restored(engines, settings.warmup_timeout) if ingest else []
     t_index = time.monotonic()
-    late_peers = await hub.wait_initial_synced(cfg.warmup_timeout) if hub else []
+    late_peers = await hub.wait_initial_synced(settings.warmup_timeout) if hub else []
     t_peers = time.monotonic()
     if late_engines:
         log.warning(
@@ -270,7 +157,7 @@ async def serve(cfg: Config) -> int:
     # full collection, so a large index does not turn GC passes into decision-latency spikes.
     gc.collect()
     gc.freeze()
-    ready = True
+    warm.set()
     await runtime.register(runtime.instance_record("router", "router"))
     await runtime.set_ready()
     now = time.monotonic()
@@ -299,30 +186,16 @@ async def serve(cfg: Config) -> int:
 
     await runtime.wait_for_stop()
     log.info("stopping: deregistering and draining sessions")
-    ready = False
-    # shutdown() marks the runtime draining before its first await (new calls are refused from then on);
-    # close the replica links right after, or the drain would wait for these endless streams.
-    shutdown = asyncio.get_running_loop().create_task(runtime.shutdown())
-    await asyncio.sleep(0)
-    if hub is not None:
-        await hub.close()
-    await shutdown
-    await fleet.close()
-    if load_watch is not None:
-        await load_watch.close()
-    if ingest is not None:
-        await ingest.close()
-    await pool.close()
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_config(
-        PROG, "kvmesh router: KV-aware routing for frontends (one or more active-active replicas)", FLAGS, argv
+    settings = Settings.load(
+        PROG, "kvmesh router: KV-aware routing for frontends (one or more active-active replicas)", argv
     )
-    telemetry.setup_logging(PROG, cfg.log_level, cfg.log_format)
-    telemetry.setup_tracing(PROG, cfg.otel_exporter, cfg.otel_endpoint)
-    return uvloop.run(serve(cfg))
+    telemetry.setup_logging(PROG, settings.log_level, settings.log_format)
+    telemetry.setup_tracing(PROG, settings.otel_exporter, settings.otel_endpoint)
+    return uvloop.run(serve(settings))
 
 
 if __name__ == "__main__":

@@ -1,38 +1,87 @@
-"""The replica's routing settings (from flags; the settings rewrite owns this class's content).
-
-Invariant: immutable once built; :class:`~kvmesh_router.state.RouterState` reads it only at start-up.
-"""
+"""The router's settings, declared once: the routing policy (:class:`RouterSettings`, what the core and
+the benches construct) and the daemon's settings derived from it (:class:`Settings`: flags,
+``KVMESH_*`` variables and the ``[router]`` TOML table, see :mod:`kvmesh.settings`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from kvmesh_router.cost import MODES
+from kvmesh.settings import DaemonSettings, Port, Seconds
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PositiveFloat, PositiveInt
 
-__all__ = ["DEFAULT_COST_POLICY", "RouterSettings"]
+from kvmesh_router.indexer import DEFAULT_MAX_ENTRIES
+from kvmesh_router.policies import POLICIES
 
 # The daemon's kv cost policy: kvmesh's "affinity" beats Dynamo's cost on the Mooncake trace at low and
 # high load (docs/benchmarks.md); "dynamo" stays selectable (--cost-policy, or per request).
 DEFAULT_COST_POLICY = "affinity"
 
 
-@dataclass(frozen=True, slots=True)
-class RouterSettings:
-    """The routing policy of one replica (from flags; see ``kvmesh_router.main``)."""
+def _off_is_none(value: Any) -> Any:
+    """'none'/'off'/'' turn a threshold off (flags and env are text)."""
+    return None if isinstance(value, str) and value.strip().lower() in {"", "none", "off"} else value
 
-    mode: str = "kv"
-    cost_policy: str = DEFAULT_COST_POLICY
-    overlap_weight: float = 1.0
-    temperature: float = 0.0
-    busy_prefill_tokens: int | None = None
-    busy_prefill_frac: float | None = None
-    busy_kv_usage: float | None = None
+
+def _registered_cost_policy(name: str) -> str:
+    """A cost policy of the registry (built-ins and any registered plug-in)."""
+    if not POLICIES.has_cost_policy(name):
+        raise ValueError(f"unknown cost policy {name!r}: choose {', '.join(POLICIES.cost_policies)}")
+    return name
+
+
+def _zero_is_none(value: Any) -> Any:
+    return None if value in (0, "0") else _off_is_none(value)
+
+
+MaxBlocks = Annotated[PositiveInt | None, BeforeValidator(_zero_is_none)]
+OptionalFraction = Annotated[Annotated[float, Field(ge=0)] | None, BeforeValidator(_off_is_none)]
+
+
+class RouterSettings(BaseModel):
+    """The routing policy of one replica; constructing it reads nothing (benches build it directly)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, validate_by_name=True)
+
+    mode: Literal["kv", "round_robin", "random", "power_of_two"] = Field("kv", alias="router_mode")
+    """how engines are picked when a query does not pin one"""
+    cost_policy: Annotated[str, AfterValidator(_registered_cost_policy)] = DEFAULT_COST_POLICY
+    """kv cost function: 'affinity' (kvmesh's, backlog-discounted prefix affinity) or 'dynamo' (Dynamo's
+    overlap-weighted prefill + decode blocks); see docs/benchmarks.md for the measured difference"""
+    overlap_weight: Annotated[float, Field(ge=0)] = 1.0
+    """weight of prefill blocks against decode blocks in the kv cost"""
+    temperature: Annotated[float, Field(ge=0)] = 0.0
+    """softmax temperature of kv selection (0 = cheapest engine)"""
+    busy_prefill_tokens: Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_off_is_none)] = None
+    """an engine with more booked prefill tokens is busy ('none' = off)"""
+    busy_prefill_frac: OptionalFraction = None
+    """busy above this fraction of the engine's max_num_batched_tokens ('none' = off)"""
+    busy_kv_usage: OptionalFraction = None
+    """busy above this fraction of the engine's KV blocks in use ('none' = off); a query is REJECTED only
+    when every eligible engine is busy"""
     kv_events: bool = True
-    index_max_blocks: int | None = None  # None = unbounded
-    approx_ttl_s: float = 120.0
-    booking_ttl_s: float = 300.0
+    """follow the engines' KV events (--no-kv-events: approximate mode, the router's own decisions become
+    predicted cached blocks with a TTL)"""
+    index_max_blocks: MaxBlocks = None
+    """cap on (engine, block) entries in the prefix index (0 or 'none' = unbounded)"""
+    approx_ttl_s: PositiveFloat = Field(120.0, alias="approx_ttl")
+    """approximate mode: seconds a predicted block lives"""
+    booking_ttl_s: PositiveFloat = Field(300.0, alias="booking_ttl")
+    """seconds after which a booking with no FINISHED is dropped (lost-update backstop)"""
     seed: int | None = None
+    """seed of the router's random choices (tie-breaks, random modes); default: random"""
 
-    def __post_init__(self) -> None:
-        if self.mode not in MODES or self.mode == "direct":
-            raise ValueError(f"router mode must be one of kv, round_robin, random, power_of_two; got {self.mode!r}")
+
+class Settings(DaemonSettings, RouterSettings):
+    """``kvmesh-router``: the common daemon settings, the routing policy, and these."""
+
+    index_max_blocks: MaxBlocks = DEFAULT_MAX_ENTRIES
+    """cap on (engine, block) entries in the prefix index (0 or 'none' = unbounded); a daemon is bounded
+    by default, the core (benches) is not"""
+    grpc_port: Port = 0
+    """gRPC port of RouterService (0 = any free port)"""
+    replica_sync: bool = True
+    """exchange active-load bookings with the other router replicas"""
+    sync_queue_size: PositiveInt = 10_000
+    """booking events queued per replica link before the link is cut and re-synced"""
+    warmup_timeout: Seconds = 10.0
+    """longest wait, per phase, for engines' snapshots and peers' bookings before SERVING"""

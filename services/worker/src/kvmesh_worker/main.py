@@ -1,4 +1,4 @@
-"""``kvmesh-worker``: hosts N engines (``--engine``, mocker by default) behind one gRPC server and one lease.
+"""``kvmesh-worker``: hosts N engines (``--engine``, the mocker by default) behind one gRPC server and one lease.
 
 Each engine is its own routable instance: it gets an engine id (derived from the process's
 instance id and its index, so it is stable across lease re-grants), an instance record and a
@@ -17,83 +17,20 @@ from collections.abc import Sequence
 import uvloop
 import xxhash
 from kvmesh import telemetry
-from kvmesh.config import (
-    Config,
-    Flag,
-    fail,
-    non_negative_float,
-    non_negative_int,
-    parse_config,
-    port,
-    positive_int,
-)
 from kvmesh.discovery import model_key
 from kvmesh.runtime import DaemonRuntime
+from kvmesh.settings import fail
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
 from kvmesh_worker.engines import Engine, EngineSpec, registry
 from kvmesh_worker.metrics import EngineCollector
 from kvmesh_worker.model_files import ModelFiles, ModelFilesError, load_model_files
 from kvmesh_worker.service import WorkerServicer
+from kvmesh_worker.settings import Settings
 
 log = logging.getLogger("kvmesh_worker")
 
 PROG = "kvmesh-worker"
-FLAGS = (
-    Flag(
-        "engine",
-        f"engine implementation: {', '.join(registry.ENGINES)}, or an import path module:factory",
-        default="mocker",
-        type=registry.engine_name,
-    ),
-    Flag("num-engines", "engines hosted by this process", default=1, type=positive_int),
-    Flag("grpc-port", "gRPC port of WorkerService (0 = any free port)", default=0, type=port),
-    Flag(
-        "model-path",
-        "HF-style model directory (tokenizer.json, tokenizer_config.json, config.json); "
-        "default: the built-in kvmesh-mock model",
-        default=None,
-        metavar="DIR",
-    ),
-    Flag("served-model-name", "model name clients use (default: the model directory's name)", default=None),
-    Flag("num-gpu-blocks", "KV cache blocks per engine", default=16384, type=positive_int),
-    Flag("block-size", "tokens per KV block", default=64, type=positive_int),
-    Flag("max-num-seqs", "running sequences per engine", default=256, type=positive_int),
-    Flag("max-num-batched-tokens", "token budget per forward pass", default=8192, type=positive_int),
-    Flag("watermark", "fraction of KV blocks kept free when admitting", default=0.01, type=non_negative_float),
-    Flag(
-        "preemption-mode",
-        "which running request is preempted when blocks run out",
-        default="lifo",
-        choices=("lifo", "fifo"),
-    ),
-    Flag("enable-chunked-prefill", "split long prompts across passes", default=True, is_bool=True),
-    Flag(
-        "max-model-len",
-        "longest prompt + max_tokens accepted (0 = what the cache can hold)",
-        default=0,
-        type=non_negative_int,
-    ),
-    Flag(
-        "max-waiting-requests",
-        "waiting-queue bound per engine; beyond it RESOURCE_EXHAUSTED (0 = unbounded)",
-        default=0,
-        type=non_negative_int,
-    ),
-    Flag(
-        "speedup-ratio",
-        "simulated time runs this many times faster than real time (0 = no sleeping)",
-        default=1.0,
-        type=non_negative_float,
-    ),
-    Flag("perf-model", "'polynomial' (Dynamo's constants) or a path to an NPZ profile", default="polynomial"),
-    Flag(
-        "event-buffer-size",
-        "recent KV events kept per engine for subscribers that resume",
-        default=1024,
-        type=positive_int,
-    ),
-)
 
 
 def engine_id_for(instance_id: int, index: int) -> int:
@@ -127,7 +64,7 @@ def model_card(spec: EngineSpec, model: ModelFiles, engine_id: int, address: str
     )
 
 
-async def serve(cfg: Config) -> int:
+async def serve(cfg: Settings) -> int:
     try:
         model = load_model_files(cfg.model_path, cfg.served_model_name)
     except ModelFilesError as exc:
@@ -137,52 +74,54 @@ async def serve(cfg: Config) -> int:
     except registry.EngineBuildError as exc:
         fail(PROG, str(exc))
 
-    runtime = DaemonRuntime(PROG, cfg)
-    await runtime.connect()
-    engine_ids = [engine_id_for(runtime.instance_id, i) for i in range(cfg.num_engines)]
-    runners: list[Engine] = [make_engine(eid) for eid in engine_ids]
-    cards: dict[int, discovery_pb2.ModelCard] = {}
-    servicer = WorkerServicer(runners, cards, model, runtime.refusal)
-    runtime.on_draining(servicer.drain)
-    runtime.add_service(
-        worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server,
-        servicer,
-    )
-    EngineCollector.register(runners)
-    await runtime.start(cfg.grpc_port)
-    for runner in runners:
-        runner.start()
-    for index, eid in enumerate(engine_ids):
-        cards[eid] = model_card(runners[index].spec, model, eid, runtime.address)
-        await runtime.register(
-            runtime.instance_record(
-                "worker", "engine", eid, role=_ROLES[runners[index].spec.role], model=model.name, engine_index=index
-            )
+    async with DaemonRuntime(PROG, cfg) as runtime:
+        engine_ids = [engine_id_for(runtime.instance_id, i) for i in range(cfg.num_engines)]
+        runners: list[Engine] = [make_engine(eid) for eid in engine_ids]
+        cards: dict[int, discovery_pb2.ModelCard] = {}
+        servicer = WorkerServicer(runners, cards, model, runtime.refusal)
+        runtime.on_draining(servicer.drain)
+        runtime.add_service(
+            worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
+            worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+            servicer,
         )
-        await runtime.put(model_key(cfg.namespace, model.name, eid), cards[eid].SerializeToString())
-    # Everything built so far (modules, engines) lives as long as the process: keep it out of the
-    # cyclic GC's full collections, each of which otherwise stalls every engine for ~15 ms (1000 engines).
-    gc.collect()
-    gc.freeze()
-    log.info(
-        "serving %d %s engine(s) of model %s on %s (instance %x)",
-        len(runners),
-        cfg.engine,
-        model.name,
-        runtime.address,
-        runtime.instance_id,
-    )
-    await runtime.wait_for_stop()
-    log.info("stopping: deregistering and draining in-flight requests")
-    await runtime.shutdown()
-    for runner in runners:
-        await runner.stop()
+        EngineCollector.register(runners)
+        await runtime.start(cfg.grpc_port)
+        for runner in runners:
+            runner.start()
+            runtime.resources.push_async_callback(runner.stop)
+        for index, eid in enumerate(engine_ids):
+            cards[eid] = model_card(runners[index].spec, model, eid, runtime.address)
+            await runtime.register(
+                runtime.instance_record(
+                    "worker",
+                    "engine",
+                    eid,
+                    role=_ROLES[runners[index].spec.role],
+                    model=model.name,
+                    engine_index=index,
+                )
+            )
+            await runtime.put(model_key(cfg.namespace, model.name, eid), cards[eid].SerializeToString())
+        # Everything built so far (modules, engines) lives as long as the process: keep it out of the
+        # cyclic GC's full collections, each of which otherwise stalls every engine for ~15 ms (1000 engines).
+        gc.collect()
+        gc.freeze()
+        log.info(
+            "serving %d %s engine(s) of model %s on %s (instance %x)",
+            len(runners),
+            cfg.engine,
+            model.name,
+            runtime.address,
+            runtime.instance_id,
+        )
+        await runtime.wait_for_stop()
+        log.info("stopping: deregistering and draining in-flight requests")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = parse_config(PROG, "kvmesh worker: hosts engines (simulated mocker engines by default)", FLAGS, argv)
+    cfg = Settings.load(PROG, "kvmesh worker: hosts engines (the mocker by default)", argv)
     telemetry.setup_logging(PROG, cfg.log_level, cfg.log_format)
     telemetry.setup_tracing(PROG, cfg.otel_exporter, cfg.otel_endpoint)
     return uvloop.run(serve(cfg))

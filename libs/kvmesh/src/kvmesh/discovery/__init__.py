@@ -29,15 +29,12 @@ from kvmesh.discovery.base import (
     MODELS_ROOT,
     Added,
     Discovery,
-    DiscoveryError,
-    DiscoveryUnavailable,
     InstanceKey,
     ModelKey,
     Removed,
     Snapshot,
     WatchEvent,
     apply_watch_event,
-    bounded,
     instance_key,
     instance_prefix,
     model_key,
@@ -45,6 +42,7 @@ from kvmesh.discovery.base import (
     parse_instance_key,
     parse_model_key,
 )
+from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, bounded
 from kvmesh.discovery.file import default_file_root
 from kvmesh.discovery.lease import Lease, LeasePolicy
 

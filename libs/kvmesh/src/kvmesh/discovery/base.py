@@ -1,4 +1,4 @@
-"""Discovery interface shared by the backends: errors, watch events, key layout, the abstract store.
+"""Discovery interface shared by the backends: watch events, key layout, the abstract store.
 
 A backend (etcd, file) implements the small :class:`Discovery` surface plus the four lease
 primitives the backend-independent keeper (:mod:`kvmesh.discovery.lease`) drives: grant,
@@ -17,22 +17,18 @@ such as ``Qwen/Qwen3-0.6B`` stays one segment (``Qwen%2FQwen3-0.6B``) and every 
 from __future__ import annotations
 
 import abc
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import quote, unquote
 
-if TYPE_CHECKING:
-    from kvmesh.discovery.lease import Lease
+from kvmesh.discovery.errors import DiscoveryError
+from kvmesh.discovery.lease import Lease, LeasePolicy
 
 __all__ = [
     "INSTANCES_ROOT",
     "MODELS_ROOT",
     "Added",
     "Discovery",
-    "DiscoveryError",
-    "DiscoveryUnavailable",
     "InstanceKey",
     "ModelKey",
     "Removed",
@@ -45,39 +41,6 @@ __all__ = [
     "parse_instance_key",
     "parse_model_key",
 ]
-
-
-T = TypeVar("T")
-
-
-async def bounded(aw: Awaitable[T], timeout: float) -> T:
-    """``await aw`` for at most ``timeout`` seconds (TimeoutError after).
-
-    Uses ``asyncio.timeout`` rather than ``asyncio.wait_for``: on Python 3.11 ``wait_for`` can swallow
-    a cancellation that races with the inner call's completion, which turns ``task.cancel()`` into a
-    no-op and hangs whoever awaits the cancelled task.
-    """
-    async with asyncio.timeout(timeout):
-        return await aw
-
-
-def raise_if_cancelling() -> None:
-    """Re-raise a cancellation some library swallowed (see :func:`bounded`), so loops still stop."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
-# -- errors ------------------------------------------------------------------------------------
-class DiscoveryError(Exception):
-    """A discovery operation failed (bad request, lease revoked, corrupt record...)."""
-
-
-class DiscoveryUnavailable(DiscoveryError):
-    """The backend cannot be reached or used right now (etcd down, directory unusable).
-
-    The message is one actionable line, fit to print as a daemon's exit reason.
-    """
 
 
 # -- watch events ------------------------------------------------------------------------------
@@ -236,8 +199,6 @@ class Discovery(abc.ABC):
     op_timeout: float
 
     def __init__(self, url: str, *, ttl: float, keepalive_interval: float | None, op_timeout: float) -> None:
-        from kvmesh.discovery.lease import LeasePolicy
-
         policy = LeasePolicy(ttl, keepalive_interval)  # validates both
         self.url = url
         self.ttl = policy.ttl
@@ -263,8 +224,6 @@ class Discovery(abc.ABC):
         proven alive; ``on_renewed(new_id)`` runs as a task after a re-grant has re-put every record.
         See :mod:`kvmesh.discovery.lease` for the exact policy.
         """
-        from kvmesh.discovery.lease import Lease
-
         self._check_open()
         lease = Lease(
             self,

@@ -30,17 +30,15 @@ import aetcd.exceptions as etcd_errors
 import grpc
 from aetcd.rtypes import EventKind
 
+from kvmesh.backoff import Backoff
 from kvmesh.discovery.base import (
     Added,
     Discovery,
-    DiscoveryError,
-    DiscoveryUnavailable,
     Removed,
     Snapshot,
     WatchEvent,
-    bounded,
-    raise_if_cancelling,
 )
+from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, bounded, raise_if_cancelling
 
 __all__ = ["EtcdDiscovery", "parse_etcd_endpoints"]
 
@@ -244,7 +242,7 @@ class EtcdDiscovery(Discovery):
 
     async def list_and_watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
         raw = prefix.encode()
-        backoff = 0.1
+        backoff = Backoff(0.1, _WATCH_BACKOFF_MAX)
         failures = 0
         while True:
             raise_if_cancelling()
@@ -260,7 +258,8 @@ class EtcdDiscovery(Discovery):
                 if failures:
                     log.info("etcd watch on %r: re-listed after %d failed attempt(s)", prefix, failures)
                 yield Snapshot(records)
-                backoff, failures = 0.1, 0
+                backoff.reset()
+                failures = 0
                 # Created after the Snapshot was consumed; start_revision closes the gap, and if that
                 # revision was compacted meanwhile etcd says so and we list again.
                 watch = await bounded(client.watch_prefix(raw, start_revision=revision + 1), self.op_timeout)
@@ -272,8 +271,7 @@ class EtcdDiscovery(Discovery):
                     else:
                         yield Removed(key)
                 log.debug("etcd watch on %r ended; re-listing", prefix)  # e.g. its client was replaced
-                await asyncio.sleep(backoff)  # never a tight loop, whatever ends the watch
-                backoff = min(backoff * 2, _WATCH_BACKOFF_MAX)
+                await backoff.sleep()  # never a tight loop, whatever ends the watch
             except etcd_errors.RevisionCompactedError as exc:
                 log.info("etcd watch on %r: %s; re-listing", prefix, exc)
             except DiscoveryError:
@@ -284,8 +282,7 @@ class EtcdDiscovery(Discovery):
                 failures += 1
                 level = logging.WARNING if failures == 1 else logging.DEBUG
                 log.log(level, "etcd watch on %r interrupted (%s); re-listing until it answers", prefix, _one_line(exc))
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _WATCH_BACKOFF_MAX)
+                await backoff.sleep()
             finally:
                 if watch is not None:
                     with contextlib.suppress(Exception):

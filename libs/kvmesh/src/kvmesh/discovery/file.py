@@ -42,13 +42,11 @@ from urllib.parse import parse_qs, quote, urlsplit
 from kvmesh.discovery.base import (
     Added,
     Discovery,
-    DiscoveryError,
-    DiscoveryUnavailable,
     Removed,
     Snapshot,
     WatchEvent,
-    raise_if_cancelling,
 )
+from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, raise_if_cancelling
 
 __all__ = ["FileDiscovery", "default_file_root"]
 

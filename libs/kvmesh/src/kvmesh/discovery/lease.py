@@ -18,11 +18,12 @@ Let ``T`` be the lease TTL (default 10 s), ``K`` the keepalive interval (default
   lease and its records, so the daemon stops taking new work while its records still exist:
   nothing ever serves without a live record (no zombie).
 * **Recovery.** The keeper never gives up (Dynamo issue #3493 is the bug it avoids). It retries a
-  grant with backoff 0.1 s doubling up to ``min(1 s, K)``. When one succeeds it re-puts every
-  remembered record (same key, same value) under the **new** lease id, sets ``alive`` True, then
-  revokes the old lease (best effort, so a lease etcd kept across its restart cannot leave
-  stale records behind) and starts ``on_renewed(new_id)`` as a task. Keys and values are re-put
-  verbatim: a caller whose value embeds the lease id rewrites it in ``on_renewed``.
+  grant with a jittered backoff (:class:`kvmesh.backoff.Backoff`) of 0.1 s doubling up to
+  ``min(1 s, K)``. When one succeeds it re-puts every remembered record (same key, same value)
+  under the **new** lease id, sets ``alive`` True, then revokes the old lease (best effort, so a
+  lease etcd kept across its restart cannot leave stale records behind) and starts
+  ``on_renewed(new_id)`` as a task. Keys and values are re-put verbatim: a caller whose value
+  embeds the lease id rewrites it in ``on_renewed``.
 * **Records.** ``put``/``delete`` are remembered (the desired state) and written at once while
   alive. A write that fails raises DiscoveryUnavailable, stays remembered and is retried after
   the next successful beat. While not alive, writes are only remembered (published at re-grant).
@@ -41,14 +42,24 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvmesh.discovery.base import DiscoveryError, DiscoveryUnavailable, bounded, raise_if_cancelling
+from kvmesh.backoff import Backoff
+from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, bounded, raise_if_cancelling
 
-if TYPE_CHECKING:
-    from kvmesh.discovery.base import Discovery
+__all__ = ["Lease", "LeasePolicy", "LeaseStore"]
 
-__all__ = ["Lease", "LeasePolicy"]
+
+class LeaseStore(Protocol):
+    """The backend primitives the keeper drives (:class:`kvmesh.discovery.base.Discovery` implements them)."""
+
+    async def _lease_grant(self, ttl: float) -> tuple[int, float]: ...
+    async def _lease_keepalive(self, lease_id: int) -> float: ...
+    async def _lease_revoke(self, lease_id: int) -> None: ...
+    async def _put(self, key: str, value: bytes, lease_id: int) -> None: ...
+    async def _delete(self, key: str) -> None: ...
+    def _forget_lease(self, lease: Lease) -> None: ...
+
 
 log = logging.getLogger("kvmesh.discovery.lease")
 
@@ -88,7 +99,7 @@ class Lease:
 
     def __init__(
         self,
-        discovery: Discovery,
+        discovery: LeaseStore,
         *,
         ttl: float,
         keepalive_interval: float | None,
@@ -290,15 +301,14 @@ class Lease:
                 log.exception("on_lost callback failed")
 
     async def _recover(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(min(0.1, self.policy.max_regrant_backoff), self.policy.max_regrant_backoff)
         while not self._revoked:
             try:
                 await bounded(self._regrant(), self._op_timeout)
                 return
             except Exception as exc:  # a timeout is a TimeoutError; a real cancel propagates
                 log.debug("re-grant of a lease failed: %s", exc)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self.policy.max_regrant_backoff)
+            await backoff.sleep()
 
     async def _regrant(self) -> None:
         async with self._lock:

@@ -1,0 +1,43 @@
+"""Discovery errors and the two asyncio helpers every discovery module uses (no other imports,
+so the store (:mod:`kvmesh.discovery.base`) and the lease keeper (:mod:`kvmesh.discovery.lease`) both
+depend on this module and never on each other's internals in a cycle)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+__all__ = ["DiscoveryError", "DiscoveryUnavailable", "bounded", "raise_if_cancelling"]
+
+T = TypeVar("T")
+
+
+async def bounded(aw: Awaitable[T], timeout: float) -> T:
+    """``await aw`` for at most ``timeout`` seconds (TimeoutError after).
+
+    Uses ``asyncio.timeout`` rather than ``asyncio.wait_for``: on Python 3.11 ``wait_for`` can swallow
+    a cancellation that races with the inner call's completion, which turns ``task.cancel()`` into a
+    no-op and hangs whoever awaits the cancelled task.
+    """
+    async with asyncio.timeout(timeout):
+        return await aw
+
+
+def raise_if_cancelling() -> None:
+    """Re-raise a cancellation some library swallowed (see :func:`bounded`), so loops still stop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+# -- errors ------------------------------------------------------------------------------------
+class DiscoveryError(Exception):
+    """A discovery operation failed (bad request, lease revoked, corrupt record...)."""
+
+
+class DiscoveryUnavailable(DiscoveryError):
+    """The backend cannot be reached or used right now (etcd down, directory unusable).
+
+    The message is one actionable line, fit to print as a daemon's exit reason.
+    """

@@ -1,0 +1,210 @@
+"""Daemon settings: one frozen pydantic model per daemon, from which flags, ``KVMESH_*`` and TOML derive.
+
+A daemon declares its settings once, as a subclass of :class:`DaemonSettings` (a field's docstring is
+its help). Every field ``some_field`` (or its alias) is the flag ``--some-field``, the environment
+variable ``KVMESH_SOME_FIELD`` and the TOML key ``some-field`` / ``some_field`` in ``[common]`` or
+the daemon's table (``[worker]`` for ``kvmesh-worker``). Precedence, highest first: flag, environment,
+config file (``--config`` / ``KVMESH_CONFIG``), default.
+
+Rules (each a one-line error naming the setting and its source, exit 2):
+- a value pydantic rejects, wherever it came from;
+- an unknown flag, TOML table, TOML key, or ``KVMESH_*`` variable (``KVMESH_CONFIG`` and the
+  ``KVMESH_TEST_*`` variables of the test tooling are not settings).
+The environment is per process: a ``KVMESH_*`` variable for another daemon is an error here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tomllib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, NoReturn, Self
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+
+EXIT_BAD_CONFIG = 2
+ENV_PREFIX = "KVMESH_"
+_NOT_SETTINGS = ("KVMESH_CONFIG",)
+_NOT_SETTINGS_PREFIX = "KVMESH_TEST_"
+# Tables a shared config file may hold: [common] plus one per daemon (each daemon checks its own).
+TABLES = ("common", "frontend", "router", "worker")
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """The one way a daemon reports a problem the user must fix: one line, exit 2."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_CONFIG)
+
+
+def default_discovery_url() -> str:
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/kvmesh-{os.getuid()}"
+    return f"file://{Path(runtime) / 'kvmesh-discovery'}"
+
+
+def _discovery_url(text: str) -> str:
+    if text.startswith("etcd://"):
+        hosts = text.removeprefix("etcd://").strip("/")
+        if not hosts:
+            raise ValueError("etcd:// needs host:port[,host:port]")
+        for host in hosts.split(","):
+            name, _, port_text = host.rpartition(":")
+            if not name or not port_text.isdigit():
+                raise ValueError(f"etcd endpoint {host!r} is not host:port")
+        return text
+    if text.startswith("file://"):
+        if not text.removeprefix("file://").startswith("/"):
+            raise ValueError("file:// needs an absolute directory, e.g. file:///var/lib/kvmesh")
+        return text
+    raise ValueError(f"expected etcd://host:port[,host:port] or file:///dir, got {text!r}")
+
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+Seconds = Annotated[float, Field(ge=0)]
+DiscoveryUrl = Annotated[str, AfterValidator(_discovery_url)]
+
+
+class DaemonSettings(BaseModel):
+    """Settings every daemon has; a daemon subclasses it with its own fields (frozen, keyword-only)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, validate_by_name=True)
+
+    discovery: DiscoveryUrl = Field(default_factory=default_discovery_url)
+    """discovery backend: etcd://host:port[,host:port] or file:///dir (one machine, no server)"""
+    namespace: str = "kvmesh"
+    """deployment namespace; daemons only see their own"""
+    lease_ttl: Seconds = 10.0
+    """discovery lease TTL in seconds; keepalive runs every TTL/3"""
+    host: str = "127.0.0.1"
+    """address other daemons use to reach this one"""
+    metrics_port: Annotated[int, Field(ge=-1, le=65535)] = -1
+    """Prometheus /metrics port (0 = any free port, -1 = disabled)"""
+    otel_exporter: Literal["none", "console", "otlp"] = "none"
+    """OpenTelemetry trace exporter"""
+    otel_endpoint: str = "http://127.0.0.1:4317"
+    """OTLP gRPC endpoint for --otel-exporter otlp"""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """log level"""
+    log_format: Literal["text", "json"] = "text"
+    """log format"""
+    drain_timeout: Seconds = 30.0
+    """seconds in-flight calls may take to finish after SIGTERM"""
+
+    @classmethod
+    def load(
+        cls, prog: str, description: str, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> Self:
+        """Parse flags, environment and config file for daemon ``prog``; on any problem print one line, exit 2."""
+        env = os.environ if environ is None else environ
+        names = {_key(name, info): name for name, info in cls.model_fields.items()}
+        flags = vars(_parser(cls, prog, description).parse_args(argv))
+        config_path: str | None = flags.pop("config", None) or env.get(f"{ENV_PREFIX}CONFIG")
+        try:
+            raw: dict[str, tuple[Any, str]] = {}  # field -> (value, source), lowest precedence first
+            if config_path:
+                for key, value in _load_toml(config_path, prog, cls).items():
+                    raw[names[key]] = (value, config_path)
+            for var, value in env.items():
+                if not is_setting_variable(var):
+                    continue
+                key = var.removeprefix(ENV_PREFIX).lower()
+                if key not in names:
+                    raise _Problem(f"{var}: unknown setting (environment)")
+                raw[names[key]] = (value, var)
+            raw.update({names[key]: (value, "flag") for key, value in flags.items()})
+            try:
+                return cls.model_validate({name: value for name, (value, _) in raw.items()})
+            except ValidationError as exc:
+                error = exc.errors()[0]
+                loc = str(error["loc"][0]) if error["loc"] else ""
+                name = names.get(loc, loc)  # pydantic may report a field by its alias
+                if name not in cls.model_fields:
+                    raise _Problem(error["msg"].removeprefix("Value error, ")) from None
+                source = raw[name][1] if name in raw else "default"
+                flag = "--" + _key(name, cls.model_fields[name]).replace("_", "-")
+                raise _Problem(f"{flag} (from {source}): {error['msg'].removeprefix('Value error, ')}") from None
+        except _Problem as exc:
+            fail(prog, str(exc))
+
+    @classmethod
+    def variables(cls) -> frozenset[str]:
+        """The ``KVMESH_*`` environment variables this daemon reads."""
+        return frozenset(ENV_PREFIX + _key(name, info).upper() for name, info in cls.model_fields.items())
+
+
+def is_setting_variable(var: str) -> bool:
+    """Whether ``var`` is meant for a daemon's settings (so unknown ones are errors, not ignored)."""
+    return var.startswith(ENV_PREFIX) and var not in _NOT_SETTINGS and not var.startswith(_NOT_SETTINGS_PREFIX)
+
+
+class _Problem(Exception):
+    """A configuration problem the user can fix; the message names the setting and its source."""
+
+
+def _key(name: str, info: FieldInfo) -> str:
+    """The setting's external name (flag/env/TOML key, underscores) — its alias where it has one."""
+    return info.alias or name
+
+
+def _parser(cls: type[DaemonSettings], prog: str, description: str) -> argparse.ArgumentParser:
+    table = prog.removeprefix("kvmesh-")
+    parser = _OneLineParser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+    parser.add_argument("--config", metavar="FILE", help=f"TOML file: tables [common], [{table}] (env KVMESH_CONFIG)")
+    for name, info in cls.model_fields.items():
+        key = _key(name, info)
+        default = info.get_default(call_default_factory=True)
+        help_text = f"{info.description} (env {ENV_PREFIX}{key.upper()}; default: {default!r})"
+        flag = "--" + key.replace("_", "-")
+        if info.annotation is bool:
+            parser.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            choices = _choices(info.annotation)
+            parser.add_argument(flag, dest=key, choices=choices, metavar=_metavar(info), help=help_text)
+    return parser
+
+
+def _choices(annotation: Any) -> tuple[str, ...] | None:
+    return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else None
+
+
+def _metavar(info: FieldInfo) -> str | None:
+    if _choices(info.annotation):
+        return None
+    inner = [a for a in typing.get_args(info.annotation) if a is not types.NoneType] or [info.annotation]
+    return {int: "N", float: "X"}.get(inner[0], "TEXT")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        fail(self.prog, message)
+
+
+def _load_toml(path: str, prog: str, cls: type[DaemonSettings]) -> dict[str, Any]:
+    """``[common]`` merged with the daemon's table, keys normalized to underscores; unknown → error."""
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except OSError as exc:
+        raise _Problem(f"--config: cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise _Problem(f"--config: {path} is not valid TOML: {exc}") from None
+    for table, entries in doc.items():
+        if table not in TABLES:
+            raise _Problem(f"--config: unknown table [{table}] in {path} (expected {', '.join(TABLES)})")
+        if not isinstance(entries, dict):
+            raise _Problem(f"--config: [{table}] in {path} must be a table")
+    common = {_key(name, info) for name, info in DaemonSettings.model_fields.items()}
+    known = {_key(name, info) for name, info in cls.model_fields.items()}
+    merged: dict[str, Any] = {}
+    for table, allowed in (("common", common), (prog.removeprefix("kvmesh-"), known)):
+        for key, value in doc.get(table, {}).items():
+            normalized = key.replace("-", "_")
+            if normalized not in allowed:
+                raise _Problem(f"--config: unknown setting {key!r} in [{table}] of {path}")
+            merged[normalized] = value
+    return merged

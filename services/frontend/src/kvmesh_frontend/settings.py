@@ -1,0 +1,25 @@
+"""``kvmesh-frontend``'s settings, declared once (flags, ``KVMESH_*`` and ``[frontend]`` derive from them)."""
+
+from __future__ import annotations
+
+from kvmesh.settings import DaemonSettings, Port, Seconds
+from pydantic import NonNegativeInt, PositiveInt
+
+from kvmesh_frontend.pipeline import DEFAULT_MAX_TOKENS
+
+
+class Settings(DaemonSettings):
+    """The common daemon settings plus the KServe server's."""
+
+    grpc_port: Port = 8001
+    """KServe v2 gRPC port (Triton's default; 0 picks a free one)"""
+    bind_host: str = "0.0.0.0"
+    """interface the gRPC server listens on"""
+    migration_limit: NonNegativeInt = 3
+    """times a request may move to another engine when its engine dies mid-stream (0 = off)"""
+    route_timeout: Seconds = 30.0
+    """seconds to wait for a router decision before answering UNAVAILABLE"""
+    default_max_tokens: PositiveInt = DEFAULT_MAX_TOKENS
+    """max_tokens of requests that do not say"""
+    model_fetch_timeout: Seconds = 30.0
+    """seconds to download a model's tokenizer files from a worker"""

@@ -1,0 +1,50 @@
+"""``kvmesh-worker``'s settings, declared once (flags, ``KVMESH_*`` and ``[worker]`` derive from them)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from kvmesh.settings import DaemonSettings, Port
+from pydantic import AfterValidator, Field, NonNegativeInt, PositiveInt
+
+from kvmesh_worker.engines import registry
+
+
+class Settings(DaemonSettings):
+    """The common daemon settings plus the engines this process hosts."""
+
+    engine: Annotated[str, AfterValidator(registry.engine_name)] = "mocker"
+    """engine implementation: a registered name (mocker) or an import path package.module:factory"""
+    num_engines: PositiveInt = 1
+    """engines hosted by this process"""
+    grpc_port: Port = 0
+    """gRPC port of WorkerService (0 = any free port)"""
+    model_path: str | None = None
+    """HF-style model directory (tokenizer.json, tokenizer_config.json, config.json); default: the built-in
+    kvmesh-mock model"""
+    served_model_name: str | None = None
+    """model name clients use (default: the model directory's name)"""
+    num_gpu_blocks: PositiveInt = 16384
+    """KV cache blocks per engine"""
+    block_size: PositiveInt = 64
+    """tokens per KV block"""
+    max_num_seqs: PositiveInt = 256
+    """running sequences per engine"""
+    max_num_batched_tokens: PositiveInt = 8192
+    """token budget per forward pass"""
+    watermark: Annotated[float, Field(ge=0)] = 0.01
+    """fraction of KV blocks kept free when admitting"""
+    preemption_mode: Literal["lifo", "fifo"] = "lifo"
+    """which running request is preempted when blocks run out"""
+    enable_chunked_prefill: bool = True
+    """split long prompts across passes"""
+    max_model_len: NonNegativeInt = 0
+    """longest prompt + max_tokens accepted (0 = what the cache can hold)"""
+    max_waiting_requests: NonNegativeInt = 0
+    """waiting-queue bound per engine; beyond it RESOURCE_EXHAUSTED (0 = unbounded)"""
+    speedup_ratio: Annotated[float, Field(ge=0)] = 1.0
+    """simulated time runs this many times faster than real time (0 = no sleeping)"""
+    perf_model: str = "polynomial"
+    """'polynomial' (Dynamo's constants) or a path to an NPZ profile"""
+    event_buffer_size: PositiveInt = 1024
+    """recent KV events kept per engine for subscribers that resume"""

@@ -1,0 +1,132 @@
+"""Settings come from flags, KVMESH_* variables and a TOML file, in that order of precedence.
+
+A daemon declares them once, as a frozen pydantic model; everything else is derived from it.
+"""
+
+import pydantic
+import pytest
+from kvmesh.settings import DaemonSettings, is_setting_variable
+from pydantic import PositiveInt
+
+
+class WorkerLike(DaemonSettings):
+    num_engines: PositiveInt = 1
+    """engines per process"""
+    speedup_ratio: float = 1.0
+    """simulation speed"""
+    enable_thing: bool = False
+    """a switch"""
+
+
+def load(argv, env=None):
+    return WorkerLike.load("kvmesh-worker", "test", argv, environ=env or {})
+
+
+def fails(argv, env=None, capsys=None):
+    """Run ``load``, assert it exits 2 with one line, return that line."""
+    with pytest.raises(SystemExit) as exc:
+        load(argv, env)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvmesh-worker: error: "), err
+    return err
+
+
+def test_defaults_apply_when_nothing_is_set():
+    cfg = load([])
+    assert (cfg.num_engines, cfg.speedup_ratio, cfg.enable_thing) == (1, 1.0, False)
+    assert cfg.namespace == "kvmesh" and cfg.discovery.startswith("file:///")
+
+
+def test_flag_beats_env_beats_file(tmp_path):
+    conf = tmp_path / "kvmesh.toml"
+    conf.write_text(
+        '[common]\nnamespace = "from-file"\n[worker]\nnum_engines = 3\nspeedup-ratio = 2.5\n[router]\nseed = 1\n'
+    )
+    env = {"KVMESH_NUM_ENGINES": "5", "KVMESH_ENABLE_THING": "yes"}
+    cfg = load(["--config", str(conf), "--speedup-ratio", "9"], env)
+    assert cfg.speedup_ratio == 9.0  # flag over file
+    assert cfg.num_engines == 5  # env over file
+    assert cfg.namespace == "from-file"  # file over default ([common]; [router] is another daemon's)
+    assert cfg.enable_thing is True
+
+
+def test_config_file_from_env(tmp_path):
+    conf = tmp_path / "c.toml"
+    conf.write_text("[worker]\nnum-engines = 4\n")
+    assert load([], {"KVMESH_CONFIG": str(conf)}).num_engines == 4
+
+
+def test_variables_that_are_not_settings_are_left_alone():
+    assert load([], {"KVMESH_TEST_ETCD": "/usr/bin/etcd", "PATH": "/bin"}).num_engines == 1
+
+
+def test_settings_are_frozen_and_keyword_only():
+    cfg = load([])
+    with pytest.raises(pydantic.ValidationError):
+        cfg.num_engines = 2  # type: ignore[misc]  # the point of the test
+    with pytest.raises(TypeError):
+        WorkerLike(2)  # type: ignore[misc]  # the point of the test
+    assert WorkerLike(num_engines=2).num_engines == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (["--num-engines", "0"], {}, "--num-engines (from flag): Input should be greater than 0"),
+        ([], {"KVMESH_NUM_ENGINES": "many"}, "--num-engines (from KVMESH_NUM_ENGINES): Input should be a valid int"),
+        (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+        (["--discovery", "redis://x"], {}, "expected etcd://host:port"),
+        (["--discovery", "etcd://nohost"], {}, "is not host:port"),
+        ([], {"KVMESH_ENABLE_THING": "maybe"}, "--enable-thing (from KVMESH_ENABLE_THING): Input should be a valid"),
+        (["--log-level", "loud"], {}, "invalid choice: 'loud'"),
+        ([], {"KVMESH_LOG_LEVEL": "loud"}, "--log-level (from KVMESH_LOG_LEVEL): Input should be 'debug'"),
+        ([], {"KVMESH_NUM_ENGINE": "2"}, "KVMESH_NUM_ENGINE: unknown setting (environment)"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line_naming_the_setting_and_source(argv, env, needle, capsys):
+    assert needle in fails(argv, env, capsys)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[worker\n", "is not valid TOML"),
+        ("[worker]\nnum-engine = 2\n", "unknown setting 'num-engine' in [worker]"),
+        ("[common]\nnum-engines = 2\n", "unknown setting 'num-engines' in [common]"),  # a worker setting
+        ("[kvmesh-worker]\nnum-engines = 2\n", "unknown table [kvmesh-worker]"),
+        ("namespace = 'top-level'\n", "unknown table [namespace]"),
+        ("[worker]\nnum-engines = 0\n", "--num-engines (from {path}): Input should be greater than 0"),
+    ],
+)
+def test_bad_config_file_exits_2_with_one_line(tmp_path, text, needle, capsys):
+    path = tmp_path / "kvmesh.toml"
+    path.write_text(text)
+    assert needle.format(path=path) in fails(["--config", str(path)], capsys=capsys)
+
+
+def test_missing_config_file_is_reported(tmp_path, capsys):
+    assert "cannot read" in fails(["--config", str(tmp_path / "missing.toml")], capsys=capsys)
+
+
+def test_help_shows_every_setting_with_its_default_and_variable(capsys):
+    with pytest.raises(SystemExit) as exc:
+        load(["--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for name, info in WorkerLike.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = info.get_default(call_default_factory=True)
+        assert f"{info.description} (env KVMESH_{name.upper()}; default: {default!r})" in out, flag
+    assert "tables [common], [worker]" in out
+
+
+def test_a_daemon_names_the_variables_it_reads():
+    assert {"KVMESH_NUM_ENGINES", "KVMESH_DISCOVERY"} <= WorkerLike.variables()
+    assert not {"KVMESH_CONFIG", "KVMESH_TEST_ETCD"} & WorkerLike.variables()
+    assert [is_setting_variable(v) for v in ("KVMESH_X", "KVMESH_CONFIG", "KVMESH_TEST_ETCD", "PATH")] == [
+        True,
+        False,
+        False,
+        False,
+    ]
