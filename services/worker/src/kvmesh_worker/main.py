@@ -8,6 +8,7 @@ disappear from discovery together.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import struct
@@ -115,9 +116,29 @@ async def serve(cfg: Settings) -> int:
             runtime.address,
             runtime.instance_id,
         )
-        await runtime.wait_for_stop()
+        if not await _serve_until_stop_or_engine_death(runtime, runners):
+            return 1
         log.info("stopping: deregistering and draining in-flight requests")
     return 0
+
+
+async def _serve_until_stop_or_engine_death(runtime: DaemonRuntime, runners: list[Engine]) -> bool:
+    """Serve until SIGTERM/SIGINT (True) or until an engine that can die does (False).
+
+    An engine with ``wait_dead`` (vLLM) may die under us. Then the worker stops serving at once:
+    the gRPC server closes every call (the frontends' streams break, so their requests migrate to
+    other engines) before the lease is revoked and the rest shuts down.
+    """
+    stop = asyncio.ensure_future(runtime.wait_for_stop())
+    deaths = [asyncio.ensure_future(wait_dead()) for r in runners if (wait_dead := getattr(r, "wait_dead", None))]
+    done, pending = await asyncio.wait([stop, *deaths], return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    if stop in done:
+        return True
+    log.critical("an engine died: closing every call so that its requests migrate, then exiting")
+    await runtime.server.stop(grace=0)
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from kvmesh.settings import DaemonSettings, Port
@@ -10,11 +11,22 @@ from pydantic import AfterValidator, Field, NonNegativeInt, PositiveInt
 from kvmesh_worker.engines import registry
 
 
+def _json_object(text: str) -> str:
+    """``--vllm-engine-args`` must be a JSON object (checked here; vLLM checks the names at start)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError('must be a JSON object of vLLM engine arguments, e.g. {"dtype": "float32"}')
+    return text
+
+
 class Settings(DaemonSettings):
     """The common daemon settings plus the engines this process hosts."""
 
     engine: Annotated[str, AfterValidator(registry.engine_name)] = "mocker"
-    """engine implementation: a registered name (mocker) or an import path package.module:factory"""
+    """engine implementation: a registered name (mocker, vllm) or an import path package.module:factory"""
     num_engines: PositiveInt = 1
     """engines hosted by this process"""
     grpc_port: Port = 0
@@ -48,3 +60,9 @@ class Settings(DaemonSettings):
     """'polynomial' (Dynamo's constants) or a path to an NPZ profile"""
     event_buffer_size: PositiveInt = 1024
     """recent KV events kept per engine for subscribers that resume"""
+    vllm_engine_args: Annotated[str, AfterValidator(_json_object)] = "{}"
+    """--engine vllm: a JSON object of vLLM engine arguments (AsyncEngineArgs fields, i.e. vllm serve's
+    flags with '_' for '-'), e.g. '{"dtype": "float32", "max_model_len": 2048}'; --block-size,
+    --max-num-seqs, --max-num-batched-tokens, --max-model-len and --num-gpu-blocks
+    (num_gpu_blocks_override) map to vLLM's own when given; the worker owns model, kv_events_config,
+    skip_tokenizer_init, enable_prefix_caching and disable_log_stats (see docs/vllm.md)"""

@@ -15,6 +15,7 @@ from .api import (
     KvSource,
     QueueFull,
     RequestOutput,
+    Sampling,
     StepOutput,
 )
 from .config import EngineConfig, EngineMode, PreemptionMode
@@ -39,6 +40,7 @@ __all__ = [
     "PreemptionMode",
     "QueueFull",
     "RequestOutput",
+    "Sampling",
     "StepOutput",
     "load_perf_model",
 ]

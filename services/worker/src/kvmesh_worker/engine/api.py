@@ -45,6 +45,18 @@ class KvSource(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling controls beyond what the mocker models (it ignores them; a real engine honours them)."""
+
+    temperature: float = 0.0
+    top_p: float = 0.0  # 0 or 1: off
+    top_k: int = 0  # 0: off
+    min_tokens: int = 0
+    seeded: bool = False  # the request named a seed (EngineRequest.seed)
+    logprobs: int | None = None  # return the sampled token's logprob (and this many top ones)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One generation request. ``prompt`` may be a list of ints or an integer numpy array (cheaper)."""
 
@@ -58,6 +70,7 @@ class EngineRequest:
     # Cache namespace (e.g. a LoRA name): requests with different salts never share blocks.
     cache_salt: str | None = None
     kv_source: KvSource = KvSource.COMPUTE
+    sampling: Sampling | None = None
 
 
 @dataclass(slots=True)
@@ -75,6 +88,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_cached_prompt_tokens: int | None = None
+    # Engines that compute them: the sampled tokens' logprobs (one per token id) and the running sum.
+    logprobs: tuple[float, ...] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)

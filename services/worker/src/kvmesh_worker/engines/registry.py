@@ -24,7 +24,10 @@ EngineMaker = Callable[[int], Engine]
 EngineFactory = Callable[[Any, ModelFiles], EngineMaker]
 
 # name -> "module:factory", imported only when picked (a vLLM engine must not cost the mocker an import).
-ENGINES: dict[str, str] = {"mocker": "kvmesh_worker.engines.mocker:build"}
+ENGINES: dict[str, str] = {
+    "mocker": "kvmesh_worker.engines.mocker:build",
+    "vllm": "kvmesh_worker.engines.vllm.engine:build",  # needs the vLLM venv (make setup-vllm)
+}
 
 
 class EngineBuildError(ValueError):

@@ -1,0 +1,6 @@
+"""``--engine vllm``: one vLLM ``AsyncLLM`` behind the worker's ``Engine`` interface.
+
+Only ``engine.py`` imports vLLM (the registry imports it when ``--engine vllm`` is chosen), so the
+mocker path and the default venv, which has no vLLM, never pay for it. ``zmq_events.py`` (the KV
+event wire decoder and its re-hashing index) and ``amx.py`` import nothing from vLLM.
+"""

@@ -1,0 +1,505 @@
+"""A vLLM ``AsyncLLM`` behind the worker's ``Engine`` interface (``--engine vllm``).
+
+Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer_init``,
+``detokenize=False`` and ``RequestOutputKind.DELTA``; the model's EOS id goes into
+``stop_token_ids`` unless ``ignore_eos``. Invariants:
+
+- one vLLM engine per worker process (vLLM's side-channel ports and env vars are per process); it
+  is built in the registry's factory step, before the worker joins discovery, because
+  ``AsyncLLM`` construction blocks for 13-50 s;
+- a request is one asyncio task around ``AsyncLLM.generate``; ``abort`` (a cancel, or the end of
+  its GenerateStream) cancels that task and calls ``AsyncLLM.abort``, so vLLM frees its blocks
+  within one step; the sink gets nothing after ``abort``;
+- ``num_cached_prompt_tokens`` is vLLM's own ``num_cached_tokens`` (its prefix-cache hit);
+- KV events come from vLLM's ZMQ publisher (``zmq_events``), re-hashed with kvmesh's hashes and
+  journalled on the event-loop thread through ``kvmesh.kv_publisher``: the ``SubscribeKvEvents``
+  and ``DumpKvIndex`` guarantees are the mocker's;
+- load and per-pass metrics come from an in-process vLLM stat logger (called on the loop thread
+  after every engine step);
+- if the engine core dies (``EngineDeadError``, or ``AsyncLLM.errored`` while idle),
+  :meth:`wait_dead` returns and the worker stops serving at once, so the frontend migrates its
+  requests elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvmesh.kv_events import CacheDump, KvEvent
+from kvmesh.kv_publisher import EventJournal, KvEventPublisher, KvSubscription
+
+from kvmesh_worker.engine import (
+    DuplicateRequest,
+    EngineLoad,
+    EngineRequest,
+    ForwardPassMetrics,
+    InvalidRequest,
+    QueueFull,
+    RequestOutput,
+)
+from kvmesh_worker.engine.api import FinishReason
+from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, OutputSink, PassObserver
+from kvmesh_worker.engines.registry import EngineBuildError
+from kvmesh_worker.model_files import ModelFiles
+
+from .amx import request_amx_permission
+from .zmq_events import ReHasher, VllmCleared, VllmEvent, ZmqKvSubscriber
+
+log = logging.getLogger(__name__)
+
+KV_TOPIC = "kv"
+# Engine arguments the worker owns: they wire vLLM into kvmesh and cannot be overridden.
+OWNED_ARGS = ("model", "kv_events_config", "skip_tokenizer_init", "enable_prefix_caching", "disable_log_stats")
+# How often an idle engine is checked for death (a busy one reports it through its streams at once).
+DEATH_POLL_S = 0.5
+
+
+def _require_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise EngineBuildError(
+            f"--engine vllm: vLLM cannot be imported ({exc}); install it with `make setup-vllm` and run "
+            "the worker from that venv (.venv-vllm/bin/kvmesh-worker)"
+        ) from exc
+
+
+def parse_engine_args(text: str) -> dict[str, Any]:
+    """``--vllm-engine-args`` JSON: an object of vLLM ``AsyncEngineArgs`` fields (``-`` or ``_`` in names)."""
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object of vLLM engine arguments, e.g. '{\"dtype\": \"float32\"}'")
+    return {str(k).replace("-", "_"): v for k, v in value.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class _Stats:
+    """What the stat logger last saw (read by ``load()``; written on the loop thread)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class _Request:
+    __slots__ = ("first", "num_prompt", "sink", "task", "total")
+
+    def __init__(self, sink: OutputSink, num_prompt: int) -> None:
+        self.sink = sink
+        self.num_prompt = num_prompt
+        self.total = 0
+        self.first = True
+        self.task: asyncio.Task[None] | None = None
+
+
+class VllmEngine:
+    """One vLLM engine (an ``Engine``); see the module docstring for its invariants."""
+
+    def __init__(
+        self,
+        engine_id: int,
+        llm: Any,
+        spec: EngineSpec,
+        *,
+        eos_token_id: int,
+        vocab_size: int,
+        event_buffer_size: int,
+        kv_endpoint: str,
+        kv_replay_endpoint: str,
+        max_waiting_requests: int,
+        stat_hub: StatHub,
+    ) -> None:
+        self.engine_id = engine_id
+        self.spec = spec
+        self.llm = llm
+        self.passes = self.prefill_tokens = self.decode_tokens = 0
+        self._eos = eos_token_id
+        self._vocab = vocab_size
+        self._max_queued = spec.max_num_seqs + max_waiting_requests if max_waiting_requests else 0
+        self._journal = EventJournal(event_buffer_size)
+        self._publisher = KvEventPublisher(self._journal, self.dump_cache)
+        self._rehasher = ReHasher(spec.block_size)
+        self._requests: dict[str, _Request] = {}
+        self._observers: list[PassObserver] = []
+        self._stats = _Stats()
+        self._last_pass = time.monotonic()
+        self._dead: asyncio.Future[BaseException] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._kv_endpoint = kv_endpoint
+        self._kv_replay_endpoint = kv_replay_endpoint
+        self._subscriber: ZmqKvSubscriber | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aborts: set[asyncio.Task[None]] = set()
+        stat_hub.engine = self
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        self._dead = loop.create_future()
+        self._subscriber = ZmqKvSubscriber(
+            self._kv_endpoint,
+            self._kv_replay_endpoint,
+            KV_TOPIC,
+            deliver=lambda events: self._from_thread(events),
+            on_lost=lambda first, last: self._from_thread([VllmCleared()]),
+        )
+        self._subscriber.start()
+        self._watchdog = loop.create_task(self._watch(), name=f"vllm-watchdog-{self.engine_id:x}")
+
+    async def stop(self) -> None:
+        """Abort what is in flight, stop the subscriber, shut vLLM down (its processes exit)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        tasks = [r.task for r in self._requests.values() if r.task is not None]
+        self._requests.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._subscriber is not None:
+            self._subscriber.stop()
+        self.llm.shutdown()
+
+    async def wait_dead(self) -> BaseException:
+        """Returns (with the error) once the engine died; never returns while it is healthy."""
+        assert self._dead is not None, "start() first"
+        return await asyncio.shield(self._dead)
+
+    def _died(self, error: BaseException) -> None:
+        if self._dead is not None and not self._dead.done():
+            log.critical("vLLM engine %x died: %s", self.engine_id, error or type(error).__name__)
+            self._dead.set_result(error)
+
+    async def _watch(self) -> None:
+        while not self.llm.errored:
+            await asyncio.sleep(DEATH_POLL_S)
+        self._died(self.llm.dead_error)
+
+    # -- requests -------------------------------------------------------------------------------
+    def _check(self, request: EngineRequest) -> list[int]:
+        prompt = [int(t) for t in request.prompt]
+        if not prompt:
+            raise InvalidRequest("prompt has no tokens")
+        if request.request_id in self._requests:
+            raise DuplicateRequest(f"request id {request.request_id!r} is already running on this engine")
+        bad = next((t for t in prompt if t < 0 or t >= self._vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary (size {self._vocab})")
+        if request.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if len(prompt) + request.max_tokens > self.spec.context_length:
+            raise InvalidRequest(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds the context "
+                f"length {self.spec.context_length}"
+            )
+        if self._max_queued and len(self._requests) >= self._max_queued:
+            raise QueueFull(f"engine {self.engine_id:x} has {len(self._requests)} requests (the limit)")
+        if self._dead is not None and self._dead.done():
+            raise QueueFull(f"engine {self.engine_id:x} is dead")
+        return prompt
+
+    def submit(self, request: EngineRequest, sink: OutputSink) -> None:
+        prompt = self._check(request)
+        state = self._requests[request.request_id] = _Request(sink, len(prompt))
+        loop = asyncio.get_running_loop()
+        state.task = loop.create_task(self._generate(request, prompt, state), name=f"vllm-{request.request_id}")
+
+    def sampling_params(self, request: EngineRequest) -> Any:
+        """``SamplingOptions`` → vLLM ``SamplingParams`` (token ids out, deltas)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        stop = list(request.stop_token_ids)
+        if not request.ignore_eos and self._eos not in stop:
+            stop.append(self._eos)  # no tokenizer in vLLM: it cannot know the EOS id by itself
+        options = request.sampling
+        kwargs: dict[str, Any] = dict(
+            max_tokens=request.max_tokens,
+            min_tokens=options.min_tokens if options is not None else 0,
+            ignore_eos=request.ignore_eos,
+            stop_token_ids=stop,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+            temperature=options.temperature if options is not None else 0.0,
+            top_p=options.top_p if options is not None and 0 < options.top_p < 1 else 1.0,
+            top_k=options.top_k if options is not None and options.top_k > 0 else 0,
+        )
+        if options is not None and options.seeded:
+            kwargs["seed"] = request.seed
+        if options is not None and options.logprobs is not None:
+            kwargs["logprobs"] = options.logprobs
+        return SamplingParams(**kwargs)
+
+    async def _generate(self, request: EngineRequest, prompt: list[int], state: _Request) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        request_id = request.request_id
+        try:
+            params = self.sampling_params(request)
+            async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id):
+                if self._requests.get(request_id) is not state:
+                    return  # aborted
+                self._deliver(request_id, state, out)
+                if out.finished:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as exc:
+            self._died(exc)
+        except Exception as exc:  # vLLM refused the request: end it rather than leave it hanging
+            log.error("vLLM request %s failed: %s", request_id, exc)
+            if self._requests.get(request_id) is state:
+                state.sink.put_nowait(RequestOutput(request_id, (), state.total, True, "abort"))
+        finally:
+            if self._requests.get(request_id) is state:
+                del self._requests[request_id]
+
+    def _deliver(self, request_id: str, state: _Request, out: Any) -> None:
+        completion = out.outputs[0] if out.outputs else None
+        tokens = tuple(completion.token_ids) if completion is not None else ()
+        state.total += len(tokens)
+        finish: FinishReason | None = None
+        if out.finished:
+            reason = completion.finish_reason if completion is not None else None
+            finish = "length" if reason == "length" else "abort" if reason == "abort" else "stop"
+        output = RequestOutput(request_id, tokens, state.total, bool(out.finished), finish)
+        if state.first:
+            output.num_cached_prompt_tokens = int(out.num_cached_tokens or 0)
+            state.first = False
+        if completion is not None and completion.logprobs is not None:
+            output.logprobs = tuple(
+                float(step[token].logprob) for step, token in zip(completion.logprobs, tokens, strict=False)
+            )
+        if completion is not None and completion.cumulative_logprob is not None:
+            output.cumulative_logprob = float(completion.cumulative_logprob)
+        state.sink.put_nowait(output)
+
+    def abort(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        if state.task is not None:
+            state.task.cancel()  # AsyncLLM.generate aborts on cancellation too
+        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await self.llm.abort(request_id)
+
+    def release_kv(self, transfer_id: str) -> bool:
+        raise KvNotHeld(f"engine {self.engine_id:x} is aggregated: it holds no KV for transfers")
+
+    # -- KV journal -----------------------------------------------------------------------------
+    def _from_thread(self, events: list[VllmEvent]) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._on_vllm_events, events)
+
+    def _on_vllm_events(self, events: list[VllmEvent]) -> None:
+        data = self._rehasher.apply(events)
+        if data:
+            self._publisher.publish([self._journal.append(d) for d in data])
+
+    def subscribe(self, start_event_id: int | None) -> tuple[CacheDump | list[KvEvent], KvSubscription]:
+        return self._publisher.subscribe(start_event_id)
+
+    def unsubscribe(self, subscription: KvSubscription) -> None:
+        self._publisher.unsubscribe(subscription)
+
+    def dump_cache(self) -> CacheDump:
+        return CacheDump(self._rehasher.dump(), self._journal.next_event_id)
+
+    # -- load -----------------------------------------------------------------------------------
+    def load(self) -> EngineLoad:
+        total = self.spec.total_kv_blocks
+        active = min(total, round(self._stats.kv_usage * total))
+        return EngineLoad(
+            active_blocks=active,
+            cached_blocks=max(0, len(self._rehasher.blocks) - active),
+            total_blocks=total,
+            num_waiting=self._stats.waiting,
+            num_running=self._stats.running,
+            queued_prefill_tokens=sum(r.num_prompt for r in self._requests.values() if r.first),
+        )
+
+    def add_observer(self, observer: PassObserver) -> None:
+        self._observers.append(observer)
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        """One engine step, from the stat logger (loop thread)."""
+        now = time.monotonic()
+        if scheduler_stats is not None:
+            self._stats.running = int(scheduler_stats.num_running_reqs)
+            self._stats.waiting = int(scheduler_stats.num_waiting_reqs)
+            self._stats.kv_usage = float(scheduler_stats.kv_cache_usage)
+        if iteration_stats is None:
+            return
+        prompt = iteration_stats.prompt_token_stats
+        prefill = int(getattr(prompt, "computed", 0) or 0)
+        decode = int(iteration_stats.num_generation_tokens)
+        prefill_reqs = len(iteration_stats.time_to_first_tokens_iter)
+        metrics = ForwardPassMetrics(
+            num_prefill_requests=prefill_reqs,
+            num_decode_requests=max(0, self._stats.running - prefill_reqs),
+            prefill_tokens=prefill,
+            decode_tokens=max(0, decode - prefill_reqs),
+            num_preempted=int(iteration_stats.num_preempted_reqs),
+            active_blocks=min(self.spec.total_kv_blocks, round(self._stats.kv_usage * self.spec.total_kv_blocks)),
+            duration_ms=0.0,
+        )
+        self.passes += 1
+        self.prefill_tokens += metrics.prefill_tokens
+        self.decode_tokens += metrics.decode_tokens
+        wall = now - self._last_pass
+        self._last_pass = now
+        for observer in self._observers:
+            observer(self.engine_id, metrics, wall)
+
+
+class StatHub:
+    """Connects vLLM's stat logger (built inside ``AsyncLLM``) to the engine built after it."""
+
+    engine: VllmEngine | None = None
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if self.engine is not None:
+            self.engine.record(scheduler_stats, iteration_stats)
+
+
+def _stat_logger_factory(hub: StatHub) -> Callable[[Any, int], Any]:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class KvmeshStatLogger(StatLoggerBase):  # type: ignore[misc]  # vLLM is untyped here
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+        ) -> None:
+            hub.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return KvmeshStatLogger
+
+
+def engine_args(settings: Any, model_path: str, kv_port: int, replay_port: int) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` fields: kvmesh's defaults, the user's ``--vllm-engine-args``, then what kvmesh owns."""
+    user = parse_engine_args(settings.vllm_engine_args)
+    owned = [k for k in OWNED_ARGS if k in user]
+    if owned:
+        raise EngineBuildError(f"--vllm-engine-args: {', '.join(owned)} are set by the worker (see docs/vllm.md)")
+    explicit = settings.model_fields_set
+    args: dict[str, Any] = {
+        "block_size": settings.block_size,
+        "enforce_eager": True,  # no graph capture: starts in seconds (override for production GPUs)
+        "seed": 0,
+    }
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if name in explicit:
+            args[name] = getattr(settings, name)
+    if settings.max_model_len:
+        args["max_model_len"] = settings.max_model_len
+    if "num_gpu_blocks" in explicit:
+        args["num_gpu_blocks_override"] = settings.num_gpu_blocks
+    args.update(user)
+    args.update(
+        model=model_path,
+        skip_tokenizer_init=True,  # the frontend tokenizes; token ids in and out
+        enable_prefix_caching=True,  # KV events exist only with prefix caching
+        disable_log_stats=False,  # the stat logger feeds load() and the pass observers
+        kv_events_config={
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{kv_port}",  # a '*' makes vLLM bind (a host makes it connect)
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": KV_TOPIC,
+        },
+    )
+    return args
+
+
+def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
+    """The registry's factory: checks the settings, starts vLLM (13-50 s), returns the one-engine maker."""
+    if settings.num_engines != 1:
+        raise EngineBuildError("--engine vllm hosts one engine per process: use --num-engines 1 (a worker per engine)")
+    if not settings.model_path:
+        raise EngineBuildError("--engine vllm needs --model-path DIR (an HF model directory)")
+    _require_vllm()
+    from vllm.config import KVEventsConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; only read by the CPU build
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    request_amx_permission()
+    kv_port, replay_port = _free_port(), _free_port()
+    try:
+        args = engine_args(settings, settings.model_path, kv_port, replay_port)
+    except ValueError as exc:
+        raise EngineBuildError(f"--vllm-engine-args: {exc}") from exc
+    args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
+    try:
+        engine_args_ = AsyncEngineArgs(**args)
+    except TypeError as exc:
+        raise EngineBuildError(f"--vllm-engine-args: {exc}") from exc
+    hub = StatHub()
+    try:
+        llm = AsyncLLM.from_engine_args(engine_args_, stat_loggers=[_stat_logger_factory(hub)])
+    except Exception as exc:
+        raise EngineBuildError(f"--engine vllm: the engine did not start: {exc}") from exc
+    config = llm.vllm_config
+    spec = EngineSpec(
+        kind="vllm",
+        role="aggregated",
+        block_size=int(config.cache_config.block_size),
+        context_length=int(config.model_config.max_model_len),
+        total_kv_blocks=int(config.cache_config.num_gpu_blocks or 0),
+        max_num_seqs=int(config.scheduler_config.max_num_seqs),
+        max_num_batched_tokens=int(config.scheduler_config.max_num_batched_tokens),
+    )
+    log.info("vLLM engine ready: %s", spec)
+    made: list[VllmEngine] = []
+
+    def make(engine_id: int) -> VllmEngine:
+        if made:
+            raise EngineBuildError("one vLLM engine per worker process")
+        made.append(
+            VllmEngine(
+                engine_id,
+                llm,
+                spec,
+                eos_token_id=model.eos_token_id,
+                vocab_size=model.vocab_size,
+                event_buffer_size=settings.event_buffer_size,
+                kv_endpoint=f"tcp://127.0.0.1:{kv_port}",
+                kv_replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+                max_waiting_requests=settings.max_waiting_requests,
+                stat_hub=hub,
+            )
+        )
+        return made[0]
+
+    return make
