@@ -93,6 +93,7 @@ class EngineBehaviour:
     die_after: int | None = None  # abort with UNAVAILABLE after this many tokens
     error: tuple[grpc.StatusCode, str] | None = None  # fail at once with this status
     eos_after: int | None = None  # finish with STOP after this many tokens
+    cached_tokens: int = 3  # the engine's own prefix-cache hit, reported on its first response
 
 
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
@@ -164,6 +165,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 response = worker_pb2.GenerateResponse(token_ids=ids, finish_reason=finish)
                 if first:
                     response.num_prompt_tokens = len(request.token_ids)
+                    response.num_cached_tokens = b.cached_tokens
                     first = False
                 yield response
                 if finish:

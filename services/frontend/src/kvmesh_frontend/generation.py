@@ -68,7 +68,7 @@ class GenerationState:
 
     engine_id: int = 0
     address: str = ""
-    cached_tokens: int = 0  # router's overlap x block size, on the engine that finished
+    cached_tokens: int = 0  # the engine's own count (its first response); the router's overlap until then
     migrations: int = 0
     failures: list[str] = field(default_factory=list)
 
@@ -145,6 +145,8 @@ class Generator:
             first = True
             try:
                 async for response in call:
+                    if response.num_prompt_tokens:  # the first response: the engine's real prefix-cache hit
+                        state.cached_tokens = response.num_cached_tokens
                     if response.token_ids:
                         if first:
                             first = False

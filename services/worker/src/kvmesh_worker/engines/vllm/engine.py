@@ -80,7 +80,7 @@ def parse_engine_args(text: str) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise ValueError("must be a JSON object of vLLM engine arguments, e.g. '{\"dtype\": \"float32\"}'")
+        raise ValueError('must be a JSON object of vLLM engine arguments, e.g. \'{"dtype": "float32"}\'')
     return {str(k).replace("-", "_"): v for k, v in value.items()}
 
 

@@ -1,0 +1,231 @@
+"""A real vLLM engine behind kvmesh: stock tritonclient → frontend → router → ``kvmesh-worker --engine vllm``.
+
+One vLLM worker serves the whole session (conftest.py): 48 blocks of 32 tokens, dummy weights, and
+ZMQ batches 1 and 2 dropped on arrival so that the replay path runs. The tests run in file order;
+the last one kills the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from kvmesh.hashing import block_hashes
+from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from tests.vllm.conftest import BLOCK_SIZE, MODEL, NUM_BLOCKS, VllmMesh
+
+TRITON_STREAM = Path(__file__).with_name("triton_stream.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def unique_ids(n: int, rng: random.Random) -> list[int]:
+    """Prompt token ids no other test uses (ids 10..2000 of the tiny model's 2048)."""
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def triton(mesh: VllmMesh, specs: list[dict[str, object]], timeout: float = 120) -> dict[str, dict[str, object]]:
+    assert mesh.frontend is not None
+    out = subprocess.run(
+        [sys.executable, str(TRITON_STREAM), mesh.frontend.address, MODEL, str(timeout)],
+        input=json.dumps(specs),
+        capture_output=True,
+        text=True,
+        timeout=timeout + 30,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, f"{out.stderr[-3000:]}\n{mesh.logs()}"
+    report: dict[str, dict[str, object]] = json.loads(out.stdout.splitlines()[-1])
+    return report
+
+
+@pytest.fixture(scope="module")
+def worker(mesh: VllmMesh) -> Iterator[worker_pb2_grpc.WorkerServiceStub]:
+    assert mesh.worker is not None
+    with grpc.insecure_channel(mesh.worker.address) as channel:
+        yield worker_pb2_grpc.WorkerServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def engine_id(worker: worker_pb2_grpc.WorkerServiceStub) -> int:
+    call = worker.WatchLoad(worker_pb2.WatchLoadRequest(), timeout=10)
+    first = next(call)
+    call.cancel()
+    return int(first.loads[0].engine_id)
+
+
+def dump_hashes(worker: worker_pb2_grpc.WorkerServiceStub, engine_id: int) -> set[int]:
+    snapshot = worker.DumpKvIndex(worker_pb2.DumpKvIndexRequest(engine_id=engine_id)).snapshot
+    return {h for stored in snapshot.stored for h in stored.block_hashes}
+
+
+def test_tritonclient_streams_exactly_max_tokens_and_the_second_request_hits_vllms_prefix_cache(
+    mesh: VllmMesh, worker: worker_pb2_grpc.WorkerServiceStub, engine_id: int
+) -> None:
+    prefix = unique_ids(100, random.Random(1))
+    first = triton(mesh, [{"request_id": "a", "ids": prefix, "max_tokens": 7}])["a"]
+    assert (first["num_tokens"], first["finish_reason"]) == (7, "length")
+    assert first["params"]["kvmesh.cached_tokens"] == 0
+    # The same 100-token prefix: vLLM reports 3 full blocks of 32 as cached, and kvmesh relays its count.
+    second = triton(mesh, [{"request_id": "b", "ids": [*prefix, 5, 6, 7], "max_tokens": 5}])["b"]
+    assert (second["num_tokens"], second["finish_reason"]) == (5, "length")
+    assert second["params"]["kvmesh.cached_tokens"] == 3 * BLOCK_SIZE
+    assert second["params"]["kvmesh.worker_id"] == engine_id
+    # vLLM's KV events, re-hashed, give exactly kvmesh's hashes of the prompt's full blocks.
+    _, sequence = block_hashes(prefix, BLOCK_SIZE)
+    assert set(sequence) <= dump_hashes(worker, engine_id)
+
+
+def test_cancellation_frees_vllms_blocks_as_its_kv_events_show(
+    worker: worker_pb2_grpc.WorkerServiceStub, engine_id: int
+) -> None:
+    rng = random.Random(2)
+    start = worker.DumpKvIndex(worker_pb2.DumpKvIndexRequest(engine_id=engine_id)).snapshot.next_event_id
+    events = worker.SubscribeKvEvents(
+        worker_pb2.SubscribeKvEventsRequest(engine_id=engine_id, start_event_id=start), timeout=120
+    )
+    holder = unique_ids(20 * BLOCK_SIZE, rng)
+    _, holder_hashes = block_hashes(holder, BLOCK_SIZE)
+    sampling = worker_pb2.SamplingOptions(max_tokens=800, ignore_eos=True)
+    requests: list[worker_pb2.GenerateStreamRequest] = [
+        worker_pb2.GenerateStreamRequest(
+            requests=[
+                worker_pb2.GenerateRequest(request_id="hold", engine_id=engine_id, token_ids=holder, sampling=sampling)
+            ]
+        )
+    ]
+    import queue
+
+    outbox: queue.Queue[worker_pb2.GenerateStreamRequest | None] = queue.Queue()
+    outbox.put(requests[0])
+
+    def messages() -> Iterator[worker_pb2.GenerateStreamRequest]:
+        while (item := outbox.get()) is not None:
+            yield item
+
+    stream = worker.GenerateStream(messages(), timeout=120)
+    got_tokens = next(stream)  # 'hold' has prefilled: its 20 blocks are stored and referenced
+    assert got_tokens.outputs[0].request_id == "hold"
+    # Cancel it, then ask for 41 of the 47 usable blocks: possible only if 'hold' released its blocks.
+    big = unique_ids(40 * BLOCK_SIZE, rng)
+    outbox.put(worker_pb2.GenerateStreamRequest(cancel_request_ids=["hold"]))
+    outbox.put(
+        worker_pb2.GenerateStreamRequest(
+            requests=[
+                worker_pb2.GenerateRequest(
+                    request_id="big",
+                    engine_id=engine_id,
+                    token_ids=big,
+                    sampling=worker_pb2.SamplingOptions(max_tokens=8, ignore_eos=True),
+                )
+            ]
+        )
+    )
+    outbox.put(None)
+    big_tokens = 0
+    for message in stream:
+        for output in message.outputs:
+            if output.request_id == "hold":
+                continue  # passes that ran before the cancel arrived
+            assert not output.error_code, output.error_message
+            big_tokens += len(output.response.token_ids)
+    assert big_tokens == 8
+    removed: set[int] = set()
+    deadline = time.monotonic() + 10
+    for item in events:
+        for event in item.events.events:
+            if event.HasField("removed"):
+                removed.update(event.removed.block_hashes)
+        if removed & set(holder_hashes) or time.monotonic() > deadline:
+            break
+    events.cancel()
+    assert removed & set(holder_hashes), "the cancelled request's blocks were never evicted"
+
+
+def test_router_index_equals_the_workers_dump_after_eviction_heavy_traffic(
+    mesh: VllmMesh, worker: worker_pb2_grpc.WorkerServiceStub, engine_id: int
+) -> None:
+    rng = random.Random(3)
+    prompts = [unique_ids(10 * BLOCK_SIZE + 5, rng) for _ in range(12)]  # 12 x 11 blocks through 47
+    report = triton(mesh, [{"request_id": f"e{i}", "ids": p, "max_tokens": 4} for i, p in enumerate(prompts)])
+    assert all(r["num_tokens"] == 4 for r in report.values())
+    engine_blocks = dump_hashes(worker, engine_id)
+    assert len(engine_blocks) < NUM_BLOCKS
+    assert not set(block_hashes(prompts[0], BLOCK_SIZE)[1]) <= engine_blocks, "nothing was evicted"
+    assert mesh.router is not None
+    with grpc.insecure_channel(mesh.router.address) as channel:
+        router = router_pb2_grpc.RouterServiceStub(channel)
+        deadline = time.monotonic() + 10
+        while True:
+            dump = router.DumpIndex(router_pb2.DumpIndexRequest(engine_ids=[engine_id]), timeout=5)
+            indexed = {h for e in dump.engines for h in e.block_hashes}
+            if indexed == engine_blocks or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert indexed == engine_blocks
+
+
+def test_batches_missing_from_the_zmq_stream_are_recovered_by_vllms_replay(mesh: VllmMesh) -> None:
+    assert mesh.worker is not None
+    log = mesh.worker.log_text()
+    assert "vLLM KV events 1..1 recovered from the replay endpoint" in log or (
+        "vLLM KV events 1..2 recovered from the replay endpoint" in log
+    ), log[-3000:]
+    assert "are lost" not in log
+    # The index built from the recovered stream is the one the previous tests compared: stores from
+    # batches 1 and 2 are in the router's index and the worker's dump alike.
+
+
+def _engine_core_pids(worker_pid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == worker_pid and "EngineCore" in (stat + cmdline):
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(mesh: VllmMesh) -> None:
+    assert mesh.worker is not None and mesh.frontend is not None
+    client = subprocess.Popen(
+        [sys.executable, str(TRITON_STREAM), mesh.frontend.address, MODEL, "120"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert client.stdin is not None and client.stdout is not None
+    client.stdin.write(json.dumps([{"request_id": "long", "ids": [11, 12, 13, 14], "max_tokens": 1400}]))
+    client.stdin.close()
+    assert client.stdout.readline().strip() == "sent"
+    mesh.mocker()  # somewhere to migrate to (the request is already on vLLM: the mocker was not there)
+    cores = _engine_core_pids(mesh.worker.proc.pid)
+    assert cores, "no EngineCore child process found"
+    for pid in cores:
+        os.kill(pid, signal.SIGKILL)
+    assert mesh.worker.wait(30) == 1
+    assert "died" in mesh.worker.log_text()
+    assert client.wait(150) == 0, client.stderr.read()[-3000:] if client.stderr else ""
+    out = client.stdout.read()
+    outcome = json.loads(out.splitlines()[-1])["long"]
+    assert (outcome["num_tokens"], outcome["finish_reason"]) == (1400, "length")
+    assert outcome["params"]["kvmesh.migrations"] >= 1

@@ -1,0 +1,50 @@
+"""Stock ``tritonclient.grpc`` streaming against a kvmesh frontend, run as a subprocess.
+
+tritonclient's stubs and kvmesh's declare the same proto package (``inference``), so they cannot
+share the test process. ``triton_stream.py URL`` reads a JSON list of requests on stdin
+(``{"request_id", "prompt" | "ids", "max_tokens", "sampling"}``), sends them on one stream, and
+prints ``{request_id: {"text", "num_tokens", "finish_reason", "params": {kvmesh.*}}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from tests.kserve_clients.mesh import llm_inputs, param, stream_requests
+
+
+def main() -> int:
+    url = sys.argv[1]
+    model = sys.argv[2]
+    specs = json.load(sys.stdin)
+    requests = [
+        {
+            "model_name": model,
+            "request_id": spec["request_id"],
+            "inputs": llm_inputs(
+                spec.get("prompt"), ids=spec.get("ids"), max_tokens=spec["max_tokens"], sampling=spec.get("sampling")
+            ),
+        }
+        for spec in specs
+    ]
+    print("sent", flush=True)
+    outcomes = stream_requests(url, requests, timeout=float(sys.argv[3]) if len(sys.argv) > 3 else 120.0)
+    report = {}
+    for request_id, outcome in outcomes.items():
+        assert outcome.final is not None
+        params = {
+            k: param(outcome.final, k) for k in outcome.final.get_response().parameters if k.startswith("kvmesh.")
+        }
+        report[request_id] = {
+            "text": outcome.text,
+            "num_tokens": outcome.num_tokens,
+            "finish_reason": outcome.finish_reason,
+            "params": params,
+        }
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
