@@ -52,11 +52,23 @@ def _default(cls: type[DaemonSettings], name: str) -> object:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "up", help="run a local mesh: frontend + router + worker (mocker engines)", description=__doc__
+        "up", help="run a local mesh: frontend + router + worker (mocker or vLLM engines)", description=__doc__
     )
     # Always passed (they override --config): up probes the port, and a local mesh gets its own namespace.
     p.add_argument("--grpc-port", type=int, default=8001, help="frontend KServe gRPC port (default: 8001)")
-    p.add_argument("--num-engines", type=int, default=2, help="mocker engines in the worker (default: 2)")
+    p.add_argument(
+        "--engine",
+        default="mocker",
+        help="the worker's engine: mocker, vllm (run kvmesh from .venv-vllm: make setup-vllm) or module:factory",
+    )
+    p.add_argument(
+        "--num-engines", type=int, default=None, help="engines in the worker (default: 2 mockers, 1 vLLM engine)"
+    )
+    p.add_argument(
+        "--vllm-engine-args",
+        metavar="JSON",
+        help='--engine vllm: vLLM engine arguments as a JSON object, e.g. \'{"load_format": "dummy"}\'',
+    )
     # Passed only when given, so --config or the daemon's own default applies otherwise.
     p.add_argument(
         "--router-mode",
@@ -79,7 +91,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--namespace", default="kvmesh-local", help="discovery namespace (default: kvmesh-local)")
     p.add_argument("--log-dir", default=None, help="where daemon logs go (default: a temp dir)")
     p.add_argument("--no-demo", action="store_true", help="do not send the demo request")
-    p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for ServerReady")
+    p.add_argument(
+        "--ready-timeout", type=float, default=None, help="seconds to wait for ServerReady (default: 60, vLLM 240)"
+    )
     p.set_defaults(func=run)
 
 
@@ -126,7 +140,17 @@ def run(args: argparse.Namespace) -> int:
     common = ["--discovery", args.discovery or default_discovery_url(), "--namespace", args.namespace]
     if args.config:
         common += ["--config", args.config]
-    worker_args = [*common, "--num-engines", str(args.num_engines)]
+    vllm = args.engine == "vllm"
+    if vllm and not args.model_path:
+        print("kvmesh up: error: --engine vllm needs --model-path DIR", file=sys.stderr)
+        return 2
+    if args.num_engines is None:
+        args.num_engines = 1 if vllm else 2
+    if args.ready_timeout is None:
+        args.ready_timeout = 240.0 if vllm else 60.0  # vLLM starts in 13-50 s on 2 cores
+    worker_args = [*common, "--engine", args.engine, "--num-engines", str(args.num_engines)]
+    if args.vllm_engine_args:
+        worker_args += ["--vllm-engine-args", args.vllm_engine_args]
     if args.block_size is not None:
         worker_args += ["--block-size", str(args.block_size)]
     if args.speedup_ratio is not None:
@@ -153,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         model = "kvmesh-mock" if not args.model_path else Path(args.model_path).name
         print(
             f"kvmesh is up: KServe gRPC on localhost:{args.grpc_port}, model {model!r}, "
-            f"{args.num_engines} mocker engine(s); logs in {log_dir}; "
+            f"{args.num_engines} {args.engine} engine(s); logs in {log_dir}; "
             f"Ctrl-C stops it.",
             flush=True,
         )
