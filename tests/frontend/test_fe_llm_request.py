@@ -170,8 +170,6 @@ BAD = [
      "input 'messages': message #0 'content' must be a string, a list of text parts or null"),
     ("messages part", llm_request(None, extra=[messages_input([{"role": "user", "content": [{"type": "image"}]}])]),
      "input 'messages': message #0 content part #0 is not a {\"type\": \"text\", \"text\": ...} part"),
-    ("logprobs", llm_request("x", extra=[bool_input("return_logprobs", True)]),
-     "input 'return_logprobs': true is not supported by kvmesh"),
     ("unknown output", pb.ModelInferRequest(model_name="m", inputs=[bytes_input("text_input", "x")],
                                             outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="logits")]),
      "output 'logits' is not an output of this model"),

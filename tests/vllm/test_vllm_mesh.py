@@ -86,6 +86,17 @@ def test_tritonclient_streams_exactly_max_tokens_and_the_second_request_hits_vll
     assert set(sequence) <= dump_hashes(worker, engine_id)
 
 
+def test_logprobs_are_vllms_own(mesh: VllmMesh) -> None:
+    flags = {"return_logprobs": True, "return_cumulative_logprob": True}
+    spec = {"request_id": "lp", "ids": unique_ids(40, random.Random(5)), "max_tokens": 6, "flags": flags}
+    report = triton(mesh, [spec])["lp"]
+    steps = report["logprobs"]
+    assert isinstance(steps, list) and len(steps) == 6
+    values = [next(iter(step.values()))["logprob"] for step in steps]
+    assert all(v <= 0 for v in values)
+    assert report["cumulative_logprob"] == pytest.approx(sum(values), rel=1e-4, abs=1e-4)
+
+
 def test_cancellation_frees_vllms_blocks_as_its_kv_events_show(
     worker: worker_pb2_grpc.WorkerServiceStub, engine_id: int
 ) -> None:

@@ -10,8 +10,28 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
-from tests.kserve_clients.mesh import llm_inputs, param, stream_requests
+from tests.kserve_clients import mesh
+from tests.kserve_clients.mesh import bool_in, llm_inputs, param, stream_requests
+
+EXTRAS: dict[str, dict[str, Any]] = {}
+_absorb = mesh.absorb
+
+
+def _absorb_logprobs(outcome: mesh.Outcome, result: Any) -> None:
+    """Also keep the logprob outputs (per-token JSON lists concatenated, the last cumulative)."""
+    _absorb(outcome, result)
+    extra = EXTRAS.setdefault(result.get_response().id, {"logprobs": []})
+    steps = result.as_numpy("logprobs")
+    if steps is not None:
+        extra["logprobs"].extend(json.loads(steps[0]))
+    cumulative = result.as_numpy("cumulative_logprob")
+    if cumulative is not None:
+        extra["cumulative_logprob"] = float(cumulative[0])
+
+
+mesh.absorb = _absorb_logprobs
 
 
 def main() -> int:
@@ -22,9 +42,15 @@ def main() -> int:
         {
             "model_name": model,
             "request_id": spec["request_id"],
-            "inputs": llm_inputs(
-                spec.get("prompt"), ids=spec.get("ids"), max_tokens=spec["max_tokens"], sampling=spec.get("sampling")
-            ),
+            "inputs": [
+                *llm_inputs(
+                    spec.get("prompt"),
+                    ids=spec.get("ids"),
+                    max_tokens=spec["max_tokens"],
+                    sampling=spec.get("sampling"),
+                ),
+                *(bool_in(name, value) for name, value in spec.get("flags", {}).items()),
+            ],
         }
         for spec in specs
     ]
@@ -41,6 +67,7 @@ def main() -> int:
             "num_tokens": outcome.num_tokens,
             "finish_reason": outcome.finish_reason,
             "params": params,
+            **EXTRAS.get(request_id, {}),
         }
     print(json.dumps(report), flush=True)
     return 0

@@ -97,6 +97,10 @@ def _merge(items: list[worker_pb2.GenerateResponse]) -> worker_pb2.GenerateRespo
     )
     for item in items:
         merged.token_ids.extend(item.token_ids)
+        if item.logprobs:
+            merged.logprobs.extend(item.logprobs)
+        if item.HasField("cumulative_logprob"):
+            merged.cumulative_logprob = item.cumulative_logprob
     merged.finish_reason = items[-1].finish_reason
     return merged
 

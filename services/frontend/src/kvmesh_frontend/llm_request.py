@@ -17,6 +17,9 @@ Inputs (all optional individually; exactly one of ``text_input`` / ``input_ids``
 ``return_finish_reason``    BOOL [1]      add the ``finish_reason`` output
 ``return_num_input_tokens`` BOOL [1]      add the ``num_input_tokens`` output
 ``return_num_output_tokens`` BOOL [1]     add the ``num_output_tokens`` output (delta per response)
+``return_logprobs``         BOOL [1]      add ``logprobs``: JSON ``[{"<token id>": {"logprob": x}}, ...]``
+``return_cumulative_logprob`` BOOL [1]    add ``cumulative_logprob`` (FP32 [1]); both need an engine
+                                          that computes logprobs (vLLM; the mocker refuses them)
 ``max_tokens``              INT32/INT64   TensorRT-LLM style (genai-perf ``--backend tensorrtllm``)
 ``min_length``              INT32/INT64   TensorRT-LLM style minimum output length
 ==========================  ============  =====================================================
@@ -58,10 +61,15 @@ INPUT_DATATYPES: dict[str, tuple[str, ...]] = {
     "max_tokens": ("INT32", "INT64"),
     "min_length": ("INT32", "INT64"),
 }
-# Flags the contract knows but kvmesh engines cannot honour: accepted only as false.
-UNSUPPORTED_FLAGS = ("return_cumulative_logprob", "return_logprobs")
-
-OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "output_ids")
+OUTPUTS = (
+    "text_output",
+    "finish_reason",
+    "num_input_tokens",
+    "num_output_tokens",
+    "output_ids",
+    "logprobs",
+    "cumulative_logprob",
+)
 
 ROUTER_MODES: dict[str, int] = {
     "kv": router_pb2.ROUTER_MODE_KV,
@@ -113,6 +121,8 @@ class LlmRequest:
     return_finish_reason: bool = False
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
+    return_logprobs: bool = False
+    return_cumulative_logprob: bool = False
     requested_outputs: tuple[str, ...] = ()
     empty_final: bool = False
     pinned_engine_id: int | None = None
@@ -139,6 +149,10 @@ class LlmRequest:
             return self.return_num_input_tokens
         if output == "num_output_tokens":
             return self.return_num_output_tokens
+        if output == "logprobs":
+            return self.return_logprobs
+        if output == "cumulative_logprob":
+            return self.return_cumulative_logprob
         return False
 
 
@@ -464,12 +478,15 @@ def parse_llm_request(request: pb.ModelInferRequest, *, unary: bool = False) -> 
             )
     else:
         req.exclude_input = req.stream
-    for name in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
+    for name in (
+        "return_finish_reason",
+        "return_num_input_tokens",
+        "return_num_output_tokens",
+        "return_logprobs",
+        "return_cumulative_logprob",
+    ):
         if name in tensors:
             setattr(req, name, bool(_scalar(tensors[name])))
-    for name in UNSUPPORTED_FLAGS:
-        if name in tensors and _scalar(tensors[name]):
-            raise invalid(f"input '{name}': true is not supported by kvmesh (engines return no logprobs)")
 
     _apply_parameters(request.parameters, req)
     if "sampling_parameters" in tensors:

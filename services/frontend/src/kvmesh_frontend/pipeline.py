@@ -215,6 +215,7 @@ class Frontend:
             top_p=1.0 if sampling.top_p is None else sampling.top_p,
             top_k=sampling.top_k or 0,
             min_tokens=min(sampling.min_tokens, max_tokens),
+            return_logprobs=llm.wants("logprobs") or llm.wants("cumulative_logprob"),
         )
         if sampling.seed is not None:
             options.seed = sampling.seed

@@ -10,6 +10,7 @@ request carries ``triton_final_response=true`` plus the routing parameters ``kvm
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from inference import grpc_service_pb2 as pb
@@ -64,6 +65,10 @@ class ResponseWriter:
         self._want_num_in = llm.wants("num_input_tokens")
         self._want_num_out = llm.wants("num_output_tokens")
         self._want_ids = llm.wants("output_ids")
+        self._want_logprobs = llm.wants("logprobs")
+        self._want_cumulative = llm.wants("cumulative_logprob")
+        self._logprobs: list[tuple[int, float]] = []  # (token id, logprob) not emitted yet
+        self._cumulative = 0.0
         self._detok: IncrementalDetokenizer | None = None
         if tokenizer is not None and (self._want_text or llm.sampling.stop):
             self._detok = tokenizer.detokenizer(prompt_ids, llm.sampling.skip_special_tokens)
@@ -96,6 +101,10 @@ class ResponseWriter:
             if final and not stopped:
                 text += self._stops.flush()
         self.num_output_tokens += len(ids)
+        if self._want_logprobs:
+            self._logprobs.extend(zip(ids, engine.logprobs, strict=False))
+        if engine.HasField("cumulative_logprob"):
+            self._cumulative = engine.cumulative_logprob
         if stopped:
             final = True
             self.finish_reason = "stop"
@@ -145,6 +154,12 @@ class ResponseWriter:
         if self._want_ids:
             token_ids = list(ids)
             add_output(response, "output_ids", "INT32", (len(token_ids),), encode_numbers("INT32", token_ids))
+        if self._want_logprobs:
+            steps = [{str(token): {"logprob": logprob}} for token, logprob in self._logprobs]
+            self._logprobs = []
+            add_output(response, "logprobs", "BYTES", (1,), encode_one_bytes(json.dumps(steps).encode()))
+        if self._want_cumulative:
+            add_output(response, "cumulative_logprob", "FP32", (1,), encode_numbers("FP32", (self._cumulative,)))
         if self._unary:
             self._finalize(response)
             return [message]

@@ -36,7 +36,14 @@ from kvmesh.kv_events import CacheDump, KvEvent
 from kvmesh.kv_publisher import KvEventPublisher, KvSubscription
 from kvmesh.wakeup import Wakeup
 
-from kvmesh_worker.engine import EngineCore, EngineLoad, EngineRequest, ForwardPassMetrics, RequestOutput
+from kvmesh_worker.engine import (
+    EngineCore,
+    EngineLoad,
+    EngineRequest,
+    ForwardPassMetrics,
+    InvalidRequest,
+    RequestOutput,
+)
 from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, OutputSink, PassObserver
 
 log = logging.getLogger(__name__)
@@ -205,6 +212,8 @@ class EngineRunner:
     # -- requests -------------------------------------------------------------------------------
     def submit(self, request: EngineRequest, sink: OutputSink) -> None:
         """Queue a request whose outputs go to ``sink``; raises the core's InvalidRequest / QueueFull."""
+        if request.sampling is not None and request.sampling.logprobs is not None:
+            raise InvalidRequest("the mocker computes no logprobs (return_logprobs needs a real engine, e.g. vllm)")
         self.core.add_request(request)
         self._streams[request.request_id] = sink
         self._wakeup.set()

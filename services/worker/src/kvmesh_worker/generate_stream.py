@@ -53,6 +53,7 @@ def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> Engi
             top_k=sampling.top_k,
             min_tokens=sampling.min_tokens,
             seeded=sampling.HasField("seed"),
+            logprobs=0 if sampling.return_logprobs else None,
         ),
     )
 
@@ -65,6 +66,10 @@ def fill_response(response: worker_pb2.GenerateResponse, outputs: list[RequestOu
     else:
         response.token_ids.extend([token for output in outputs for token in output.token_ids])
     for output in outputs:
+        if output.logprobs is not None:
+            response.logprobs.extend(output.logprobs)
+        if output.cumulative_logprob is not None:
+            response.cumulative_logprob = output.cumulative_logprob
         if output.num_cached_prompt_tokens is not None:
             response.num_cached_tokens = output.num_cached_prompt_tokens
             response.num_prompt_tokens = num_prompt
