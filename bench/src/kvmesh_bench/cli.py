@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "frontend": ("kvmesh_bench.frontend_bench", "latency the frontend + router add, streams/s"),
     "replay": ("kvmesh_bench.replay.cli", "replay a Mooncake trace offline (simulated) or live (KServe)"),
     "compare": ("kvmesh_bench.replay.compare", "the same replay per router mode, with ratios to round_robin"),
+    "vllm-overhead": ("kvmesh_bench.vllm_overhead", "vLLM behind kvmesh against the same vLLM driven directly"),
 }
 
 

@@ -102,6 +102,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=_positive_float, default=120.0, help="live: wait S s for in-flight ones")
     p.add_argument("--seed", type=int, default=0, help="token mapping and routing tie-breaks (default 0)")
     p.add_argument("--vocab-size", type=_positive_int, default=DEFAULT_VOCAB_SIZE, help="token ids drawn below it")
+    p.add_argument(
+        "--trace-block-tokens",
+        type=_positive_int,
+        default=512,
+        help="tokens per trace hash id (512 for Mooncake; smaller for a trace scaled down to a small model)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON (and the plots next to it)")
     p.add_argument("--plot", metavar="PATH", help="write the PNG plots here (default: next to --json)")
     p.add_argument("--no-progress", action="store_true", help="live: no progress bar")
@@ -141,7 +147,7 @@ def check_live_args(args: argparse.Namespace) -> None:
 
 def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequest], seed: int) -> RunData:
     """One replay of ``requests`` with routing ``spec`` (offline: a fresh fleet)."""
-    mapper = TokenMapper(vocab_size=args.vocab_size, seed=seed)
+    mapper = TokenMapper(args.trace_block_tokens, vocab_size=args.vocab_size, seed=seed)
     if args.offline:
         params = dict(spec.params)
         config = OfflineConfig(

@@ -1,0 +1,298 @@
+"""``kvmesh profile``: measure a running engine and write the mocker's interpolated perf model (NPZ).
+
+    kvmesh profile --engine-address 127.0.0.1:50051 --out vllm-cpu.npz --json profile.json
+    kvmesh profile --frontend 127.0.0.1:8001 --model tiny-llama --out vllm-cpu.npz
+
+Any engine kind works (vLLM, the mocker, an engine behind a whole mesh): the client only sends token
+ids and times the streamed tokens. ``--engine-address`` talks to a worker's ``GenerateStream``
+directly (the cleanest figures: no routing); ``--frontend`` goes through KServe.
+
+- **Prefill:** for each ISL, a fresh random prompt with ``max_tokens=2``; TTFT = send → first token
+  (median of ``--repeats``). With ``--cached`` fractions, the same prompt's first part is warmed
+  first, to show TTFT against cached tokens (reported; the NPZ keys prefill on uncached tokens,
+  which is what the mocker's ``prefill_ms`` takes).
+- **Decode:** for each batch size B and context C, B concurrent fresh prompts of C tokens, each
+  ``--decode-tokens`` long; ITL = (last token − first token) / (tokens − 1), median over requests.
+
+The NPZ is what ``kvmesh-worker --perf-model PATH`` reads (``InterpolatedPerfModel``):
+``prefill_isl`` → ``prefill_ttft_ms``; ``decode_itl[active_kv_tokens, context]`` on the grid of
+``B × (C + D/2)`` active KV tokens by ``C + D/2`` mean context (each context column interpolated
+over its measured batch sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from kvmesh_bench.tables import format_table
+
+_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+class Client:
+    """Sends prompts, returns each request's token arrival times (monotonic seconds) from its send."""
+
+    async def run(self, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[float, int]]]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+
+class EngineClient(Client):
+    """A worker's ``GenerateStream``, one stream per batch (as a frontend multiplexes them)."""
+
+    def __init__(self, address: str, engine_id: int | None) -> None:
+        from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+        self._pb = worker_pb2
+        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._engine_id = engine_id
+
+    async def engine_id(self) -> int:
+        if self._engine_id is None:
+            call = self._stub.WatchLoad(self._pb.WatchLoadRequest(), timeout=10)
+            async for message in call:
+                self._engine_id = int(message.loads[0].engine_id)
+                break
+            call.cancel()
+        assert self._engine_id is not None
+        return self._engine_id
+
+    async def run(self, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[float, int]]]:
+        pb = self._pb
+        engine_id = await self.engine_id()
+        ids = [f"p-{uuid.uuid4().hex[:12]}" for _ in prompts]
+        sampling = pb.SamplingOptions(max_tokens=max_tokens, ignore_eos=True)
+        message = pb.GenerateStreamRequest(
+            requests=[
+                pb.GenerateRequest(request_id=rid, engine_id=engine_id, token_ids=p, sampling=sampling)
+                for rid, p in zip(ids, prompts, strict=True)
+            ]
+        )
+        times: dict[str, list[tuple[float, int]]] = {rid: [] for rid in ids}
+        call = self._stub.GenerateStream(timeout=600)
+        start = time.monotonic()
+        await call.write(message)
+        await call.done_writing()
+        async for reply in call:
+            now = time.monotonic() - start
+            for output in reply.outputs:
+                if output.error_code:
+                    raise RuntimeError(f"{output.request_id}: {output.error_message}")
+                if output.response.token_ids:
+                    times[output.request_id].append((now, len(output.response.token_ids)))
+        return [times[rid] for rid in ids]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class FrontendClient(Client):
+    """KServe ``ModelStreamInfer`` (input_ids, stream=true), one stream per batch."""
+
+    def __init__(self, address: str, model: str) -> None:
+        from inference import grpc_service_pb2_grpc as kserve_grpc
+
+        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self._stub = kserve_grpc.GRPCInferenceServiceStub(self._channel)
+        self._model = model
+
+    async def run(self, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[float, int]]]:
+        from kvmesh_bench.replay.live import _num_tokens, build_infer_request
+
+        ids = [f"p-{uuid.uuid4().hex[:12]}" for _ in prompts]
+        times: dict[str, list[tuple[float, int]]] = {rid: [] for rid in ids}
+        call = self._stub.ModelStreamInfer(timeout=600)
+        start = time.monotonic()
+        for rid, prompt in zip(ids, prompts, strict=True):
+            await call.write(build_infer_request(rid, np.asarray(prompt), max_tokens, self._model))
+        pending = set(ids)
+        async for reply in call:
+            now = time.monotonic() - start
+            if reply.error_message:
+                raise RuntimeError(reply.error_message)
+            response = reply.infer_response
+            n = _num_tokens(response)
+            if n:
+                times[response.id].append((now, n))
+            final = response.parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                pending.discard(response.id)
+                if not pending:
+                    break
+        await call.done_writing()
+        call.cancel()
+        return [times[rid] for rid in ids]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+@dataclass
+class PrefillPoint:
+    isl: int
+    cached: int
+    ttft_ms: float
+
+
+@dataclass
+class DecodePoint:
+    batch: int
+    context: int
+    itl_ms: float
+    active_kv_tokens: float
+    mean_context: float
+
+
+def _itl_ms(times: list[tuple[float, int]]) -> float | None:
+    tokens = sum(n for _, n in times)
+    if tokens < 2 or len(times) < 2:
+        return None
+    first, last = times[0][0], times[-1][0]
+    # Tokens after the first response's: the span covers exactly those.
+    return (last - first) * 1000.0 / (tokens - times[0][1]) if tokens > times[0][1] else None
+
+
+async def profile(client: Client, args: argparse.Namespace) -> tuple[list[PrefillPoint], list[DecodePoint]]:
+    rng = np.random.default_rng(args.seed)
+
+    def fresh(n: int) -> list[int]:
+        return [int(x) for x in rng.integers(10, args.vocab_size, n)]
+
+    await client.run([fresh(8)], 2)  # warm-up: connections, first-pass costs
+    prefill: list[PrefillPoint] = []
+    for isl in args.isl:
+        for fraction in args.cached:
+            cached = int(isl * fraction) // args.block_size * args.block_size
+            if fraction and not cached:
+                continue  # less than one block: the same point as no cache
+            samples = []
+            for _ in range(args.repeats):
+                prompt = fresh(isl)
+                if cached:
+                    await client.run([prompt[:cached]], 1)  # warm the prefix
+                (times,) = await client.run([prompt], 2)
+                samples.append(times[0][0] * 1000.0)
+            prefill.append(PrefillPoint(isl, cached, statistics.median(samples)))
+            print(f"prefill isl={isl} cached={cached}: {prefill[-1].ttft_ms:.2f} ms", file=sys.stderr)
+    decode: list[DecodePoint] = []
+    d = args.decode_tokens
+    for context in args.context:
+        for batch in args.batch:
+            itls = []
+            for _ in range(args.repeats):
+                results = await client.run([fresh(context) for _ in range(batch)], d)
+                itls += [x for times in results if (x := _itl_ms(times)) is not None]
+            mean_ctx = context + d / 2
+            decode.append(DecodePoint(batch, context, statistics.median(itls), batch * mean_ctx, mean_ctx))
+            print(f"decode batch={batch} context={context}: {decode[-1].itl_ms:.2f} ms", file=sys.stderr)
+    return prefill, decode
+
+
+def perf_model_arrays(prefill: list[PrefillPoint], decode: list[DecodePoint]) -> dict[str, np.ndarray]:
+    """The NPZ arrays ``InterpolatedPerfModel`` reads."""
+    uncached = sorted({p.isl: p.ttft_ms for p in prefill if p.cached == 0}.items())
+    contexts = sorted({p.mean_context for p in decode})
+    kv_axis = sorted({p.active_kv_tokens for p in decode})
+    itl = np.zeros((len(kv_axis), len(contexts)))
+    for j, ctx in enumerate(contexts):
+        column = sorted((p.active_kv_tokens, p.itl_ms) for p in decode if p.mean_context == ctx)
+        xs, ys = [c[0] for c in column], [c[1] for c in column]
+        itl[:, j] = np.interp(kv_axis, xs, ys)
+    return {
+        "prefill_isl": np.array([k for k, _ in uncached], dtype=float),
+        "prefill_ttft_ms": np.array([v for _, v in uncached], dtype=float),
+        "decode_active_kv_tokens": np.array(kv_axis, dtype=float),
+        "decode_context_length": np.array(contexts, dtype=float),
+        "decode_itl": itl,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvmesh profile", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--engine-address", metavar="HOST:PORT", help="a worker's WorkerService (GenerateStream)")
+    where.add_argument("--frontend", metavar="HOST:PORT", help="a frontend's KServe gRPC address")
+    p.add_argument(
+        "--engine-id", type=lambda s: int(s, 0), default=None, help="engine of the worker (default: its first)"
+    )
+    p.add_argument("--model", default="kvmesh-mock", help="--frontend: the model name")
+    p.add_argument("--isl", type=_ints, default=_ints("32,64,128,256,512,1024"), help="prefill ISLs")
+    p.add_argument("--cached", type=_floats, default=[0.0, 0.5], help="cached fractions of the ISL (0 = none)")
+    p.add_argument("--batch", type=_ints, default=_ints("1,2,4,8"), help="decode batch sizes")
+    p.add_argument("--context", type=_ints, default=_ints("64,256,1024"), help="decode prompt lengths")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode request")
+    p.add_argument("--repeats", type=int, default=3, help="samples per point (median)")
+    p.add_argument("--block-size", type=int, default=32, help="the engine's block size (cached prefixes align to it)")
+    p.add_argument("--vocab-size", type=int, default=2000, help="token ids drawn below it")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", metavar="NPZ", required=True, help="where the mocker's perf model goes")
+    p.add_argument("--json", metavar="PATH", help="write every measured point as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if 0.0 not in args.cached:
+        args.cached = [0.0, *args.cached]
+
+    async def go() -> tuple[list[PrefillPoint], list[DecodePoint]]:
+        client: Client = (
+            EngineClient(args.engine_address, args.engine_id)
+            if args.engine_address
+            else FrontendClient(args.frontend, args.model)
+        )
+        try:
+            return await profile(client, args)
+        finally:
+            await client.close()
+
+    prefill, decode = asyncio.run(go())
+    arrays = perf_model_arrays(prefill, decode)
+    with open(args.out, "wb") as out:
+        np.savez(out, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
+    print("prefill (TTFT against ISL and cached tokens)")
+    print(format_table([asdict(p) for p in prefill], [("isl", "ISL", "{}"), ("cached", "cached", "{}"),
+                                                       ("ttft_ms", "TTFT ms", "{:.2f}")]))  # fmt: skip
+    print("\ndecode (ITL against batch size and context)")
+    columns = [("batch", "batch", "{}"), ("context", "context", "{}"), ("itl_ms", "ITL ms", "{:.2f}"),
+               ("active_kv_tokens", "active KV tokens", "{:.0f}")]  # fmt: skip
+    print(format_table([asdict(p) for p in decode], columns))
+    print(f"perf model written to {args.out} (kvmesh-worker --perf-model {args.out})")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"prefill": [asdict(p) for p in prefill], "decode": [asdict(p) for p in decode]}, indent=1)
+        )
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "profile", help="measure a running engine; write the mocker's perf model (NPZ)", add_help=False
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: main(a.args), benchmark="profile")

@@ -1,0 +1,241 @@
+"""``kvmesh bench vllm-overhead``: vLLM behind kvmesh against the same vLLM driven directly, one run.
+
+    .venv-vllm/bin/kvmesh bench vllm-overhead --requests 48 --concurrency 8 --json overhead.json
+
+Same requests (seeded random token ids), same engine arguments, same machine, one after the other:
+
+1. **direct**: an in-process ``AsyncLLM`` (token ids in, ``detokenize=False``, DELTA), driven by
+   ``--concurrency`` closed-loop clients; TTFT = ``generate`` called → first delta;
+2. **mesh**: ``kvmesh-worker --engine vllm`` + ``kvmesh-router`` + ``kvmesh-frontend`` (file
+   discovery), the same closed loop over KServe ``ModelStreamInfer`` (input_ids, stream=true);
+   TTFT = request written → first streamed response.
+
+Throughput is output tokens per second of wall time over the whole closed loop. Reported: each
+mode's figures, the mesh/direct throughput ratio (goal ≥ 0.95) and the added TTFT p50 (goal < 2 ms).
+Needs the vLLM venv (``make setup-vllm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvmesh_bench.tables import format_table
+
+TINY_LLAMA = Path(__file__).resolve().parents[3] / "services/worker/src/kvmesh_worker/models/tiny-llama"
+
+
+def _requests(n: int, isl: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(x) for x in rng.integers(10, vocab, isl)] for _ in range(n)]
+
+
+def _summary(mode: str, ttfts: list[float], tokens: int, wall: float) -> dict[str, Any]:
+    arr = np.array(ttfts) * 1000.0
+    return {
+        "mode": mode,
+        "requests": len(ttfts),
+        "tokens": tokens,
+        "wall_s": wall,
+        "throughput_tok_s": tokens / wall,
+        "ttft_p50_ms": float(np.percentile(arr, 50)),
+        "ttft_p99_ms": float(np.percentile(arr, 99)),
+    }
+
+
+async def _closed_loop(prompts: list[list[int]], concurrency: int, one: Any) -> tuple[list[float], int, float]:
+    queue = list(enumerate(prompts))
+    ttfts: list[float] = [0.0] * len(prompts)
+    total = 0
+
+    async def client() -> None:
+        nonlocal total
+        while queue:
+            i, prompt = queue.pop(0)
+            ttft, n = await one(prompt)
+            ttfts[i] = ttft
+            total += n
+
+    start = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return ttfts, total, time.monotonic() - start
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "block_size": args.block_size,
+        "enforce_eager": True,
+        "seed": 0,
+        "load_format": "dummy",
+        **json.loads(args.vllm_engine_args),
+    }
+
+
+async def run_direct(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    from kvmesh_worker.engines.vllm.amx import request_amx_permission
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    request_amx_permission()
+    llm = AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=str(args.model_path), skip_tokenizer_init=True, enable_prefix_caching=True, **engine_kwargs(args)
+        )
+    )
+    params = SamplingParams(
+        max_tokens=args.osl, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA, temperature=0
+    )
+
+    async def one(prompt: list[int]) -> tuple[float, int]:
+        start = time.monotonic()
+        first = None
+        n = 0
+        async for out in llm.generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
+            got = len(out.outputs[0].token_ids)
+            if got and first is None:
+                first = time.monotonic() - start
+            n += got
+        return first or 0.0, n
+
+    try:
+        await one(prompts[0][:16])  # warm-up
+        ttfts, tokens, wall = await _closed_loop(prompts, args.concurrency, one)
+    finally:
+        llm.shutdown()
+    return _summary("direct AsyncLLM", ttfts, tokens, wall)
+
+
+def _spawn(name: str, argv: list[str], log_dir: Path) -> subprocess.Popen[bytes]:
+    exe = Path(sys.executable).parent / name
+    log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child's for its lifetime
+    return subprocess.Popen([str(exe), *argv], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    import grpc
+    from inference import grpc_service_pb2_grpc as kserve_grpc
+    from kvmesh_cli.kserve_demo import server_ready
+
+    from kvmesh_bench.replay.live import _num_tokens, build_infer_request
+
+    log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-overhead-"))
+    common = ["--discovery", f"file://{log_dir / 'discovery'}", "--namespace", "overhead"]
+    port = args.grpc_port
+    procs = [
+        _spawn(
+            "kvmesh-worker",
+            [
+                *common,
+                "--engine",
+                "vllm",
+                "--model-path",
+                str(args.model_path),
+                "--block-size",
+                str(args.block_size),
+                "--vllm-engine-args",
+                json.dumps(engine_kwargs(args)),
+            ],
+            log_dir,
+        ),
+        _spawn("kvmesh-router", common, log_dir),
+        _spawn("kvmesh-frontend", [*common, "--grpc-port", str(port)], log_dir),
+    ]
+    try:
+        deadline = time.monotonic() + 300
+        while not server_ready(f"127.0.0.1:{port}"):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"the mesh did not come up; logs in {log_dir}")
+            await asyncio.sleep(0.5)
+        model = Path(args.model_path).name
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+
+        async def one(prompt: list[int]) -> tuple[float, int]:
+            call = stub.ModelStreamInfer(timeout=600)
+            start = time.monotonic()
+            await call.write(build_infer_request(uuid.uuid4().hex, np.asarray(prompt), args.osl, model))
+            await call.done_writing()
+            first = None
+            n = 0
+            async for reply in call:
+                if reply.error_message:
+                    raise RuntimeError(reply.error_message)
+                got = _num_tokens(reply.infer_response)
+                if got and first is None:
+                    first = time.monotonic() - start
+                n += got
+            return first or 0.0, n
+
+        for _ in range(20):  # the router may still be warming up for a moment after ServerReady
+            try:
+                await one(prompts[0][:16])
+                break
+            except (grpc.aio.AioRpcError, RuntimeError):
+                await asyncio.sleep(0.5)
+        ttfts, tokens, wall = await _closed_loop(prompts, args.concurrency, one)
+        await channel.close()
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return _summary("kvmesh (KServe→frontend→router→worker)", ttfts, tokens, wall)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvmesh bench vllm-overhead", description=__doc__)
+    p.add_argument("--model-path", default=str(TINY_LLAMA), help="HF model dir (default: the repo's tiny-llama)")
+    p.add_argument("--vllm-engine-args", default="{}", help="extra vLLM engine arguments (JSON), both modes")
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--isl", type=int, default=256, help="prompt tokens per request (distinct prompts)")
+    p.add_argument("--osl", type=int, default=64, help="output tokens per request (ignore_eos)")
+    p.add_argument("--vocab-size", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grpc-port", type=int, default=18041, help="the mesh's frontend port")
+    p.add_argument("--json", metavar="PATH")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    prompts = _requests(args.requests, args.isl, args.seed, args.vocab_size)
+    direct = asyncio.run(run_direct(args, prompts))
+    mesh = asyncio.run(run_mesh(args, prompts))
+    ratio = mesh["throughput_tok_s"] / direct["throughput_tok_s"]
+    added = mesh["ttft_p50_ms"] - direct["ttft_p50_ms"]
+    columns = [
+        ("mode", "mode", "{}"),
+        ("throughput_tok_s", "tok/s", "{:.0f}"),
+        ("ttft_p50_ms", "TTFT p50 ms", "{:.2f}"),
+        ("ttft_p99_ms", "TTFT p99 ms", "{:.2f}"),
+        ("wall_s", "wall s", "{:.1f}"),
+    ]
+    print(format_table([direct, mesh], columns))
+    print(f"\nthroughput ratio mesh/direct: {ratio:.3f} (goal >= 0.95); added TTFT p50: {added:+.2f} ms (goal < 2 ms)")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"direct": direct, "mesh": mesh, "throughput_ratio": ratio, "added_ttft_p50_ms": added}, indent=1
+            )
+        )
+    return 0
