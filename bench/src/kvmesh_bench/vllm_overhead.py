@@ -7,8 +7,8 @@ Same requests (seeded random token ids), same engine arguments, same machine, on
 1. **direct**: an in-process ``AsyncLLM`` (token ids in, ``detokenize=False``, DELTA), driven by
    ``--concurrency`` closed-loop clients; TTFT = ``generate`` called → first delta;
 2. **mesh**: ``kvmesh-worker --engine vllm`` + ``kvmesh-router`` + ``kvmesh-frontend`` (file
-   discovery), the same closed loop over KServe ``ModelStreamInfer`` (input_ids, stream=true);
-   TTFT = request written → first streamed response.
+   discovery), the same closed loop over one KServe ``ModelStreamInfer`` (input_ids, stream=true),
+   as tritonclient's ``start_stream`` does; TTFT = request written → first streamed response.
 
 Throughput is output tokens per second of wall time over the whole closed loop. Reported: each
 mode's figures, the mesh/direct throughput ratio (goal ≥ 0.95) and the added TTFT p50 (goal < 2 ms).
@@ -187,7 +187,44 @@ async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
                 break
             except (grpc.aio.AioRpcError, RuntimeError):
                 await asyncio.sleep(0.5)
-        ttfts, tokens, wall = await _closed_loop(prompts, args.concurrency, one)
+        # One ModelStreamInfer for every request, as tritonclient's start_stream + async_stream_infer.
+        shared = stub.ModelStreamInfer(timeout=3600)
+        waiting: dict[str, asyncio.Queue[int]] = {}
+        write_lock = asyncio.Lock()  # one write in flight per gRPC call
+
+        async def demux() -> None:
+            async for reply in shared:
+                if reply.error_message:
+                    raise RuntimeError(reply.error_message)
+                response = reply.infer_response
+                got = _num_tokens(response)
+                final = response.parameters.get("triton_final_response")
+                queue = waiting[response.id]
+                if got:
+                    queue.put_nowait(got)
+                if final is not None and final.bool_param:
+                    queue.put_nowait(-1)
+
+        reader = asyncio.get_running_loop().create_task(demux())
+
+        async def one_shared(prompt: list[int]) -> tuple[float, int]:
+            rid = uuid.uuid4().hex
+            queue = waiting[rid] = asyncio.Queue()
+            start = time.monotonic()
+            async with write_lock:
+                await shared.write(build_infer_request(rid, np.asarray(prompt), args.osl, model))
+            first = None
+            n = 0
+            while (got := await queue.get()) != -1:
+                if first is None:
+                    first = time.monotonic() - start
+                n += got
+            del waiting[rid]
+            return first or 0.0, n
+
+        ttfts, tokens, wall = await _closed_loop(prompts, args.concurrency, one_shared)
+        await shared.done_writing()
+        reader.cancel()
         await channel.close()
     finally:
         for proc in procs:
