@@ -215,6 +215,10 @@ def _engine_core_pids(worker_pid: int) -> list[int]:
 
 def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(mesh: VllmMesh) -> None:
     assert mesh.worker is not None and mesh.frontend is not None
+    # A prefix vLLM holds, so that the KV router sends the long request there and not to the mocker.
+    prefix = unique_ids(10 * BLOCK_SIZE, random.Random(7))
+    triton(mesh, [{"request_id": "warm", "ids": prefix, "max_tokens": 1}])
+    mesh.mocker()  # somewhere to migrate to
     client = subprocess.Popen(
         [sys.executable, str(TRITON_STREAM), mesh.frontend.address, MODEL, "120"],
         stdin=subprocess.PIPE,
@@ -225,10 +229,10 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(m
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert client.stdin is not None and client.stdout is not None
-    client.stdin.write(json.dumps([{"request_id": "long", "ids": [11, 12, 13, 14], "max_tokens": 1400}]))
+    client.stdin.write(json.dumps([{"request_id": "long", "ids": [*prefix, 11, 12, 13, 14], "max_tokens": 1000}]))
     client.stdin.close()
     assert client.stdout.readline().strip() == "sent"
-    mesh.mocker()  # somewhere to migrate to (the request is already on vLLM: the mocker was not there)
+    time.sleep(0.3)  # the request reaches vLLM (1000 tokens take it over a second)
     cores = _engine_core_pids(mesh.worker.proc.pid)
     assert cores, "no EngineCore child process found"
     for pid in cores:
@@ -236,7 +240,6 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(m
     assert mesh.worker.wait(30) == 1
     assert "died" in mesh.worker.log_text()
     assert client.wait(150) == 0, client.stderr.read()[-3000:] if client.stderr else ""
-    out = client.stdout.read()
-    outcome = json.loads(out.splitlines()[-1])["long"]
-    assert (outcome["num_tokens"], outcome["finish_reason"]) == (1400, "length")
+    outcome = json.loads(client.stdout.read().splitlines()[-1])["long"]
+    assert (outcome["num_tokens"], outcome["finish_reason"]) == (1000, "length")
     assert outcome["params"]["kvmesh.migrations"] >= 1
