@@ -197,6 +197,51 @@ def test_batches_missing_from_the_zmq_stream_are_recovered_by_vllms_replay(mesh:
     # batches 1 and 2 are in the router's index and the worker's dump alike.
 
 
+def test_watch_load_reports_vllms_own_scheduler_figures(
+    worker: worker_pb2_grpc.WorkerServiceStub, engine_id: int
+) -> None:
+    """Running requests, KV usage and per-pass tokens come from vLLM's stat logger."""
+    watch = worker.WatchLoad(worker_pb2.WatchLoadRequest(forward_pass_metrics=True), timeout=60)
+    next(watch)  # the current load
+    prompt = unique_ids(6 * BLOCK_SIZE, random.Random(11))
+    sampling = worker_pb2.SamplingOptions(max_tokens=200, ignore_eos=True)
+    request = worker_pb2.GenerateRequest(request_id="load", engine_id=engine_id, token_ids=prompt, sampling=sampling)
+    stream = worker.GenerateStream(iter([worker_pb2.GenerateStreamRequest(requests=[request])]), timeout=60)
+    busy = None
+    prefill_tokens = decode_tokens = 0
+    for message in watch:
+        prefill_tokens += sum(p.prefill_tokens for p in message.passes)
+        decode_tokens += sum(p.decode_tokens for p in message.passes)
+        busy = next((x for x in message.loads if x.running >= 1 and x.active_blocks >= 6), busy)
+        if busy is not None and decode_tokens > 10:
+            break
+    watch.cancel()
+    assert sum(len(o.response.token_ids) for m in stream for o in m.outputs) == 200
+    assert busy is not None and busy.total_blocks == NUM_BLOCKS
+    assert prefill_tokens >= len(prompt) - 5 * BLOCK_SIZE  # some of it may have been cached already
+
+
+def test_bad_requests_get_a_clear_status(worker: worker_pb2_grpc.WorkerServiceStub, engine_id: int) -> None:
+    sampling = worker_pb2.SamplingOptions(max_tokens=4)
+    bad = [
+        worker_pb2.GenerateRequest(request_id="vocab", engine_id=engine_id, token_ids=[5, 4096], sampling=sampling),
+        worker_pb2.GenerateRequest(
+            request_id="long",
+            engine_id=engine_id,
+            token_ids=[5] * 1500,
+            sampling=worker_pb2.SamplingOptions(max_tokens=10),
+        ),
+    ]
+    outputs = [
+        o for m in worker.GenerateStream(iter([worker_pb2.GenerateStreamRequest(requests=bad)])) for o in m.outputs
+    ]
+    by_id = {o.request_id: o for o in outputs}
+    assert by_id["vocab"].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "outside the vocabulary" in by_id["vocab"].error_message
+    assert by_id["long"].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "context length 1504" in by_id["long"].error_message
+
+
 def _engine_core_pids(worker_pid: int) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
