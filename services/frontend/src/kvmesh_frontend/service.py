@@ -28,7 +28,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
 
-from kvmesh_frontend.errors import FrontendError
+from kvmesh_frontend.errors import FrontendError, clip
 from kvmesh_frontend.pipeline import Frontend
 
 log = logging.getLogger(__name__)
@@ -127,8 +127,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _known(self, name: str, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         entry = self._registry.get(name)
         if entry is None or not entry.cards:
-            names = ", ".join(self._registry.names()) or "none"
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model '{name}' is not served here (known models: {names})")
+            # The name is clipped: a status message travels in a trailer, and a client refuses
+            # trailers over its metadata limit (RESOURCE_EXHAUSTED instead of this NOT_FOUND).
+            names = self._registry.known_names()
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"model '{clip(name)}' is not served here (known models: {names})"
+            )
         return entry
 
     async def ModelMetadata(
