@@ -15,6 +15,7 @@ import grpc
 import pytest
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
+from kvmesh.grpc_options import FRONTEND_MAX_RECEIVE_BYTES
 from kvmesh_frontend.errors import MAX_MESSAGE_BYTES, FrontendError, internal
 from kvmesh_frontend.llm_request import PROMPT_BYTES_PER_TOKEN, parse_llm_request
 from kvmesh_frontend.service import InferenceServicer
@@ -23,6 +24,7 @@ from tests.frontend.frontend_fakes import MODEL, FrontendHarness, bytes_input, l
 from tests.frontend.test_fe_service import expect_status, mesh, no_leaks, stream_all  # noqa: F401 (fixture)
 
 CONTEXT = 4096
+MB = 1 << 20
 
 
 def raw_request(name: str, datatype: str, shape: list[int], data: bytes) -> pb.ModelInferRequest:
@@ -80,6 +82,18 @@ async def test_oversized_requests_are_invalid_argument_over_grpc_and_leave_nothi
     assert len(errors) == 1 and errors[0].startswith("INVALID_ARGUMENT: input 'text_input':")
     assert not worker.requests[1:] and len(worker.requests) == 1  # only the good request reached an engine
     await no_leaks(worker, router)
+
+
+async def test_a_message_over_grpcs_receive_limit_is_resource_exhausted(mesh) -> None:  # noqa: F811
+    fe, _, _ = mesh
+    request = raw_request("input_ids", "INT32", [5 * MB], bytes(20 * MB))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await fe.stub.ModelInfer(request)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (
+        f"Received message larger than max ({request.ByteSize()} vs. {FRONTEND_MAX_RECEIVE_BYTES})"
+        in info.value.details()
+    )
 
 
 # -- item 4: deeply nested JSON ---------------------------------------------------------------------
