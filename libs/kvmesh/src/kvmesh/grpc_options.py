@@ -32,3 +32,15 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     # Two daemons must never silently share a port.
     ("grpc.so_reuseport", 0),
 ]
+
+# The KServe frontend takes requests from the public, and every byte of a request is received,
+# assembled and copied before any handler can look at it: a 64 MiB message costs the frontend
+# ~0.2-0.3 s of event loop and ~260 MB of peak RSS per request in flight (measured, issue 14). Its
+# largest legitimate request is far smaller: a 1M-token prompt is 4 MiB of INT32 ids or a few MiB of
+# text. gRPC answers anything larger with RESOURCE_EXHAUSTED before the frontend sees it.
+FRONTEND_MAX_RECEIVE_BYTES = 16 * 1024 * 1024
+
+FRONTEND_SERVER_OPTIONS: list[tuple[str, int]] = [
+    (key, FRONTEND_MAX_RECEIVE_BYTES if key == "grpc.max_receive_message_length" else value)
+    for key, value in SERVER_OPTIONS
+]

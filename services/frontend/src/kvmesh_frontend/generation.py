@@ -159,7 +159,7 @@ class Generator:
             except EngineError as exc:
                 if exc.code not in MIGRATABLE:
                     raise self._engine_error(req, decision, exc) from None
-                failure = f"{exc.code.name}: {exc.details}"
+                failure = f"{exc.code.name}: {exc.details}"  # for the log: may carry a peer's gRPC debug text
             finally:
                 if not finished:
                     call.cancel()
@@ -170,15 +170,18 @@ class Generator:
             if len(generated) >= req.max_tokens:  # everything arrived but the final flag
                 yield worker_pb2.GenerateResponse(finish_reason=_LENGTH)
                 return
+            if req.pinned_engine_id is not None or attempt >= self.migration_limit:
+                # The client gets what happened; the engine's error text goes to the log only.
+                log.warning("request %s: engine %x failed: %s", req.request_id, decision.engine_id, failure)
             if req.pinned_engine_id is not None:
                 raise unavailable(
                     f"request {req.request_id}: pinned engine {decision.engine_id:x} failed after "
-                    f"{len(generated)} tokens ({failure}); pinned requests are not migrated"
+                    f"{len(generated)} tokens; pinned requests are not migrated"
                 )
             if attempt >= self.migration_limit:
                 raise unavailable(
                     f"request {req.request_id}: engine {decision.engine_id:x} failed after {len(generated)} tokens "
-                    f"({failure}) and the migration limit ({self.migration_limit}) is reached"
+                    f"and the migration limit ({self.migration_limit}) is reached"
                 )
             attempt += 1
             state.migrations = attempt
@@ -230,9 +233,10 @@ class Generator:
             return exhausted(f"model '{req.model}': every engine is busy, retry later (router: {why})")
         if decision.outcome == router_pb2.DECISION_OUTCOME_NO_ENGINE:
             if state.failures:
+                log.warning("request %s: no engine left to migrate to after %s", req.request_id, state.failures)
                 return unavailable(
-                    f"request {req.request_id}: no engine left to migrate to after {'; '.join(state.failures)} "
-                    f"(router: {why})"
+                    f"request {req.request_id}: no engine left to migrate to after {len(state.failures)} failed "
+                    f"engine(s) (router: {why})"
                 )
             return unavailable(f"model '{req.model}': no live engine can take the request (router: {why})")
         if decision.outcome == router_pb2.DECISION_OUTCOME_INVALID:
@@ -247,4 +251,5 @@ class Generator:
             return invalid(f"engine {decision.engine_id:x} rejected the request: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return exhausted(f"engine {decision.engine_id:x} is full, retry later: {details}")
-        return internal(f"request {req.request_id}: engine {decision.engine_id:x} failed: {code.name}: {details}")
+        log.error("request %s: engine %x failed: %s: %s", req.request_id, decision.engine_id, code.name, details)
+        return internal(f"request {req.request_id}: engine {decision.engine_id:x} failed ({code.name})")

@@ -25,7 +25,7 @@ from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import WatchEvent, apply_watch_event, parse_model_key
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
-from kvmesh_frontend.errors import not_found, unavailable
+from kvmesh_frontend.errors import clip, not_found, unavailable
 from kvmesh_frontend.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -169,13 +169,19 @@ class ModelRegistry:
         if entry is None:
             if not name:
                 raise not_found("model_name is empty")
-            raise not_found(f"model '{name}' is not served here (known models: {', '.join(self.names()) or 'none'})")
+            raise not_found(f"model '{clip(name)}' is not served here (known models: {self.known_names()})")
         if not entry.cards:
             raise unavailable(f"model '{name}' has no live engine")
         return entry
 
     def names(self) -> list[str]:
         return sorted(name for name, entry in self._models.items() if entry.cards)
+
+    def known_names(self, limit: int = 16) -> str:
+        """The served models as an error message lists them: the first ``limit``, then a count."""
+        names = self.names()
+        shown = ", ".join(names[:limit]) or "none"
+        return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
     def any_ready(self) -> bool:
         return any(entry.ready for entry in self._models.values())

@@ -3,8 +3,11 @@
 :meth:`Frontend.infer` is what both ModelInfer and ModelStreamInfer run. It raises
 :class:`~kvmesh_frontend.errors.FrontendError` for anything a client should see and turns any
 other exception into INTERNAL naming the request id (the id also tags every log line of the
-request through ``kvmesh.telemetry.request_id_var``). Metrics and per-model statistics are
-recorded exactly once per request, whatever the outcome.
+request through ``kvmesh.telemetry.request_id_var``), with nothing of the exception's text: that
+goes to the log. Metrics and per-model statistics are recorded exactly once per request, whatever
+the outcome. A streamed request whose final response was handed to the writer counts as a success
+even if the client cancels while that response is being written: the client cancels because it has
+what it asked for.
 """
 
 from __future__ import annotations
@@ -80,12 +83,13 @@ class Frontend:
         model_metrics = None
         writer: ResponseWriter | None = None
         first_token_at = 0.0
+        final_sent = False
         try:
             entry = self.registry.resolve(request.model_name)  # first, like Triton: unknown model beats bad tensors
             label = entry.name
             model_metrics = self.metrics.model(label)
             model_metrics.inflight.inc()
-            llm = parse_llm_request(request, unary=unary)
+            llm = parse_llm_request(request, unary=unary, context_length=entry.context_length, model=entry.name)
             tokenizer = await self.registry.tokenizer(entry)
             prompt_ids, prompt_text = await self._prompt(llm, entry, tokenizer)
             prepared = self._prepare(request_id, llm, entry, prompt_ids)
@@ -106,7 +110,9 @@ class Frontend:
                     if not first_token_at and engine_response.token_ids:
                         first_token_at = time.perf_counter()
                         model_metrics.ttft.observe(first_token_at - start)
-                    for response in writer.on_engine(engine_response):
+                    responses = writer.on_engine(engine_response)
+                    for index, response in enumerate(responses):
+                        final_sent = not unary and writer.done and index == len(responses) - 1
                         yield response
                     if writer.done:
                         break
@@ -117,12 +123,14 @@ class Frontend:
             outcome = exc.code.name.lower()
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            outcome = "success" if final_sent else "cancelled"
             raise
         except Exception as exc:
             outcome = "internal"
             log.exception("request %s failed", request_id)
-            raise internal(f"request {request_id}: {type(exc).__name__}: {exc}") from exc
+            raise internal(
+                f"request {request_id}: internal error ({type(exc).__name__}; details in the frontend log)"
+            ) from exc
         finally:
             end = time.perf_counter()
             self.metrics.finished(label, outcome, end - start)

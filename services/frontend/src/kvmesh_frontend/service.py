@@ -28,7 +28,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
 
-from kvmesh_frontend.errors import FrontendError
+from kvmesh_frontend.errors import FrontendError, clip, not_found
 from kvmesh_frontend.pipeline import Frontend
 
 log = logging.getLogger(__name__)
@@ -124,11 +124,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=self._version, extensions=EXTENSIONS)
 
-    async def _known(self, name: str, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    def _known(self, name: str, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """The model's entry, or None with NOT_FOUND set on the call (the caller returns at once)."""
         entry = self._registry.get(name)
         if entry is None or not entry.cards:
-            names = ", ".join(self._registry.names()) or "none"
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"model '{name}' is not served here (known models: {names})")
+            # The name is clipped: a status message travels in a trailer, and a client refuses
+            # trailers over its metadata limit (RESOURCE_EXHAUSTED instead of this NOT_FOUND).
+            names = self._registry.known_names()
+            _refuse(context, not_found(f"model '{clip(name)}' is not served here (known models: {names})"))
+            return None
         return entry
 
     async def ModelMetadata(
@@ -136,7 +140,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelMetadataRequest,
         context: grpc.aio.ServicerContext[pb.ModelMetadataRequest, pb.ModelMetadataResponse],
     ) -> pb.ModelMetadataResponse:
-        await self._known(request.name, context)
+        if self._known(request.name, context) is None:
+            return pb.ModelMetadataResponse()
         return model_metadata(request.name)
 
     async def ModelConfig(
@@ -144,7 +149,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelConfigRequest,
         context: grpc.aio.ServicerContext[pb.ModelConfigRequest, pb.ModelConfigResponse],
     ) -> pb.ModelConfigResponse:
-        entry = await self._known(request.name, context)
+        entry = self._known(request.name, context)
+        if entry is None:
+            return pb.ModelConfigResponse()
         parameters = {
             "block_size": str(entry.block_size),
             "context_length": str(entry.context_length),
@@ -158,7 +165,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.ModelStatisticsRequest, pb.ModelStatisticsResponse],
     ) -> pb.ModelStatisticsResponse:
         if request.name:
-            await self._known(request.name, context)
+            if self._known(request.name, context) is None:
+                return pb.ModelStatisticsResponse()
             names = [request.name]
         else:
             names = self._registry.names()
@@ -194,8 +202,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise FrontendError(grpc.StatusCode.INTERNAL, "no response was produced")
             return result
         except FrontendError as exc:
-            await context.abort(exc.code, exc.message)
-            raise  # pragma: no cover - abort raises
+            _refuse(context, exc)
+            return pb.ModelInferResponse()
 
     # grpc.aio also serves a stream-stream RPC from a coroutine that writes through context.write (one
     # writer per request task here); the generated servicer stub only models generator methods.
@@ -247,7 +255,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # -- the rest of Triton's service -------------------------------------------------------------
     async def _unimplemented(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str, why: str) -> Any:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"kvmesh-frontend does not implement {rpc}: {why}")
+        _refuse(
+            context, FrontendError(grpc.StatusCode.UNIMPLEMENTED, f"kvmesh-frontend does not implement {rpc}: {why}")
+        )
+        return None
 
     async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return await self._unimplemented(context, "RepositoryIndex", _NO_REPOSITORY)
@@ -285,6 +296,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 _NO_REPOSITORY = "models come and go with the workers' model cards in discovery"
 _NO_SHM = "tensors travel in the request; shared-memory regions are not supported"
+
+
+def _refuse(context: grpc.aio.ServicerContext[Any, Any], error: FrontendError) -> None:
+    """End a unary call with ``error``'s status; the caller then returns any response (gRPC drops it).
+
+    Not ``context.abort``: its exception and the call's state reference each other, so every
+    aborted request, up to the whole received message, stays in memory until Python's cyclic GC
+    happens to run. Measured on a bare grpc.aio server: +80 MB RSS per aborted 60 MB request,
+    growing without bound; with set_code and a return, flat.
+    """
+    context.set_code(error.code)
+    context.set_details(error.message)
 
 
 def _error_response(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
