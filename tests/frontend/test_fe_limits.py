@@ -208,11 +208,6 @@ async def test_a_stream_cancelled_after_its_final_response_counts_as_completed(m
 
 
 # -- item 2: a refused stream is UNAVAILABLE, never INTERNAL -------------------------------------------
-@pytest.mark.xfail(
-    reason="issue 14 item 2: the serving gate in kvmesh/runtime.py (under rewrite) must read the first request "
-    "of a client-streaming call before it aborts; see the issue for the fix",
-    strict=False,
-)
 async def test_a_refused_stream_is_unavailable_even_when_the_client_writes_late() -> None:
     from kvmesh import runtime
 

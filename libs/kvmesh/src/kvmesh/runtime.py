@@ -21,13 +21,14 @@ Invariants (the reasons this module exists):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any, Self
@@ -67,11 +68,20 @@ class _ServingGate(grpc.aio.ServerInterceptor):
             return None
         reason = self._reason()
 
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+        # Refusals set the status and return instead of ``context.abort``: an abort that reaches a
+        # streaming client before its first write makes grpc.aio's client report "INTERNAL: Internal
+        # error from Core" instead of UNAVAILABLE, and an aborted call's request stays in memory
+        # until the cyclic GC runs. A client-streaming call is refused after its first message
+        # arrives (or 1 s), so that the client's first write cannot race the trailers.
+        async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            if handler.request_streaming:
+                await _first_message(request)
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(reason)
 
-        async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+        async def refuse_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            await refuse(request, context)
+            return
             yield  # pragma: no cover - makes this an async generator
 
         if handler.response_streaming:
@@ -95,6 +105,13 @@ class _ServingGate(grpc.aio.ServerInterceptor):
         )
 
 
+async def _first_message(requests: AsyncIterator[Any]) -> None:
+    """Wait (up to 1 s) for a refused stream's first message, or for the client to end it."""
+    with contextlib.suppress(TimeoutError, StopAsyncIteration, grpc.RpcError):
+        async with asyncio.timeout(1.0):
+            await anext(aiter(requests))
+
+
 class DaemonRuntime:
     """Owns discovery, the lease, the gRPC server and the signal handling of one daemon process.
 
@@ -109,7 +126,9 @@ class DaemonRuntime:
             await runtime.wait_for_stop()
     """
 
-    def __init__(self, name: str, settings: DaemonSettings) -> None:
+    def __init__(
+        self, name: str, settings: DaemonSettings, *, server_options: Sequence[tuple[str, Any]] = SERVER_OPTIONS
+    ) -> None:
         self.name = name
         self.settings = settings
         self.resources = AsyncExitStack()
@@ -119,7 +138,7 @@ class DaemonRuntime:
         self.metrics_address = ""
         self.server = grpc.aio.server(
             interceptors=[_ServingGate(self.is_serving, self._refusal_reason), *telemetry.server_interceptors()],
-            options=SERVER_OPTIONS,
+            options=list(server_options),
         )
         self.health = health.aio.HealthServicer()
         self._discovery: Discovery | None = None

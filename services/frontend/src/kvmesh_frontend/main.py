@@ -19,6 +19,7 @@ from inference import grpc_service_pb2, grpc_service_pb2_grpc
 from kvmesh import telemetry
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import Discovery, WatchEvent, instance_prefix, model_prefix
+from kvmesh.grpc_options import FRONTEND_SERVER_OPTIONS
 from kvmesh.runtime import VERSION, DaemonRuntime
 
 from kvmesh_frontend.generation import Generator
@@ -51,7 +52,7 @@ async def _watch(discovery: Discovery, prefix: str, apply: Callable[[WatchEvent]
 
 
 async def serve(config: Settings) -> None:
-    async with DaemonRuntime(PROG, config) as runtime:
+    async with DaemonRuntime(PROG, config, server_options=FRONTEND_SERVER_OPTIONS) as runtime:
         await _serve(runtime, config)
     log.info("stopped")
 
