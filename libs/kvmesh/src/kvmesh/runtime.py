@@ -67,12 +67,13 @@ class _ServingGate(grpc.aio.ServerInterceptor):
             return None
         reason = self._reason()
 
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
 
-        async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def refuse_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
             await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
-            yield  # pragma: no cover - makes this an async generator
+            # abort() never returns; the unreachable yield only makes this an async generator
+            yield  # type: ignore[unreachable]  # pragma: no cover
 
         if handler.response_streaming:
             factory = (
@@ -171,8 +172,9 @@ class DaemonRuntime:
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
-        return await self._exit.__aexit__(exc_type, exc, tb)
+    ) -> None:
+        # only callbacks are on the stack, so it never suppresses: None tells mypy the body's return is final
+        await self._exit.__aexit__(exc_type, exc, tb)
 
     async def _drain(self) -> None:
         """Deregister at once (while ``on_draining`` hooks end endless streams), then drain in-flight calls."""
