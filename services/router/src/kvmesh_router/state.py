@@ -79,7 +79,7 @@ class RouterState:
             predictor = index  # the same object: admission records every decision as predicted blocks
         self.slots = SlotTracker(DEFAULT_BLOCK_SIZE, expiry_s=s.booking_ttl_s)
         self.admission = Admission(
-            index,  # type: ignore[arg-type]  # TimedIndex forwards the PrefixIndex protocol via __getattr__
+            index,
             self.slots,
             config=RouterPolicyConfig(
                 mode=s.mode,
