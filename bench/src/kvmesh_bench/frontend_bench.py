@@ -52,7 +52,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 import numpy as np
@@ -63,7 +63,7 @@ from kvmesh.discovery import model_prefix, open_discovery
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from tokenizers import Tokenizer
 
-_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc.aio exports EOF at runtime; types-grpcio omits it
+from kvmesh_bench.streams import drain, read_message
 
 NAMESPACE = "bench-frontend"
 WORDS = [
@@ -319,11 +319,7 @@ class FrontendClient:
         first = 0.0
         await self.call.write(request)
         while True:
-            read = await self.call.read()
-            if read is _EOF:
-                raise RuntimeError("the frontend closed the stream")
-            # types-grpcio types read() as object | response (its EOF type is object), so `is` cannot narrow it
-            message = cast(kserve.ModelStreamInferResponse, read)
+            message = await read_message(self.call, kserve.ModelStreamInferResponse, "the frontend")
             if message.error_message:
                 raise RuntimeError(message.error_message)
             self.responses += 1
@@ -336,8 +332,7 @@ class FrontendClient:
     async def close(self) -> None:
         await self.call.done_writing()
         with contextlib.suppress(grpc.aio.AioRpcError):
-            while await self.call.read() is not _EOF:
-                pass
+            await drain(self.call)
 
 
 class DirectClient:

@@ -57,6 +57,7 @@ from kvmesh_router.state import RouterState
 from kvmesh_bench import indexer_microbench as mb
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table
+from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE
 
 DEFAULT_TRACE = mb.DEFAULT_TRACE
 MODEL = "mooncake"
@@ -324,6 +325,8 @@ async def _client(conn: Any, worker: _FakeWorker, warm: list[Request], measured:
     import grpc
     from kvmesh.grpc_options import CLIENT_OPTIONS
 
+    from kvmesh_bench.streams import drain, read_message
+
     loop = asyncio.get_running_loop()
     port = await loop.run_in_executor(None, conn.recv)
     finished = router_pb2.LIFECYCLE_STAGE_FINISHED
@@ -349,7 +352,7 @@ async def _client(conn: Any, worker: _FakeWorker, warm: list[Request], measured:
                 message = query(tag, i, request, model)
                 t0 = clock()
                 await call.write(message)
-                response = await call.read()
+                response = await read_message(call, router_pb2.SessionResponse)
                 rtts.append((clock() - t0) * 1e6)
                 decision = response.decision
                 if decision.outcome == router_pb2.DECISION_OUTCOME_ROUTED:
@@ -359,8 +362,7 @@ async def _client(conn: Any, worker: _FakeWorker, warm: list[Request], measured:
                     name = router_pb2.DecisionOutcome.Name(decision.outcome)
                     outcomes[name] = outcomes.get(name, 0) + 1
             await call.done_writing()
-            while await call.read() is not grpc.aio.EOF:
-                pass
+            await drain(call)
             return rtts
 
         await sequential("w", warm)
@@ -381,7 +383,7 @@ async def _client(conn: Any, worker: _FakeWorker, warm: list[Request], measured:
 
         async def reader() -> None:
             for _ in measured:
-                response = await call.read()
+                response = await read_message(call, router_pb2.SessionResponse)
                 decision = response.decision
                 worker.publish(decision.engine_id, by_id[decision.request_id])
                 outgoing.put_nowait(lifecycle(decision.request_id))
@@ -397,8 +399,7 @@ async def _client(conn: Any, worker: _FakeWorker, warm: list[Request], measured:
         elapsed = clock() - t0
         outgoing.put_nowait(None)
         await tasks[1]
-        while await call.read() is not grpc.aio.EOF:
-            pass
+        await drain(call)
     return {"rtts": rtts, "floor": floor, "pipelined_per_s": len(measured) / elapsed, "outcomes": outcomes}
 
 
@@ -408,7 +409,8 @@ async def _grpc_client_side(
     import grpc
 
     ids = engine_ids(args.grpc_engines)
-    worker = _FakeWorker(SimFleet(ids, args.engine_capacity_blocks))
+    # the base's defaults answer UNIMPLEMENTED for the RPCs the router never calls here
+    worker = _FakeWorker(SimFleet(ids, args.engine_capacity_blocks))  # type: ignore[abstract]
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -498,7 +500,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-capacity-blocks", type=int, default=4096, help="LRU prefix cache per engine, blocks")
     p.add_argument("--concurrency", type=int, default=64, help="booked requests at once in the in-process replay")
     p.add_argument("--prefill-lag", type=int, default=8, help="requests until a booking's prefill completes")
-    p.add_argument("--block-size", type=int, default=mb.DEFAULT_BLOCK_SIZE, help="tokens per hash id (512)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per hash id (512)")
     p.add_argument("--grpc-engines", type=int, default=8, help="fleet size of the gRPC measurement (0 = skip it)")
     p.add_argument("--grpc-requests", type=int, default=2000, help="queries measured through the Session stream")
     p.add_argument("--grpc-warm-requests", type=int, default=2000, help="requests that warm the server's index")

@@ -120,7 +120,7 @@ def _synthesize(args: argparse.Namespace) -> int:
     requests = synthesizer.generate(args.num_requests)
     write_trace(args.output, requests)
     tree = synthesizer.tree
-    core_blocks = sum(length for _, length in tree.graph.nodes(data="length"))
+    core_blocks = sum(data["length"] for _, data in tree.graph.nodes(data=True))
     print(
         f"wrote {len(requests):,} requests to {args.output} (learned from {len(source):,} requests: core radix "
         f"tree {tree.graph.number_of_nodes() - 1:,} nodes / {core_blocks:,} blocks, {len(tree.leaf_lengths):,} "
