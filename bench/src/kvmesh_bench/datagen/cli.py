@@ -11,42 +11,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvmesh_bench.argtypes import non_negative_int, positive_float, positive_int
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace, write_trace
 
 __all__ = ["main", "register"]
 
 EXIT_OK = 0
 EXIT_ERROR = 2
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -150,12 +121,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     analyze_parser.add_argument(
         "--block-size",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         help="tokens per hash id (default: 512)",
     )
     analyze_parser.add_argument(
-        "--max-requests", metavar="N", type=_positive_int, help="read only the first N requests (of each trace)"
+        "--max-requests", metavar="N", type=positive_int, help="read only the first N requests (of each trace)"
     )
     analyze_parser.set_defaults(func=_guarded(_analyze))
 
@@ -170,46 +141,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument(
         "--num-requests",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         help="requests to synthesize (default: as many as the source)",
     )
     synth.add_argument(
         "--prefix-len-multiplier",
         metavar="X",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="stretch shared-prefix nodes (default: 1)",
     )
     synth.add_argument(
         "--prefix-root-multiplier",
         metavar="K",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="k disjoint copies of the prefix tree, one picked at random per request (default: 1)",
     )
     synth.add_argument(
         "--prompt-len-multiplier",
         metavar="X",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="scale unique-prompt lengths (default: 1)",
     )
     synth.add_argument(
-        "--osl-multiplier", metavar="X", type=_positive_float, default=1.0, help="scale output lengths (default: 1)"
+        "--osl-multiplier", metavar="X", type=positive_float, default=1.0, help="scale output lengths (default: 1)"
     )
     synth.add_argument(
         "--speedup-ratio",
         metavar="X",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="divide inter-arrival gaps by this (default: 1)",
     )
-    synth.add_argument("--min-isl", metavar="TOKENS", type=_non_negative_int, help="drop requests with a shorter input")
-    synth.add_argument("--max-isl", metavar="TOKENS", type=_non_negative_int, help="drop requests with a longer input")
+    synth.add_argument("--min-isl", metavar="TOKENS", type=non_negative_int, help="drop requests with a shorter input")
+    synth.add_argument("--max-isl", metavar="TOKENS", type=non_negative_int, help="drop requests with a longer input")
     synth.add_argument(
         "--block-size",
         metavar="TOKENS",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         help="tokens per hash id (default: 512)",
     )
@@ -222,7 +193,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a shuffled deck of the source's values, reshuffled when used up; iid: independent draws",
     )
     synth.add_argument(
-        "--max-requests", metavar="N", type=_positive_int, help="learn from the first N source requests only"
+        "--max-requests", metavar="N", type=positive_int, help="learn from the first N source requests only"
     )
     synth.set_defaults(func=_guarded(_synthesize))
 
