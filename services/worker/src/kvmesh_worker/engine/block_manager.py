@@ -176,23 +176,29 @@ class BlockManager:
         freed. Released tail-first (as vLLM does), so a sequence's last block is evicted before its
         prefix, which keeps every cached block's parent cached as long as the block itself.
         """
-        active, inactive = self.active, self.inactive
-        for key in reversed(keys):
-            rc = active[key] - 1
-            if rc:
-                active[key] = rc
-            else:
-                del active[key]
-                if key >= 0:
-                    inactive[key] = None  # push as most recent (an active block is never in inactive)
+        inactive = self.inactive
+        for key in self._drop_refs(keys):
+            inactive[key] = None  # push as most recent (an active block is never in inactive)
 
     def destroy(self, keys: Sequence[int]) -> None:
         """Destroy: drop one reference; an unreferenced block leaves the cache (BlocksRemoved), not to inactive.
 
         Blocks other sequences still reference stay active: destroying is never done behind a holder's back.
         """
+        removed = self._drop_refs(keys)
+        meta = self._meta
+        for key in removed:
+            del meta[key]
+        if removed:
+            self._emit(BlocksRemoved(tuple(removed)))
+
+    def _drop_refs(self, keys: Sequence[int]) -> list[int]:
+        """Drop one reference on each of ``keys``, tail-first; the full blocks left unreferenced, in that order.
+
+        A partial block (negative key) left unreferenced is simply gone: it was never cached.
+        """
         active = self.active
-        removed: list[int] = []
+        unreferenced: list[int] = []
         for key in reversed(keys):
             rc = active[key] - 1
             if rc:
@@ -200,10 +206,8 @@ class BlockManager:
             else:
                 del active[key]
                 if key >= 0:
-                    del self._meta[key]
-                    removed.append(key)
-        if removed:
-            self._emit(BlocksRemoved(tuple(removed)))
+                    unreferenced.append(key)
+        return unreferenced
 
     def clear(self) -> None:
         """Drop every inactive block; active ones are in use and stay.
