@@ -55,9 +55,9 @@ from kvmesh_router.settings import RouterSettings
 from kvmesh_router.state import RouterState
 
 from kvmesh_bench import indexer_microbench as mb
+from kvmesh_bench.argtypes import fleet_sizes
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table
-from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE
 
 DEFAULT_TRACE = mb.DEFAULT_TRACE
 MODEL = "mooncake"
@@ -494,13 +494,8 @@ _FLEET_COLUMNS = [
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvmesh bench router", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace (default: %(default)s)")
-    p.add_argument("--engines", default="8,128,1000", help="fleet sizes, comma-separated (default: %(default)s)")
+    mb.add_replay_args(p)
     p.add_argument("--max-requests", type=int, default=4000, help="trace requests replayed per fleet (0 = all)")
-    p.add_argument("--engine-capacity-blocks", type=int, default=4096, help="LRU prefix cache per engine, blocks")
-    p.add_argument("--concurrency", type=int, default=64, help="booked requests at once in the in-process replay")
-    p.add_argument("--prefill-lag", type=int, default=8, help="requests until a booking's prefill completes")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per hash id (512)")
     p.add_argument("--grpc-engines", type=int, default=8, help="fleet size of the gRPC measurement (0 = skip it)")
     p.add_argument("--grpc-requests", type=int, default=2000, help="queries measured through the Session stream")
     p.add_argument("--grpc-warm-requests", type=int, default=2000, help="requests that warm the server's index")
@@ -520,12 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no C-core info lines (GOAWAY at teardown) in the report
     try:
-        sizes = [int(x) for x in args.engines.split(",") if x.strip()]
-    except ValueError:
-        print(f"--engines: expected comma-separated integers, got {args.engines!r}", file=sys.stderr)
-        return 2
-    if any(n <= 0 for n in sizes):
-        print("--engines: fleet sizes must be positive", file=sys.stderr)
+        sizes = fleet_sizes(args.engines)
+    except argparse.ArgumentTypeError as exc:
+        print(f"--engines: {exc}", file=sys.stderr)
         return 2
     requests = mb.trace_requests(args.trace, args.max_requests or None, args.block_size)
     if not requests:
