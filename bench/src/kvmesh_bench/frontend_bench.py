@@ -64,6 +64,7 @@ from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from tokenizers import Tokenizer
 
 from kvmesh_bench.streams import drain, read_message
+from kvmesh_bench.tables import write_json
 
 NAMESPACE = "bench-frontend"
 WORDS = [
@@ -666,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print(_table(result))
     if args.json is not None:
-        args.json.write_text(json.dumps(asdict(result), indent=2))
+        write_json(args.json, asdict(result))
     return 0
 
 
@@ -693,7 +694,7 @@ def _run_paired(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     print(_paired_table(out, args))
     if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import pickle
 import random
 import sys
@@ -51,7 +50,7 @@ from kvmesh_router.slot_tracker import SlotTracker
 
 from kvmesh_bench.argtypes import fleet_sizes
 from kvmesh_bench.stats import percentile
-from kvmesh_bench.tables import format_table
+from kvmesh_bench.tables import format_table, write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[3].parent / "shared/data/mooncake/conversation_trace.jsonl"
@@ -404,8 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "results": [asdict(r) for r in results],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

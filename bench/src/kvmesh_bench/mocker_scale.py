@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import gc
 import importlib.metadata
-import json
 import math
 import os
 import platform
@@ -51,6 +50,7 @@ from kvmesh_worker.engine_runner import EngineRunner
 
 from kvmesh_bench.argtypes import fleet_sizes
 from kvmesh_bench.stats import percentile
+from kvmesh_bench.tables import write_json
 
 
 class _Discard:
@@ -399,8 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "goal": {"engines": GOAL_ENGINES, "drift_p99_pct": 100 * GOAL_DRIFT_P99},
             "results": [asdict(r) for r in results],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

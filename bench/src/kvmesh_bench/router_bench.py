@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import multiprocessing
 import os
 import random
@@ -57,7 +56,7 @@ from kvmesh_router.state import RouterState
 from kvmesh_bench import indexer_microbench as mb
 from kvmesh_bench.argtypes import fleet_sizes
 from kvmesh_bench.stats import percentile
-from kvmesh_bench.tables import format_table
+from kvmesh_bench.tables import format_table, write_json
 
 DEFAULT_TRACE = mb.DEFAULT_TRACE
 MODEL = "mooncake"
@@ -568,8 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "grpc": asdict(grpc_result) if grpc_result is not None else None,
             "goals": goals,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
 
 from kvmesh_bench.argtypes import non_negative_int, positive_float, positive_int
+from kvmesh_bench.tables import write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace, write_trace
 
 __all__ = ["main", "register"]
@@ -45,10 +43,6 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     return run
 
 
-def _write_json(path: str, data: Any) -> None:
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-
 def _analyze(args: argparse.Namespace) -> int:
     from kvmesh_bench.datagen.analyze import analyze, compare, format_analysis, format_comparison
 
@@ -57,14 +51,14 @@ def _analyze(args: argparse.Namespace) -> int:
     if args.compare is None:
         print(format_analysis(report, title=args.trace))
         if args.json:
-            _write_json(args.json, report)
+            write_json(args.json, report)
         return EXIT_OK
     source = load_trace(args.compare, max_requests=args.max_requests)
     source_report = analyze(source, block_size=args.block_size)
     rows = compare(report, source_report)
     print(format_comparison(rows, trace_name=args.trace, source_name=args.compare))
     if args.json:
-        _write_json(args.json, {"trace": report, "source": source_report, "comparison": rows})
+        write_json(args.json, {"trace": report, "source": source_report, "comparison": rows})
     return EXIT_OK
 
 
