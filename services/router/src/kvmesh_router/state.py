@@ -89,7 +89,8 @@ class RouterState:
             ),
             thresholds=BusyThresholds(s.busy_prefill_tokens, s.busy_prefill_frac, s.busy_kv_usage),
             rng=random.Random(s.seed),
-            predictor=predictor,  # type: ignore[arg-type]  # likewise the DecisionPredictor protocol
+            # TimedIndex passes the DecisionPredictor methods through __getattr__, which mypy cannot see
+            predictor=predictor,  # type: ignore[arg-type]
         )
         self.engines = EngineRegistry()
         self.bookings = Bookings(self.slots, self.engines, clock, self.approx)
