@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import pickle
 import random
 import sys
@@ -49,8 +48,9 @@ from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
 from kvmesh_router.slot_tracker import SlotTracker
 
+from kvmesh_bench.argtypes import fleet_sizes
 from kvmesh_bench.stats import percentile
-from kvmesh_bench.tables import format_table
+from kvmesh_bench.tables import format_table, write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[3].parent / "shared/data/mooncake/conversation_trace.jsonl"
@@ -334,17 +334,10 @@ def format_results(results: Sequence[Result]) -> str:
     return format_table([asdict(r) for r in results], _COLUMNS)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="indexer_microbench", description=__doc__.split("\n\n")[0])
+def add_replay_args(p: argparse.ArgumentParser) -> None:
+    """The trace, fleets and live-replay knobs of :func:`live_replay` (shared with ``kvmesh bench router``)."""
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace (default: %(default)s)")
     p.add_argument("--engines", default="8,128,1000", help="comma-separated fleet sizes (default: %(default)s)")
-    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
-    p.add_argument(
-        "--policy",
-        default="kv",
-        choices=["kv", "round_robin", "random", "power_of_two"],
-        help="routing mode for the live replay (default: %(default)s)",
-    )
     p.add_argument(
         "--engine-capacity-blocks",
         type=int,
@@ -354,6 +347,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=64, help="active (booked) requests (default: %(default)s)")
     p.add_argument("--prefill-lag", type=int, default=8, help="requests until prefill completes (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per hash id (default: 512)")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="indexer_microbench", description=__doc__.split("\n\n")[0])
+    add_replay_args(p)
+    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument(
+        "--policy",
+        default="kv",
+        choices=["kv", "round_robin", "random", "power_of_two"],
+        help="routing mode for the live replay (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3, help="replays per figure, fastest kept (default: %(default)s)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the tracemalloc memory pass")
@@ -364,19 +369,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        fleet_sizes = [int(x) for x in args.engines.split(",") if x.strip()]
-    except ValueError:
-        print(f"--engines: expected comma-separated integers, got {args.engines!r}", file=sys.stderr)
-        return 2
-    if not fleet_sizes or min(fleet_sizes) <= 0:
-        print("--engines: need at least one positive fleet size", file=sys.stderr)
+        sizes = fleet_sizes(args.engines)
+    except argparse.ArgumentTypeError as exc:
+        print(f"--engines: {exc}", file=sys.stderr)
         return 2
     requests = trace_requests(args.trace, args.max_requests, args.block_size)
     if not requests:
         print(f"{args.trace}: no requests", file=sys.stderr)
         return 1
     results = []
-    for n in fleet_sizes:
+    for n in sizes:
         results.append(run_one(requests, n, args))
         print(f"... {n} engines done", file=sys.stderr, flush=True)
     print(
@@ -401,8 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             },
             "results": [asdict(r) for r in results],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

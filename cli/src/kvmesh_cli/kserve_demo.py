@@ -65,8 +65,9 @@ def demo_request(address: str, model: str, prompt: str = DEMO_PROMPT, max_tokens
                     pieces.append(output.contents.bytes_contents[0].decode(errors="replace"))
             if first is None and pieces:
                 first = time.perf_counter() - started
-            for key, value in response.parameters.items():
-                params[key] = getattr(value, value.WhichOneof("parameter_choice"))
+            for key, param in response.parameters.items():
+                if (choice := param.WhichOneof("parameter_choice")) is not None:
+                    params[key] = getattr(param, choice)
             if (
                 response.parameters.get("triton_final_response")
                 and response.parameters["triton_final_response"].bool_param

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # (module, attribute): each exposes register(subparsers) adding one command with func=...
 COMMANDS: tuple[tuple[str, str], ...] = (
@@ -20,7 +21,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 

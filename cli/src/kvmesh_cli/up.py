@@ -83,6 +83,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _exited(proc: subprocess.Popen[bytes]) -> str:
+    """``NAME exited with RC`` for a process :func:`_spawn` started."""
+    argv = typing.cast(list[str], proc.args)  # _spawn always passes an argv list of str
+    return f"{Path(argv[0]).name} exited with {proc.returncode}"
+
+
 def _spawn(name: str, args: list[str], log_dir: Path) -> subprocess.Popen[bytes]:
     """Start daemon ``name``; it gets the ``KVMESH_*`` variables it declares, not the other daemons'."""
     exe = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
@@ -146,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         while not server_ready(address):
             dead = [p for p in procs if p.poll() is not None]
             if dead or time.monotonic() > deadline:
-                why = f"{Path(dead[0].args[0]).name} exited with {dead[0].returncode}" if dead else "timed out"
+                why = _exited(dead[0]) if dead else "timed out"
                 print(f"kvmesh up: error: mesh not ready ({why}); logs in {log_dir}", file=sys.stderr)
                 return 1
             time.sleep(0.2)
@@ -170,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         dead = [p for p in procs if p.poll() is not None]
         if dead and not stop["now"]:
             print(
-                f"kvmesh up: {Path(dead[0].args[0]).name} exited with {dead[0].returncode}; logs in {log_dir}",
+                f"kvmesh up: {_exited(dead[0])}; logs in {log_dir}",
                 file=sys.stderr,
             )
             return 1

@@ -27,6 +27,7 @@ from kvmesh_router.cost import MODES
 from kvmesh_router.policies import POLICIES
 from kvmesh_router.settings import DEFAULT_COST_POLICY
 
+from kvmesh_bench.argtypes import positive_float, positive_int
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, format_table, plot_run, run_json, summarize, write_json
 from kvmesh_bench.replay.workload import DEFAULT_VOCAB_SIZE, ReplayRequest, TokenMapper, build_requests
@@ -85,40 +86,26 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offline", action="store_true", help="simulate the fleet in virtual time instead of a frontend")
     p.add_argument("--frontend", metavar="HOST:PORT", help="live: the frontend's KServe gRPC address")
     p.add_argument("--model", default="kvmesh-mock", help="live: model name (default: kvmesh-mock)")
-    p.add_argument("--engines", type=_positive_int, default=8, help="offline: engines in the fleet (default 8)")
-    p.add_argument("--block-size", type=_positive_int, default=64, help="offline: engine KV block size (default 64)")
-    p.add_argument("--num-gpu-blocks", type=_positive_int, default=16384, help="offline: KV blocks per engine")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=256, help="offline: running requests per engine")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192, help="offline: tokens per pass")
+    p.add_argument("--engines", type=positive_int, default=8, help="offline: engines in the fleet (default 8)")
+    p.add_argument("--block-size", type=positive_int, default=64, help="offline: engine KV block size (default 64)")
+    p.add_argument("--num-gpu-blocks", type=positive_int, default=16384, help="offline: KV blocks per engine")
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="offline: running requests per engine")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="offline: tokens per pass")
     p.add_argument("--perf-model", default=None, help="offline: 'polynomial' (default) or an .npz profile")
     p.add_argument("--overlap-weight", type=float, default=1.0, help="kv: overlap_score_weight (default 1.0)")
     p.add_argument("--temperature", type=float, default=0.0, help="kv: selection temperature (default 0)")
     p.add_argument(
-        "--arrival-speedup", type=_positive_float, default=1.0, help="arrival times / N, engine speed unchanged"
+        "--arrival-speedup", type=positive_float, default=1.0, help="arrival times / N, engine speed unchanged"
     )
-    p.add_argument("--max-requests", type=_positive_int, default=None, help="replay only the first N requests")
-    p.add_argument("--duration", type=_positive_float, default=None, help="live: stop sending after S seconds")
-    p.add_argument("--connect-timeout", type=_positive_float, default=5.0, help="live: frontend probe timeout (s)")
-    p.add_argument("--drain-timeout", type=_positive_float, default=120.0, help="live: wait S s for in-flight ones")
+    p.add_argument("--max-requests", type=positive_int, default=None, help="replay only the first N requests")
+    p.add_argument("--duration", type=positive_float, default=None, help="live: stop sending after S seconds")
+    p.add_argument("--connect-timeout", type=positive_float, default=5.0, help="live: frontend probe timeout (s)")
+    p.add_argument("--drain-timeout", type=positive_float, default=120.0, help="live: wait S s for in-flight ones")
     p.add_argument("--seed", type=int, default=0, help="token mapping and routing tie-breaks (default 0)")
-    p.add_argument("--vocab-size", type=_positive_int, default=DEFAULT_VOCAB_SIZE, help="token ids drawn below it")
+    p.add_argument("--vocab-size", type=positive_int, default=DEFAULT_VOCAB_SIZE, help="token ids drawn below it")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON (and the plots next to it)")
     p.add_argument("--plot", metavar="PATH", help="write the PNG plots here (default: next to --json)")
     p.add_argument("--no-progress", action="store_true", help="live: no progress bar")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def load_requests(args: argparse.Namespace) -> list[ReplayRequest]:

@@ -65,8 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_mode = []
         for i, spec in enumerate(specs):
             trials = []
-            for s in range(args.seeds):
-                seed = args.seed + s if args.offline else args.seed + 1000 * i
+            for k in range(args.seeds):
+                seed = args.seed + k if args.offline else args.seed + 1000 * i
                 trials.append(run_mode(args, spec, requests, seed))
             trials.sort(key=lambda r: summarize(r).ttft_p50_ms)
             runs.append(trials[len(trials) // 2])  # the run with the median TTFT p50 (plotted)

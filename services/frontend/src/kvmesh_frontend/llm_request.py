@@ -1,5 +1,8 @@
 """The LLM tensor contract (Triton vLLM backend, plus what genai-perf and tokenizing clients send).
 
+(About 500 lines: the contract below and the checker of each input and sampling key it names are read
+together; split, one table would be checked in two places.)
+
 :func:`parse_llm_request` turns a ``ModelInferRequest`` into a validated :class:`LlmRequest` or
 raises INVALID_ARGUMENT naming the tensor (or parameter) and what is wrong with it. Nothing here
 knows the model: limits that depend on the model card (vocabulary, context length, chat template)

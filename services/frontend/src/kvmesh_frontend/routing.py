@@ -154,7 +154,7 @@ class RouterSession:
         self._wakeup.set()
         return future
 
-    def lifecycle(self, request_id: str, stage: int) -> None:
+    def lifecycle(self, request_id: str, stage: router_pb2.LifecycleStage.ValueType) -> None:
         """Report progress of a request this replica routed (dropped if the stream is gone).
 
         Updates are not on any request's critical path: the writer is woken one loop iteration

@@ -316,7 +316,7 @@ class Admission:
                 best = n
 
         if self.thresholds.enabled:
-            available = [e for e in eligible if not self._busy(specs[e])]
+            available: Sequence[int] = [e for e in eligible if not self._busy(specs[e])]
             if not available:
                 return Rejection(rid, RejectReason.ALL_BUSY, tuple(eligible))
         else:

@@ -197,6 +197,7 @@ class EngineSlots:
             out: list[int] = []
             while mask:
                 low = mask & -mask
+                # a set bit is always an occupied slot, never None
                 out.append(names[low.bit_length() - 1])  # type: ignore[arg-type]
                 mask ^= low
             return out
@@ -205,7 +206,8 @@ class EngineSlots:
             arr = self._array = np.array([-1 if n is None else n for n in names], dtype=np.int64)
         n = len(names)
         bits = np.unpackbits(np.frombuffer(mask.to_bytes((n + 7) // 8, "little"), np.uint8), bitorder="little")
-        return arr[bits[:n].view(np.bool_)].tolist()
+        ids: list[int] = arr[bits[:n].view(np.bool_)].tolist()
+        return ids
 
     def decode_cached(self, mask: int) -> list[int]:
         """:meth:`decode` through a small cache (valid until membership changes); do not mutate the result.
@@ -262,6 +264,7 @@ def match_prefix(
         if nxt != cand:
             gone = cand ^ nxt
             if not gone & (gone - 1):
+                # a set bit is always an occupied slot, never None
                 scores[names[gone.bit_length() - 1]] = depth  # type: ignore[index]
             elif gone.bit_count() <= _DENSE_DECODE_MIN_BITS or gone.bit_count() <= nxt.bit_count():
                 for e in slots.decode(gone):
@@ -275,6 +278,7 @@ def match_prefix(
             cand = nxt
         depth += 1
     if not cand & (cand - 1):
+        # a set bit is always an occupied slot, never None
         scores[names[cand.bit_length() - 1]] = depth  # type: ignore[index]
     else:
         scores.update(dict.fromkeys(slots.decode_cached(cand), depth))
@@ -408,6 +412,7 @@ class KvIndexer:
         self._size += added
         self._counts[slot] += added
         self.counters.blocks_stored += added
+        # _capped means max_entries is not None (a bool: cheaper on this hot path than the None test)
         if self._capped and self._size > self.max_entries:  # type: ignore[operator]
             self._evict(self._low_water)
         return error
@@ -580,12 +585,12 @@ class KvIndexer:
             run: list[StoredBlock] = []
             while True:
                 run.append(StoredBlock(h, meta[h] & _U64))
-                kids = children.get(h)
-                if not kids:
+                next_kids = children.get(h)
+                if not next_kids:
                     break
-                for other in reversed(kids[1:]):
+                for other in reversed(next_kids[1:]):
                     stack.append((h, other))
-                h = kids[0]
+                h = next_kids[0]
             out.append(BlocksStored(parent, tuple(run)))
         return out
 
@@ -593,6 +598,7 @@ class KvIndexer:
         """:meth:`dump` of every registered engine, in one pass over the index."""
         held = self._held_by_slot()
         slot_of = self._slots.get
+        # every registered engine has a slot, so slot_of(e) is never None
         return {e: self._dump_set(held.get(slot_of(e)) or set()) for e in self.engines()}  # type: ignore[arg-type]
 
     def canonical(self, reachable_only: bool = False) -> dict[int, frozenset[int]]:
@@ -605,7 +611,7 @@ class KvIndexer:
         slot_of = self._slots.get
         out: dict[int, frozenset[int]] = {}
         for e in self.engines():
-            own = held.get(slot_of(e))  # type: ignore[arg-type]
+            own = held.get(slot_of(e))  # type: ignore[arg-type]  # a registered engine always has a slot
             if own and reachable_only:
                 own = {b.block_hash for ev in self._dump_set(own) for b in ev.blocks}
             if own:

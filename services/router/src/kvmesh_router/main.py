@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+import grpc
 import prometheus_client
 import uvloop
 from kvmesh import telemetry
@@ -76,7 +77,7 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
     pool = ChannelPool()
     runtime.resources.push_async_callback(pool.close)
 
-    def channel_for(address: str):  # noqa: ANN202 - grpc.aio.Channel
+    def channel_for(address: str) -> grpc.aio.Channel:
         return pool.get(address, address)
 
     ingest: Ingest | None = None

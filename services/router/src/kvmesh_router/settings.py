@@ -42,7 +42,7 @@ class RouterSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, validate_by_name=True)
 
-    mode: Literal["kv", "round_robin", "random", "power_of_two"] = Field("kv", alias="router_mode")
+    mode: Literal["kv", "round_robin", "random", "power_of_two"] = Field(default="kv", alias="router_mode")
     """how engines are picked when a query does not pin one"""
     cost_policy: Annotated[str, AfterValidator(_registered_cost_policy)] = DEFAULT_COST_POLICY
     """kv cost function: 'affinity' (kvmesh's, backlog-discounted prefix affinity) or 'dynamo' (Dynamo's
@@ -63,9 +63,9 @@ class RouterSettings(BaseModel):
     predicted cached blocks with a TTL)"""
     index_max_blocks: MaxBlocks = None
     """cap on (engine, block) entries in the prefix index (0 or 'none' = unbounded)"""
-    approx_ttl_s: PositiveFloat = Field(120.0, alias="approx_ttl")
+    approx_ttl_s: PositiveFloat = Field(default=120.0, alias="approx_ttl")
     """approximate mode: seconds a predicted block lives"""
-    booking_ttl_s: PositiveFloat = Field(300.0, alias="booking_ttl")
+    booking_ttl_s: PositiveFloat = Field(default=300.0, alias="booking_ttl")
     """seconds after which a booking with no FINISHED is dropped (lost-update backstop)"""
     seed: int | None = None
     """seed of the router's random choices (tie-breaks, random modes); default: random"""

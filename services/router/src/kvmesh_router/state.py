@@ -79,7 +79,7 @@ class RouterState:
             predictor = index  # the same object: admission records every decision as predicted blocks
         self.slots = SlotTracker(DEFAULT_BLOCK_SIZE, expiry_s=s.booking_ttl_s)
         self.admission = Admission(
-            index,  # type: ignore[arg-type]  # TimedIndex forwards the PrefixIndex protocol via __getattr__
+            index,
             self.slots,
             config=RouterPolicyConfig(
                 mode=s.mode,
@@ -89,7 +89,8 @@ class RouterState:
             ),
             thresholds=BusyThresholds(s.busy_prefill_tokens, s.busy_prefill_frac, s.busy_kv_usage),
             rng=random.Random(s.seed),
-            predictor=predictor,  # type: ignore[arg-type]  # likewise the DecisionPredictor protocol
+            # TimedIndex passes the DecisionPredictor methods through __getattr__, which mypy cannot see
+            predictor=predictor,  # type: ignore[arg-type]
         )
         self.engines = EngineRegistry()
         self.bookings = Bookings(self.slots, self.engines, clock, self.approx)

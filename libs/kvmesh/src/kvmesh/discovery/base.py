@@ -17,7 +17,7 @@ such as ``Qwen/Qwen3-0.6B`` stays one segment (``Qwen%2FQwen3-0.6B``) and every 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
@@ -238,7 +238,7 @@ class Discovery(abc.ABC):
         return lease
 
     @abc.abstractmethod
-    def list_and_watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    def list_and_watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         """Yield Snapshot first, then Added/Removed; after any resync, a fresh Snapshot.
 
         It never ends by itself and never goes silently stale: backend errors are retried with a

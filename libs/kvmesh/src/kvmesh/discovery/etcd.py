@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import aetcd
@@ -240,7 +240,7 @@ class EtcdDiscovery(Discovery):
         result = await self._call("get_prefix", lambda c: c.get_prefix(prefix.encode()))
         return {kv.key.decode(): bytes(kv.value) for kv in result}
 
-    async def list_and_watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    async def list_and_watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         raw = prefix.encode()
         backoff = Backoff(0.1, _WATCH_BACKOFF_MAX)
         failures = 0

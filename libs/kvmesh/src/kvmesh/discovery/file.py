@@ -35,7 +35,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit
 
@@ -235,8 +235,8 @@ class _Store:
             os.unlink(aside)
 
     @staticmethod
-    def _walk(top: Path) -> list[str]:
-        out: list[str] = []
+    def _files(top: Path, *, hidden: bool) -> Iterator[os.DirEntry[str]]:
+        """Every non-directory entry below ``top``, tolerating concurrent removals; dot-names only if ``hidden``."""
         stack = [str(top)]
         while stack:
             d = stack.pop()
@@ -245,16 +245,20 @@ class _Store:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for e in entries:
-                if e.name.startswith("."):
+                if not hidden and e.name.startswith("."):
                     continue
                 try:
-                    if e.is_dir(follow_symlinks=False):
-                        stack.append(e.path)
-                    elif e.name.endswith(_RECORD_SUFFIX):
-                        out.append(e.path)
+                    is_dir = e.is_dir(follow_symlinks=False)
                 except OSError:
                     continue
-        return out
+                if is_dir:
+                    stack.append(e.path)
+                else:
+                    yield e
+
+    @classmethod
+    def _walk(cls, top: Path) -> list[str]:
+        return [e.path for e in cls._files(top, hidden=False) if e.name.endswith(_RECORD_SUFFIX)]
 
     def gc(self) -> None:
         now = time.time()
@@ -274,23 +278,15 @@ class _Store:
             mtime, ttl = entry
             return time.time() - mtime > ttl + _GC_GRACE
 
-        for path in self._walk(self.kv):
-            self._remove_record_if(path, dead)
+        for record in self._walk(self.kv):
+            self._remove_record_if(record, dead)
         self._sweep_tmp(now)
 
     def _sweep_tmp(self, now: float) -> None:
-        stack = [str(self.root)]
-        while stack:
-            d = stack.pop()
-            try:
-                entries = list(os.scandir(d))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for e in entries:
+        for e in self._files(self.root, hidden=True):
+            if e.name.startswith(".") and e.name.endswith(".tmp"):
                 try:
-                    if e.is_dir(follow_symlinks=False):
-                        stack.append(e.path)
-                    elif e.name.startswith(".") and e.name.endswith(".tmp") and now - e.stat().st_mtime > _TMP_MAX_AGE:
+                    if now - e.stat().st_mtime > _TMP_MAX_AGE:
                         os.unlink(e.path)
                 except OSError:
                     continue
@@ -401,7 +397,7 @@ class FileDiscovery(Discovery):
         except OSError as exc:
             raise DiscoveryUnavailable(f"discovery directory {self.root}: {exc}") from exc
 
-    async def list_and_watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    async def list_and_watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         scanner = _Scanner(self._store, prefix)
         state: dict[str, bytes] | None = None
         while True:

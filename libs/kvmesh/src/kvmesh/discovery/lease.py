@@ -161,15 +161,7 @@ class Lease:
             if not self._alive:
                 self._dirty_puts.discard(key)  # published by the re-grant
                 return
-            try:
-                await bounded(self._disc._put(key, value, self._id), self._op_timeout)
-            except DiscoveryError:
-                self._dirty_puts.add(key)
-                raise
-            except Exception as exc:
-                self._dirty_puts.add(key)
-                raise _unavailable(f"put {key!r}", exc) from exc
-            self._dirty_puts.discard(key)
+            await self._write("put", key, self._disc._put(key, value, self._id), self._dirty_puts)
 
     async def delete(self, key: str) -> None:
         """Delete ``key`` and forget it (it will not be re-put)."""
@@ -180,15 +172,19 @@ class Lease:
             if not self._alive:
                 self._dirty_deletes.add(key)  # a key not re-put dies with the old lease anyway
                 return
-            try:
-                await bounded(self._disc._delete(key), self._op_timeout)
-            except DiscoveryError:
-                self._dirty_deletes.add(key)
-                raise
-            except Exception as exc:
-                self._dirty_deletes.add(key)
-                raise _unavailable(f"delete {key!r}", exc) from exc
-            self._dirty_deletes.discard(key)
+            await self._write("delete", key, self._disc._delete(key), self._dirty_deletes)
+
+    async def _write(self, what: str, key: str, op: Awaitable[None], dirty: set[str]) -> None:
+        """Await one backend write of ``key``; if it fails, ``key`` stays in ``dirty`` for the keeper to redo."""
+        try:
+            await bounded(op, self._op_timeout)
+        except DiscoveryError:
+            dirty.add(key)
+            raise
+        except Exception as exc:
+            dirty.add(key)
+            raise _unavailable(f"{what} {key!r}", exc) from exc
+        dirty.discard(key)
 
     async def revoke(self) -> None:
         """Graceful exit: stop the keeper and revoke the lease (every record gone at once).

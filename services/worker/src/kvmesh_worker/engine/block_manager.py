@@ -93,25 +93,15 @@ class BlockManager:
         Existing blocks are taken first so an eviction can never hit a block this call reuses.
         """
         active, inactive = self.active, self.inactive
-        i = lo
-        while i < hi:  # the cached prefix: hits
-            h = hashes[i]
-            rc = active.get(h)
-            if rc is not None:
-                active[h] = rc + 1
-            elif h in inactive:
-                del inactive[h]
-                active[h] = 1
-            else:
-                break
-            i += 1
+        i = self._take(hashes, lo, hi, None)  # the cached prefix: hits
         if i == hi:
             return
         rest = hashes[i:hi]
+        runs: list[tuple[int, int]] = []
         if active.keys().isdisjoint(rest) and inactive.keys().isdisjoint(rest):
-            runs = [(i, hi)]  # the usual shape: everything after the first miss is new
+            runs.append((i, hi))  # the usual shape: everything after the first miss is new
         else:
-            runs = self._take_existing(hashes, i, hi)
+            self._take(hashes, i, hi, runs)
         n_new = sum(b - a for a, b in runs)
         n_evict = n_new - (self.num_blocks - len(active) - len(inactive))
         if n_evict > len(inactive):
@@ -129,10 +119,13 @@ class BlockManager:
             meta.update(zip(blocks, zip([parent, *blocks[:-1]], tokens, range(a, b), strict=True), strict=True))
             self._emit(BlocksStored(parent, tuple(map(StoredBlock, blocks, tokens))))
 
-    def _take_existing(self, hashes: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]]:
-        """Slow path of ``use``: take the cached blocks of ``hashes[lo:hi]``; return the runs of new ones."""
+    def _take(self, hashes: Sequence[int], lo: int, hi: int, runs: list[tuple[int, int]] | None) -> int:
+        """Take one reference on each cached block of ``hashes[lo:hi]``.
+
+        With ``runs`` None, stop at the first block not cached and return its index (``hi`` if none);
+        else go on and append the ``(start, stop)`` runs of uncached blocks to ``runs``.
+        """
         active, inactive = self.active, self.inactive
-        runs: list[tuple[int, int]] = []
         for i in range(lo, hi):
             h = hashes[i]
             rc = active.get(h)
@@ -141,11 +134,13 @@ class BlockManager:
             elif h in inactive:
                 del inactive[h]
                 active[h] = 1
+            elif runs is None:
+                return i
             elif runs and runs[-1][1] == i:
                 runs[-1] = (runs[-1][0], i + 1)
             else:
                 runs.append((i, i + 1))
-        return runs
+        return hi
 
     def new_partial(self) -> int:
         """Allocate a private partial block (evicting if needed); returns its key."""
@@ -181,23 +176,29 @@ class BlockManager:
         freed. Released tail-first (as vLLM does), so a sequence's last block is evicted before its
         prefix, which keeps every cached block's parent cached as long as the block itself.
         """
-        active, inactive = self.active, self.inactive
-        for key in reversed(keys):
-            rc = active[key] - 1
-            if rc:
-                active[key] = rc
-            else:
-                del active[key]
-                if key >= 0:
-                    inactive[key] = None  # push as most recent (an active block is never in inactive)
+        inactive = self.inactive
+        for key in self._drop_refs(keys):
+            inactive[key] = None  # push as most recent (an active block is never in inactive)
 
     def destroy(self, keys: Sequence[int]) -> None:
         """Destroy: drop one reference; an unreferenced block leaves the cache (BlocksRemoved), not to inactive.
 
         Blocks other sequences still reference stay active: destroying is never done behind a holder's back.
         """
+        removed = self._drop_refs(keys)
+        meta = self._meta
+        for key in removed:
+            del meta[key]
+        if removed:
+            self._emit(BlocksRemoved(tuple(removed)))
+
+    def _drop_refs(self, keys: Sequence[int]) -> list[int]:
+        """Drop one reference on each of ``keys``, tail-first; the full blocks left unreferenced, in that order.
+
+        A partial block (negative key) left unreferenced is simply gone: it was never cached.
+        """
         active = self.active
-        removed: list[int] = []
+        unreferenced: list[int] = []
         for key in reversed(keys):
             rc = active[key] - 1
             if rc:
@@ -205,10 +206,8 @@ class BlockManager:
             else:
                 del active[key]
                 if key >= 0:
-                    del self._meta[key]
-                    removed.append(key)
-        if removed:
-            self._emit(BlocksRemoved(tuple(removed)))
+                    unreferenced.append(key)
+        return unreferenced
 
     def clear(self) -> None:
         """Drop every inactive block; active ones are in use and stay.

@@ -36,9 +36,8 @@ def engine_config(settings: Any, model: ModelFiles) -> EngineConfig:
 def build(settings: Any, model: ModelFiles) -> Callable[[int], EngineRunner]:
     """Engines with one configuration and perf model (checked and loaded once, shared by all)."""
     config = engine_config(settings, model)
-    path = None if settings.perf_model == "polynomial" else settings.perf_model
     try:
-        perf_model = load_perf_model(path)
+        perf_model = load_perf_model(settings.perf_model)  # "polynomial" or an .npz path
     except (OSError, ValueError, KeyError) as exc:
         raise EngineBuildError(f"--perf-model {settings.perf_model}: {exc}") from exc
     speedup_ratio = settings.speedup_ratio
