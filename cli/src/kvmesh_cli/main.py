@@ -1,4 +1,4 @@
-"""``kvmesh up | bench ... | datagen ...``.
+"""``kvmesh up | model files ... | bench ... | datagen ...``.
 
 Each command lives in its own module and registers its own sub-parser, so this file only wires
 them together; importing a command's heavy dependencies happens when it runs, not at start-up.
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 # (module, attribute): each exposes register(subparsers) adding one command with func=...
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("kvmesh_cli.up", "register"),
+    ("kvmesh_cli.model_files", "register"),
     ("kvmesh_bench.cli", "register"),
     ("kvmesh_bench.datagen.cli", "register"),
 )

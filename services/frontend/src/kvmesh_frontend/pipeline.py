@@ -49,6 +49,11 @@ class ModelStats:
     fail_count: int = 0
     fail_ns: int = 0
     last_inference_ms: int = 0
+    # Phases of successful requests (Triton's queue / compute_* shape): perf_analyzer picks the model
+    # version whose queue count grew during its window, so without them it finds none.
+    input_ns: int = 0  # arrival -> prompt tokenized and checked
+    queue_ns: int = 0  # prompt ready -> first token (routing, engine queue, prefill)
+    infer_ns: int = 0  # first token -> last response
 
 
 class Frontend:
@@ -83,6 +88,7 @@ class Frontend:
         model_metrics = None
         writer: ResponseWriter | None = None
         first_token_at = 0.0
+        prepared_at = 0.0
         final_sent = False
         try:
             entry = self.registry.resolve(request.model_name)  # first, like Triton: unknown model beats bad tensors
@@ -93,6 +99,7 @@ class Frontend:
             tokenizer = await self.registry.tokenizer(entry)
             prompt_ids, prompt_text = await self._prompt(llm, entry, tokenizer)
             prepared = self._prepare(request_id, llm, entry, prompt_ids)
+            prepared_at = time.perf_counter()
             model_metrics.input_tokens.observe(len(prompt_ids))
             state = GenerationState()
             writer = ResponseWriter(
@@ -140,15 +147,21 @@ class Frontend:
                     model_metrics.output_tokens.observe(writer.num_output_tokens)
                     if writer.num_output_tokens > 1 and first_token_at:
                         model_metrics.itl.observe((end - first_token_at) / (writer.num_output_tokens - 1))
-                self._record(label, outcome == "success", int((end - start) * 1e9))
+                phases = (start, prepared_at or end, first_token_at or end, end)
+                self._record(label, outcome == "success", phases)
 
-    def _record(self, model: str, success: bool, ns: int) -> None:
+    def _record(self, model: str, success: bool, phases: tuple[float, float, float, float]) -> None:
+        start, prepared, first, end = phases
+        ns = int((end - start) * 1e9)
         stats = self.stats.get(model)
         if stats is None:
             stats = self.stats[model] = ModelStats()
         if success:
             stats.success_count += 1
             stats.success_ns += ns
+            stats.input_ns += int((prepared - start) * 1e9)
+            stats.queue_ns += int((max(first, prepared) - prepared) * 1e9)
+            stats.infer_ns += int((end - max(first, prepared)) * 1e9)
         else:
             stats.fail_count += 1
             stats.fail_ns += ns

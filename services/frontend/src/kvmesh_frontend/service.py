@@ -184,6 +184,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             entry.inference_stats.success.ns = stats.success_ns
             entry.inference_stats.fail.count = stats.fail_count
             entry.inference_stats.fail.ns = stats.fail_ns
+            phases = entry.inference_stats
+            for duration, ns in (
+                (phases.queue, stats.queue_ns),
+                (phases.compute_input, stats.input_ns),
+                (phases.compute_infer, stats.infer_ns),
+                (phases.compute_output, 0),
+            ):
+                duration.count = count
+                duration.ns = ns
         return response
 
     # -- inference ------------------------------------------------------------------------------
