@@ -239,6 +239,10 @@ class Frontend:
         )
         if sampling.seed is not None:
             options.seed = sampling.seed
+        if llm.wants("logprobs") and sampling.logprobs is not None:
+            options.logprobs = sampling.logprobs
+        elif llm.wants("cumulative_logprob"):
+            options.logprobs = 0  # the sum needs each token's logprob, not the alternatives
         hashes = block_hashes(prompt_ids, entry.block_size)[1] if entry.block_size else []
         return PreparedRequest(
             request_id=request_id,

@@ -50,13 +50,42 @@ def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> Engi
     )
 
 
-def fill_response(response: worker_pb2.GenerateResponse, outputs: list[RequestOutput], num_prompt: int) -> bool:
+def mock_logprob(token_id: int, position: int) -> float:
+    """A deterministic stand-in log probability in (-4, 0] for engines that sample no distribution.
+
+    The mocker draws token ids, not logits: the same token at the same output position always gets
+    the same value, so tests and clients see stable, plausible numbers.
+    """
+    mixed = (token_id * 2654435761 + (position + 1) * 40503) & 0xFFFF
+    return -4.0 * mixed / 65536.0
+
+
+def fill_logprobs(response: worker_pb2.GenerateResponse, outputs: list[RequestOutput], top: int) -> None:
+    """One TokenLogprobs per new token: the engine's (``output.logprobs``) or the mock stand-in."""
+    for output in outputs:
+        reported = getattr(output, "logprobs", None)
+        if reported is not None:  # an engine that samples a real distribution
+            response.logprobs.extend(reported)
+            continue
+        position = output.num_output_tokens - len(output.token_ids)
+        for offset, token in enumerate(output.token_ids):
+            value = mock_logprob(token, position + offset)
+            entry = response.logprobs.add(logprob=value, rank=1)
+            if top:
+                entry.top.add(token_id=token, logprob=value, rank=1)
+
+
+def fill_response(
+    response: worker_pb2.GenerateResponse, outputs: list[RequestOutput], num_prompt: int, logprobs: int | None = None
+) -> bool:
     """Merge one request's outputs into ``response``; True when the request finished."""
     finished = False
     if len(outputs) == 1:
         response.token_ids.extend(outputs[0].token_ids)
     else:
         response.token_ids.extend([token for output in outputs for token in output.token_ids])
+    if logprobs is not None:
+        fill_logprobs(response, outputs, logprobs)
     for output in outputs:
         if output.num_cached_prompt_tokens is not None:
             response.num_cached_tokens = output.num_cached_prompt_tokens
@@ -68,12 +97,13 @@ def fill_response(response: worker_pb2.GenerateResponse, outputs: list[RequestOu
 
 
 class _Active:
-    __slots__ = ("engine", "num_prompt", "span")
+    __slots__ = ("engine", "logprobs", "num_prompt", "span")
 
-    def __init__(self, engine: Engine, num_prompt: int, span: Any) -> None:
+    def __init__(self, engine: Engine, num_prompt: int, span: Any, logprobs: int | None = None) -> None:
         self.engine = engine
         self.num_prompt = num_prompt
         self.span = span
+        self.logprobs = logprobs
 
 
 class GenerateStreamSession:
@@ -164,7 +194,8 @@ class GenerateStreamSession:
         except QueueFull as exc:
             self._fail(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), span)
         else:
-            self._active[request_id] = _Active(engine, len(request.token_ids), span)
+            logprobs = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
+            self._active[request_id] = _Active(engine, len(request.token_ids), span, logprobs)
 
     def _cancel(self, request_id: str) -> None:
         active = self._active.pop(request_id, None)
@@ -208,7 +239,7 @@ class GenerateStreamSession:
                 if entry is None:  # cancelled while its outputs waited
                     continue
                 item = message.outputs.add(request_id=request_id)
-                if fill_response(item.response, outputs, entry.num_prompt):
+                if fill_response(item.response, outputs, entry.num_prompt, entry.logprobs):
                     del active[request_id]
                     telemetry.end_request_span(entry.span, None)
             if message.outputs:
