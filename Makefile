@@ -88,6 +88,10 @@ test-python: setup-dev
 	$(VENV)/bin/python -m pytest tests/kserve_clients $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-node
 
+# A client generated in a second language (Node @grpc/grpc-js) streams ModelStreamInfer from kvmesh up.
+test-node: setup-dev
+	node --test tests/node/
+
 test-bazel: setup-dev
 	@if command -v bazel >/dev/null; then \
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel test //... || exit 1; \
