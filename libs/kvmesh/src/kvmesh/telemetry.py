@@ -78,10 +78,21 @@ def setup_logging(daemon: str, level: str = "info", fmt: str = "text") -> None:
 
 
 def start_metrics_server(port: int, host: str = "0.0.0.0") -> int | None:
-    """Serve /metrics; ``port`` 0 picks a free port, negative disables. Returns the bound port."""
+    """Serve /metrics; ``port`` 0 picks a free port, negative disables. Returns the bound port.
+
+    A port that cannot be bound is the user's to fix: one line and exit 2 (``settings.fail``), whose
+    SystemExit unwinds the caller's lease and discovery like any other start-up refusal.
+    """
     if port < 0:
         return None
-    server, _thread = prometheus_client.start_http_server(port, addr=host)
+    try:
+        server, _thread = prometheus_client.start_http_server(port, addr=host)
+    except OSError as exc:
+        from pathlib import Path
+
+        from kvmesh.settings import fail
+
+        fail(Path(sys.argv[0]).name, f"--metrics-port {port}: cannot bind ({exc.strerror or exc})")
     return int(server.server_port)
 
 
