@@ -44,7 +44,8 @@ def test_unknown_policy_knobs_are_refused(trace: Path, capsys: pytest.CaptureFix
 
 
 def test_a_known_knob_still_runs(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert replay_main([str(trace), "--offline", "--engines", "2", "--router-mode", "kv:affinity+backlog_weight=0.1"]) == 0
+    mode = "kv:affinity+backlog_weight=0.1"
+    assert replay_main([str(trace), "--offline", "--engines", "2", "--router-mode", mode]) == 0
     assert "kv:affinity+backlog_weight=0.1" in capsys.readouterr().out
 
 
