@@ -105,7 +105,8 @@ async def test_chat_request_with_the_models_own_template(deployment) -> None:
         await wait_ready(stub)
         messages = [{"role": "user", "content": "Héllo — 日本"}]
         request = llm_request(None, model=MODEL, sampling={"max_tokens": 8, "ignore_eos": True},
-                              extra=[bytes_input("messages", json.dumps(messages))])  # fmt: skip
+                              extra=[bytes_input("messages", json.dumps(messages)),
+                                     bool_input("return_num_output_tokens", True)])  # fmt: skip
         request.outputs.add(name="num_output_tokens")
         response = await stub.ModelInfer(request)
         assert output_values(response, "num_output_tokens") == [8]

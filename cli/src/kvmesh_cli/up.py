@@ -21,6 +21,7 @@ import time
 import typing
 from pathlib import Path
 
+import grpc
 from kvmesh.settings import DaemonSettings, default_discovery_url, is_setting_variable
 from kvmesh_frontend.settings import Settings as FrontendSettings
 from kvmesh_router.settings import Settings as RouterSettings
@@ -130,6 +131,15 @@ def _why(proc: subprocess.Popen[bytes], log_dir: Path) -> str:
     return f"{name} exited with {proc.returncode}" + (f": {said.strip()}" if said else "")
 
 
+def _routable(address: str, model: str) -> bool:
+    """Whether a request gets routed yet (ServerReady says only that an engine is live: the router
+    may still be registering). "kvmesh is up" must mean a client's first request works."""
+    try:
+        return not demo_request(address, model, max_tokens=1).startswith("demo request failed: UNAVAILABLE")
+    except grpc.RpcError:
+        return False
+
+
 def _spawn(name: str, args: list[str], log_dir: Path) -> subprocess.Popen[bytes]:
     """Start daemon ``name``; it gets the ``KVMESH_*`` variables it declares, not the other daemons'."""
     exe = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
@@ -212,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         procs.append(_spawn("kvmesh-router", router_args, log_dir))
         procs.append(_spawn("kvmesh-frontend", frontend_args, log_dir))
         address = f"127.0.0.1:{args.grpc_port}"
+        model = "kvmesh-mock" if not args.model_path else Path(args.model_path).name
         deadline = time.monotonic() + args.ready_timeout
         while True:
             # Our own children first: a ServerReady from the port proves nothing if ours is dead.
@@ -223,10 +234,9 @@ def run(args: argparse.Namespace) -> int:
                 why = _why(dead[0], log_dir) if dead else f"not ready within {args.ready_timeout:g}s"
                 print(f"kvmesh up: error: mesh not ready ({why}); logs in {log_dir}", file=sys.stderr)
                 return 2 if dead and dead[0].returncode == 2 else 1
-            if server_ready(address) and all(p.poll() is None for p in procs):
+            if server_ready(address) and all(p.poll() is None for p in procs) and _routable(address, model):
                 break
             time.sleep(0.2)
-        model = "kvmesh-mock" if not args.model_path else Path(args.model_path).name
         print(
             f"kvmesh is up: KServe gRPC on localhost:{args.grpc_port}, model {model!r}, "
             f"{args.num_engines} mocker engine(s); logs in {log_dir}; "

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from inference import grpc_service_pb2 as pb
+from kvmesh import telemetry
 from kvmesh.hashing import block_hashes
 from kvmesh.telemetry import request_id_var
 from kvmesh.v1 import worker_pb2
@@ -83,10 +84,27 @@ class Frontend:
         start = time.perf_counter()
         request_id = self.new_request_id()
         request_id_var.set(request_id)
+        # One trace per request: a new root on a stream (many requests share one call), the RPC's
+        # span for ModelInfer. Its phases: parse, tokenize, route (generation.py), first_token, finish.
+        wall = time.time()
+        span = telemetry.start_span(
+            "kvmesh.frontend/request",
+            root=not unary,
+            server=True,
+            attributes={
+                "kvmesh.request_id": request_id,
+                "kvmesh.model": request.model_name,
+                "kvmesh.client_request_id": request.id,
+                "rpc.method": "ModelInfer" if unary else "ModelStreamInfer",
+            },
+        )
+        telemetry.request_span_var.set(span)
+        phase = telemetry.start_span("parse", span)
         label = UNKNOWN_MODEL
         outcome = "success"
         model_metrics = None
         writer: ResponseWriter | None = None
+        state: GenerationState | None = None
         first_token_at = 0.0
         prepared_at = 0.0
         final_sent = False
@@ -96,10 +114,14 @@ class Frontend:
             model_metrics = self.metrics.model(label)
             model_metrics.inflight.inc()
             llm = parse_llm_request(request, unary=unary, context_length=entry.context_length, model=entry.name)
+            telemetry.end_span(phase)
+            phase = telemetry.start_span("tokenize", span)
             tokenizer = await self.registry.tokenizer(entry)
             prompt_ids, prompt_text = await self._prompt(llm, entry, tokenizer)
             prepared = self._prepare(request_id, llm, entry, prompt_ids)
             prepared_at = time.perf_counter()
+            telemetry.end_span(phase, attributes={"kvmesh.prompt_tokens": len(prompt_ids)})
+            phase = telemetry.start_span("first_token", span)
             model_metrics.input_tokens.observe(len(prompt_ids))
             state = GenerationState()
             writer = ResponseWriter(
@@ -117,6 +139,8 @@ class Frontend:
                     if not first_token_at and engine_response.token_ids:
                         first_token_at = time.perf_counter()
                         model_metrics.ttft.observe(first_token_at - start)
+                        telemetry.end_span(phase, attributes={"kvmesh.engine_id": f"{state.engine_id:x}"})
+                        phase = telemetry.start_span("finish", span)
                     responses = writer.on_engine(engine_response)
                     for index, response in enumerate(responses):
                         final_sent = not unary and writer.done and index == len(responses) - 1
@@ -140,6 +164,22 @@ class Frontend:
             ) from exc
         finally:
             end = time.perf_counter()
+            if span is not None:
+                error = None if outcome in ("success", "cancelled") else outcome
+                telemetry.end_span(phase, error)
+                telemetry.end_span(
+                    span,
+                    error,
+                    {
+                        "kvmesh.outcome": outcome,
+                        "kvmesh.duration_s": end - start,
+                        "kvmesh.output_tokens": writer.num_output_tokens if writer is not None else 0,
+                        "kvmesh.engine_id": f"{state.engine_id:x}" if state is not None else "",
+                        "kvmesh.cached_tokens": state.cached_tokens if state is not None else 0,
+                        "kvmesh.migrations": state.migrations if state is not None else 0,
+                    },
+                    end_time=wall + (end - start),
+                )
             self.metrics.finished(label, outcome, end - start)
             if model_metrics is not None:
                 model_metrics.inflight.dec()

@@ -132,7 +132,7 @@ class RouterMetrics:
             registry=r,
         )
         self.quality = Histogram(
-            "kvmesh_router_decision_quality",
+            "kvmesh_router_decision_quality_ratio",
             "overlap achieved / best overlap any eligible engine had (decisions with some overlap available)",
             buckets=_QUALITY_BUCKETS,
             registry=r,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -57,3 +57,47 @@ class EngineCollector(Collector):
             for label, load, _engine in loads:
                 family.add_metric([label], getattr(load, attr))
             yield family
+
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+
+class RequestMetrics:
+    """Per-request latencies the worker sees (GenerateStream), by model and engine.
+
+    Queue and prefill are split at the start of the forward pass that produced the request's first
+    token (see ``generate_stream``): with chunked prefill, earlier chunks count as queue time.
+    """
+
+    def __init__(self) -> None:
+        labels = ["model", "engine"]
+        self.queue_time = Histogram(
+            "kvmesh_worker_queue_time_seconds",
+            "request submitted to the engine -> the pass that produced its first token started",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.prefill_time = Histogram(
+            "kvmesh_worker_prefill_time_seconds",
+            "the pass that produced a request's first token (its prefill), start to end",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.time_per_output_token = Histogram(
+            "kvmesh_worker_time_per_output_token_seconds",
+            "first token -> last token, divided by the tokens after the first (requests of 2+ tokens)",
+            labels,
+            buckets=_TPOT_BUCKETS,
+        )
+
+
+_request_metrics: RequestMetrics | None = None
+
+
+def request_metrics() -> RequestMetrics:
+    """The process's one RequestMetrics (created on first use: one registration per process)."""
+    global _request_metrics
+    if _request_metrics is None:
+        _request_metrics = RequestMetrics()
+    return _request_metrics
