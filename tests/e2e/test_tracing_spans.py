@@ -13,6 +13,7 @@ import json
 import signal
 import subprocess
 import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -59,18 +60,26 @@ def _stream_two_requests(address: str) -> None:
                     break
 
 
+def _scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
 def test_one_trace_per_request_with_router_and_worker_spans(tmp_path: Path) -> None:
     port = free_port()
+    metrics_base = free_port()  # worker here, router +1, frontend +2 (issue 16.4 metrics checked too)
     logs = tmp_path / "logs"
     proc = subprocess.Popen(
         [script("kvmesh"), "up", "--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'disc'}",
-         "--log-dir", str(logs), "--no-demo", "--speedup-ratio", "0", "--otel-exporter", "console"],
+         "--log-dir", str(logs), "--no-demo", "--speedup-ratio", "0", "--otel-exporter", "console",
+         "--metrics-port-base", str(metrics_base)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while proc.stdout is not None and not proc.stdout.readline().startswith("kvmesh is up"):
             assert time.monotonic() < deadline and proc.poll() is None, "kvmesh up did not come up"
         _stream_two_requests(f"127.0.0.1:{port}")
+        worker_metrics, router_metrics = _scrape(metrics_base), _scrape(metrics_base + 1)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
@@ -108,3 +117,7 @@ def test_one_trace_per_request_with_router_and_worker_spans(tmp_path: Path) -> N
         assert phases == {"queue", "prefill", "decode"}
         assert all(by_id[s["context"]["span_id"]]["context"]["trace_id"] == root["context"]["trace_id"]
                    for s in (decision, worker))  # fmt: skip
+    for name in ("queue_time_seconds", "prefill_time_seconds", "time_per_output_token_seconds"):
+        assert f'kvmesh_worker_{name}_count{{engine="' in worker_metrics, name
+        assert 'model="kvmesh-mock"' in worker_metrics.split(f"kvmesh_worker_{name}_count")[1].split("\n")[0]
+    assert "kvmesh_router_decision_quality_ratio_bucket" in router_metrics
