@@ -32,30 +32,33 @@ _COUNTERS = (
 
 
 class EngineCollector(Collector):
-    def __init__(self, engines: Sequence[Engine]) -> None:
+    """Every engine's gauges and counters, labelled by engine and by the model it serves."""
+
+    def __init__(self, engines: Sequence[Engine], model: str = "") -> None:
         self.engines = engines
+        self.model = model
 
     @classmethod
-    def register(cls, engines: Sequence[Engine]) -> EngineCollector:
-        collector = cls(engines)
+    def register(cls, engines: Sequence[Engine], model: str = "") -> EngineCollector:
+        collector = cls(engines, model)
         REGISTRY.register(collector)
         return collector
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         loads = [(f"{e.engine_id:x}", e.load(), e) for e in self.engines]
-        yield from self._gauges(loads)
+        yield from self._gauges(loads, self.model)
         for name, doc, attr in _COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["engine"])
+            family = CounterMetricFamily(name, doc, labels=["engine", "model"])
             for label, _load, engine in loads:
-                family.add_metric([label], getattr(engine, attr))
+                family.add_metric([label, self.model], getattr(engine, attr))
             yield family
 
     @staticmethod
-    def _gauges(loads: list[tuple[str, EngineLoad, Engine]]) -> Iterator[GaugeMetricFamily]:
+    def _gauges(loads: list[tuple[str, EngineLoad, Engine]], model: str) -> Iterator[GaugeMetricFamily]:
         for name, doc, attr in _GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=["engine"])
+            family = GaugeMetricFamily(name, doc, labels=["engine", "model"])
             for label, load, _engine in loads:
-                family.add_metric([label], getattr(load, attr))
+                family.add_metric([label, model], getattr(load, attr))
             yield family
 
 
