@@ -247,6 +247,14 @@ def run(args: argparse.Namespace) -> int:
             where = ", ".join(f"{n.removeprefix('kvmesh-')} http://localhost:{p}/metrics" for n, p in metrics.items())
             print(f"Prometheus metrics: {where}", flush=True)
         print("\nTry it with tritonclient:\n" + EXAMPLE.format(port=args.grpc_port, model=model) + "\n", flush=True)
+        where = "" if args.namespace == "kvmesh-local" else f" --namespace {args.namespace}"
+        where += f" --discovery {args.discovery}" if args.discovery else ""
+        print(
+            f"Benchmark it (make perf-tools): kvmesh model files {model} --out ./tok{where} && genai-perf "
+            f"profile -m {model} --endpoint-type kserve --backend vllm --streaming -u localhost:{args.grpc_port} "
+            "--tokenizer ./tok\n",
+            flush=True,
+        )
         if not args.no_demo:
             # ServerReady means an engine is live; the router may still be warming up for a moment.
             outcome = demo_request(address, model)
