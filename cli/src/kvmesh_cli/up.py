@@ -1,7 +1,8 @@
 """``kvmesh up``: the whole mesh on one machine — a frontend, a router and a worker process.
 
 It runs exactly what production runs (the three console scripts, as systemd would), wired through
-the embedded file discovery so no server is needed, waits until the frontend reports ServerReady,
+the embedded file discovery so no server is needed, waits until the frontend reports ServerReady
+and a request gets routed,
 sends one streamed demo request so you see the mesh work, and stops everything on Ctrl-C.
 """
 
