@@ -2,8 +2,8 @@
 
 It runs exactly what production runs (the three console scripts, as systemd would), wired through
 the embedded file discovery so no server is needed, waits until the frontend reports ServerReady
-and a request gets routed,
-sends one streamed demo request so you see the mesh work, and stops everything on Ctrl-C.
+and a request gets routed, sends one streamed demo request so you see the mesh work, and stops
+everything on Ctrl-C (or when the terminal closes).
 """
 
 from __future__ import annotations
