@@ -9,7 +9,7 @@ DISTS := libs/kvmesh services/worker services/router services/frontend bench cli
 STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-dev system-deps dev-deps protos lint typecheck test test-python test-bazel run bench clean
+.PHONY: help setup setup-dev system-deps dev-deps perf-tools protos lint typecheck test test-python test-node test-bazel run bench clean
 
 help:
 	@echo "make run    - set up everything and start the local mesh (kvmesh up)"
@@ -20,7 +20,21 @@ help:
 # `make run` needs only Python; the test tools (etcd, bazel, node for buf) come with setup-dev.
 setup: system-deps $(STAMP) protos
 
-setup-dev: setup dev-deps node_modules/.stamp
+setup-dev: setup dev-deps node_modules/.stamp perf-tools
+
+# perf_analyzer + genai-perf in their own venv (their pins clash with ours): constraints-perf.txt.
+PERF_VENV := .venv-perf
+PERF_STAMP := $(PERF_VENV)/.kvmesh-perf-$(shell md5sum < constraints-perf.txt 2>/dev/null | cut -c1-12)
+perf-tools: $(PERF_STAMP)
+
+$(PERF_STAMP): constraints-perf.txt
+	@dpkg -s libb64-0d >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" != 0 ]; then echo "setup: need root to apt-get install libb64-0d" >&2; exit 1; fi; \
+	  echo "setup: installing libb64-0d"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libb64-0d >/dev/null; }
+	@test -x $(PERF_VENV)/bin/python || python3 -m venv $(PERF_VENV)
+	$(PERF_VENV)/bin/pip install -q -r constraints-perf.txt
+	@rm -f $(PERF_VENV)/.kvmesh-perf-*; touch $@
 
 # apt-get install the Debian packages named by "command:package ..." pairs whose command is missing.
 define apt_need
@@ -72,6 +86,11 @@ typecheck: setup
 test-python: setup-dev
 	$(VENV)/bin/python -m pytest --ignore=tests/kserve_clients $(PYTEST_ARGS)
 	$(VENV)/bin/python -m pytest tests/kserve_clients $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-node
+
+# A client generated in a second language (Node @grpc/grpc-js) streams ModelStreamInfer from kvmesh up.
+test-node: setup-dev
+	node --test tests/node/
 
 test-bazel: setup-dev
 	@if command -v bazel >/dev/null; then \
@@ -84,5 +103,5 @@ run: setup
 	$(VENV)/bin/kvmesh up
 
 clean:
-	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(PERF_VENV) node_modules .pytest_cache .ruff_cache .mypy_cache
 	-command -v bazel >/dev/null && bazel clean --expunge

@@ -1,4 +1,4 @@
-"""``kvmesh up | bench ... | datagen ...``.
+"""``kvmesh up | model files ... | bench ... | datagen ...``.
 
 Each command lives in its own module and registers its own sub-parser, so this file only wires
 them together; importing a command's heavy dependencies happens when it runs, not at start-up.
@@ -15,6 +15,7 @@ from typing import NoReturn
 # (module, attribute): each exposes register(subparsers) adding one command with func=...
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("kvmesh_cli.up", "register"),
+    ("kvmesh_cli.model_files", "register"),
     ("kvmesh_bench.cli", "register"),
     ("kvmesh_bench.datagen.cli", "register"),
 )

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvmesh_bench.argtypes import non_negative_int, positive_float, positive_int
 from kvmesh_bench.tables import write_json
@@ -83,6 +84,7 @@ def _synthesize(args: argparse.Namespace) -> int:
     )
     synthesizer = Synthesizer(source, config)
     requests = synthesizer.generate(args.num_requests)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)  # as --json does
     write_trace(args.output, requests)
     tree = synthesizer.tree
     core_blocks = sum(data["length"] for _, data in tree.graph.nodes(data=True))
@@ -92,6 +94,22 @@ def _synthesize(args: argparse.Namespace) -> int:
         f"unique leaves) in {time.perf_counter() - started:.2f} s"
     )
     return EXIT_OK
+
+
+def _trace_block_size(parser: argparse.ArgumentParser) -> None:
+    """``--trace-block-size``: tokens per hash id, the trace's unit (not an engine's KV block size).
+
+    ``--block-size`` still works, but is hidden: ``kvmesh bench`` used it for the engine's block.
+    """
+    parser.add_argument(
+        "--trace-block-size",
+        "--block-size",
+        dest="block_size",
+        metavar="TOKENS",
+        type=positive_int,
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"tokens per hash id of the trace (default: {DEFAULT_BLOCK_SIZE}, the Mooncake traces')",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -112,13 +130,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     analyze_parser.add_argument("trace", help="Mooncake JSONL trace")
     analyze_parser.add_argument("--compare", metavar="SOURCE", help="compare against this trace")
     analyze_parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    analyze_parser.add_argument(
-        "--block-size",
-        metavar="TOKENS",
-        type=positive_int,
-        default=DEFAULT_BLOCK_SIZE,
-        help="tokens per hash id (default: 512)",
-    )
+    _trace_block_size(analyze_parser)
     analyze_parser.add_argument(
         "--max-requests", metavar="N", type=positive_int, help="read only the first N requests (of each trace)"
     )
@@ -171,13 +183,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     synth.add_argument("--min-isl", metavar="TOKENS", type=non_negative_int, help="drop requests with a shorter input")
     synth.add_argument("--max-isl", metavar="TOKENS", type=non_negative_int, help="drop requests with a longer input")
-    synth.add_argument(
-        "--block-size",
-        metavar="TOKENS",
-        type=positive_int,
-        default=DEFAULT_BLOCK_SIZE,
-        help="tokens per hash id (default: 512)",
-    )
+    _trace_block_size(synth)
     synth.add_argument("--seed", metavar="SEED", type=int, default=0, help="random seed (default: 0)")
     synth.add_argument(
         "--sampling",

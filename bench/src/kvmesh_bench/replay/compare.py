@@ -55,7 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(set(labels)) != len(labels):
             raise ReplayError(f"--modes repeats a mode: {args.modes}")
         check_live_args(args)
-        if args.seeds < 1 or (args.seeds > 1 and not args.offline):
+        if args.seeds < 1:
+            raise ReplayError(f"--seeds must be >= 1, got {args.seeds}")
+        if args.seeds > 1 and not args.offline:
             raise ReplayError("--seeds N > 1 is for --offline runs")
         args.send_mode = True
         requests = load_requests(args)

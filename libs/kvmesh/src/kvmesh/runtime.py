@@ -37,6 +37,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh import reflection as kvmesh_reflection
 from kvmesh import telemetry
 from kvmesh.discovery import Discovery, DiscoveryUnavailable, Lease, instance_key, open_discovery
 from kvmesh.grpc_options import SERVER_OPTIONS
@@ -224,7 +225,7 @@ class DaemonRuntime:
         self._ready = ready
         await self._set_health(False)  # before the port opens: no probe ever sees SERVING too early
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(self._service_names, self.server)
+        kvmesh_reflection.enable_server_reflection(self._service_names, self.server)  # v1 and v1alpha
         try:
             bound = self.server.add_insecure_port(f"{bind_host}:{port}")
         except RuntimeError as exc:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from kvmesh import telemetry
 from kvmesh.backoff import Backoff
 from kvmesh.channels import ChannelPool
 from kvmesh.hashing import block_hashes
@@ -121,7 +122,16 @@ class Generator:
                 query.overrides.policy = req.router_policy
             if req.pinned_engine_id is not None:
                 query.pinned_engine_id = req.pinned_engine_id
-            decision, session = await self._route(query, req)
+            span = telemetry.start_span(
+                "route", attributes={"kvmesh.request_id": request_id, "kvmesh.attempt": attempt}
+            )
+            telemetry.inject_trace_context(query.trace_context, span)  # the router's decision span joins it
+            try:
+                decision, session = await self._route(query, req)
+            except BaseException as exc:
+                telemetry.end_span(span, type(exc).__name__)
+                raise
+            telemetry.end_span(span, None, _route_attributes(decision))
             if decision.outcome != router_pb2.DECISION_OUTCOME_ROUTED:
                 session.finished(request_id)  # harmless if nothing was booked
                 raise self._refused(req, decision, state)
@@ -253,3 +263,13 @@ class Generator:
             return exhausted(f"engine {decision.engine_id:x} is full, retry later: {details}")
         log.error("request %s: engine %x failed: %s: %s", req.request_id, decision.engine_id, code.name, details)
         return internal(f"request {req.request_id}: engine {decision.engine_id:x} failed ({code.name})")
+
+
+def _route_attributes(decision: router_pb2.RouteDecision) -> dict[str, str | int]:
+    """What a trace shows of a decision (the router's own span adds cost and runner-up)."""
+    return {
+        "kvmesh.outcome": router_pb2.DecisionOutcome.Name(decision.outcome),
+        "kvmesh.engine_id": f"{decision.engine_id:x}",
+        "kvmesh.overlap_blocks": decision.overlap_blocks,
+        "kvmesh.best_overlap_blocks": decision.best_overlap_blocks,
+    }

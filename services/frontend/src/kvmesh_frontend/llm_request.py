@@ -20,9 +20,15 @@ Inputs (all optional individually; exactly one of ``text_input`` / ``input_ids``
 ``return_finish_reason``    BOOL [1]      add the ``finish_reason`` output
 ``return_num_input_tokens`` BOOL [1]      add the ``num_input_tokens`` output
 ``return_num_output_tokens`` BOOL [1]     add the ``num_output_tokens`` output (delta per response)
+``return_logprobs``         BOOL [1]      add ``logprobs`` (needs ``sampling_parameters.logprobs``)
+``return_cumulative_logprob`` BOOL [1]    add ``cumulative_logprob``
+``return_output_ids``       BOOL [1]      add ``output_ids`` (kvmesh's own flag)
 ``max_tokens``              INT32/INT64   TensorRT-LLM style (genai-perf ``--backend tensorrtllm``)
 ``min_length``              INT32/INT64   TensorRT-LLM style minimum output length
 ==========================  ============  =====================================================
+
+An output is sent when its ``return_*`` flag is true (``text_output`` always), like Triton's vLLM
+backend, and, when the request names ``outputs``, only if named: perf_analyzer names every output.
 
 Sampling keys are read, lowest precedence first, from the request ``parameters`` map, the
 ``sampling_parameters`` JSON, then the ``max_tokens`` / ``min_length`` tensors. Numbers may be
@@ -64,13 +70,20 @@ INPUT_DATATYPES: dict[str, tuple[str, ...]] = {
     "return_num_output_tokens": ("BOOL",),
     "return_cumulative_logprob": ("BOOL",),
     "return_logprobs": ("BOOL",),
+    "return_output_ids": ("BOOL",),
     "max_tokens": ("INT32", "INT64"),
     "min_length": ("INT32", "INT64"),
 }
-# Flags the contract knows but kvmesh engines cannot honour: accepted only as false.
-UNSUPPORTED_FLAGS = ("return_cumulative_logprob", "return_logprobs")
-
-OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "output_ids")
+# Output -> the input flag that enables it (text_output needs none).
+OUTPUT_FLAGS: dict[str, str] = {
+    "finish_reason": "return_finish_reason",
+    "num_input_tokens": "return_num_input_tokens",
+    "num_output_tokens": "return_num_output_tokens",
+    "cumulative_logprob": "return_cumulative_logprob",
+    "logprobs": "return_logprobs",
+    "output_ids": "return_output_ids",
+}
+OUTPUTS = ("text_output", *OUTPUT_FLAGS)
 
 ROUTER_MODES: dict[str, int] = {
     "kv": router_pb2.ROUTER_MODE_KV,
@@ -118,6 +131,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # alternatives per token for the ``logprobs`` output (vLLM's key)
 
 
 @dataclass(slots=True)
@@ -132,9 +146,7 @@ class LlmRequest:
     stream: bool = False
     exclude_input: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    return_finish_reason: bool = False
-    return_num_input_tokens: bool = False
-    return_num_output_tokens: bool = False
+    flags: frozenset[str] = frozenset()  # the return_* inputs that are true
     requested_outputs: tuple[str, ...] = ()
     empty_final: bool = False
     pinned_engine_id: int | None = None
@@ -150,18 +162,14 @@ class LlmRequest:
         return "messages"
 
     def wants(self, output: str) -> bool:
-        """Whether a response carries this output (explicitly requested, or enabled by its flag)."""
-        if self.requested_outputs:
-            return output in self.requested_outputs
-        if output == "text_output":
-            return True
-        if output == "finish_reason":
-            return self.return_finish_reason
-        if output == "num_input_tokens":
-            return self.return_num_input_tokens
-        if output == "num_output_tokens":
-            return self.return_num_output_tokens
-        return False
+        """Whether responses carry this output: enabled by its flag, and named if ``outputs`` names any.
+
+        Triton's vLLM backend produces only ``text_output`` unless a ``return_*`` input asks for
+        more, and Triton then drops what the request's ``outputs`` do not name.
+        """
+        if self.requested_outputs and output not in self.requested_outputs:
+            return False
+        return output == "text_output" or OUTPUT_FLAGS.get(output) in self.flags
 
 
 @functools.lru_cache(maxsize=64)
@@ -273,9 +281,16 @@ def _as_bool(where: str, value: Any) -> bool:
     raise invalid(f"{where} must be a boolean, got {_shown(value)}")
 
 
-def _int_at_least(minimum: int) -> Callable[[str, Any], int]:
+def _vllm_int(where: str, value: Any) -> int:
+    """An integer the way Triton's vLLM backend reads one (``int(value)``): 16, "16", 16.0, 16.9 -> 16."""
+    if isinstance(value, float) and value == value and abs(value) != float("inf"):
+        return int(value)
+    return _as_int(where, value)
+
+
+def _int_at_least(minimum: int, *, lenient: bool = False) -> Callable[[str, Any], int]:
     def parse(where: str, value: Any) -> int:
-        number = _as_int(where, value)
+        number = _vllm_int(where, value) if lenient else _as_int(where, value)
         if number < minimum:
             raise invalid(f"{where} must be >= {minimum}, got {number}")
         return number
@@ -298,7 +313,7 @@ def _top_p(where: str, value: Any) -> float:
 
 
 def _top_k(where: str, value: Any) -> int:
-    number = _as_int(where, value)
+    number = _vllm_int(where, value)
     if number < -1:
         raise invalid(f"{where} must be -1 (disabled), 0 (disabled) or a positive integer, got {number}")
     return max(number, 0)
@@ -354,8 +369,8 @@ def _lora(where: str, value: Any) -> None:
 
 # key -> (parser, SamplingParams attribute or None for accepted-and-checked-only keys)
 SAMPLING_KEYS: dict[str, tuple[Callable[[str, Any], Any], str | None]] = {
-    "max_tokens": (_int_at_least(1), "max_tokens"),
-    "min_tokens": (_int_at_least(0), "min_tokens"),
+    "max_tokens": (_int_at_least(1, lenient=True), "max_tokens"),
+    "min_tokens": (_int_at_least(0, lenient=True), "min_tokens"),
     "temperature": (_temperature, "temperature"),
     "top_p": (_top_p, "top_p"),
     "top_k": (_top_k, "top_k"),
@@ -365,6 +380,7 @@ SAMPLING_KEYS: dict[str, tuple[Callable[[str, Any], Any], str | None]] = {
     "ignore_eos": (_as_bool, "ignore_eos"),
     "include_stop_str_in_output": (_as_bool, "include_stop_str_in_output"),
     "skip_special_tokens": (_as_bool, "skip_special_tokens"),
+    "logprobs": (_int_at_least(0, lenient=True), "logprobs"),
     "n": (_exactly(1, "one completion per request"), None),
     "best_of": (_exactly(1, "one completion per request"), None),
     "presence_penalty": (_exactly(0.0, "no penalties"), None),
@@ -376,7 +392,7 @@ SAMPLING_KEYS: dict[str, tuple[Callable[[str, Any], Any], str | None]] = {
 
 def _apply_sampling(sampling: SamplingParams, key: str, value: Any, where: str) -> None:
     parser, attr = SAMPLING_KEYS[key]
-    if key in ("seed", "max_tokens", "temperature", "top_p", "top_k") and value is None:
+    if key in ("seed", "max_tokens", "temperature", "top_p", "top_k", "logprobs") and value is None:
         return  # JSON null: keep the default
     parsed = parser(where, value)
     if attr is not None:
@@ -558,12 +574,7 @@ def parse_llm_request(
             )
     else:
         req.exclude_input = req.stream
-    for name in ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens"):
-        if name in tensors:
-            setattr(req, name, bool(_scalar(tensors[name])))
-    for name in UNSUPPORTED_FLAGS:
-        if name in tensors and _scalar(tensors[name]):
-            raise invalid(f"input '{name}': true is not supported by kvmesh (engines return no logprobs)")
+    req.flags = frozenset(name for name in OUTPUT_FLAGS.values() if name in tensors and _scalar(tensors[name]))
 
     _apply_parameters(request.parameters, req)
     if "sampling_parameters" in tensors:

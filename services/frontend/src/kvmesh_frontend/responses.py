@@ -10,6 +10,7 @@ request carries ``triton_final_response=true`` plus the routing parameters ``kvm
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from inference import grpc_service_pb2 as pb
@@ -64,6 +65,11 @@ class ResponseWriter:
         self._want_num_in = llm.wants("num_input_tokens")
         self._want_num_out = llm.wants("num_output_tokens")
         self._want_ids = llm.wants("output_ids")
+        self._want_cumulative = llm.wants("cumulative_logprob")
+        self._want_logprobs = llm.wants("logprobs")
+        self._tokenizer = tokenizer
+        self.cumulative_logprob = 0.0
+        self._logprob_parts: list[dict[str, dict[str, object]]] = []
         self._detok: IncrementalDetokenizer | None = None
         if tokenizer is not None and (self._want_text or llm.sampling.stop):
             self._detok = tokenizer.detokenizer(prompt_ids, llm.sampling.skip_special_tokens)
@@ -96,6 +102,11 @@ class ResponseWriter:
             if final and not stopped:
                 text += self._stops.flush()
         self.num_output_tokens += len(ids)
+        logprobs: list[dict[str, dict[str, object]]] = []
+        if engine.logprobs:
+            self.cumulative_logprob += sum(entry.logprob for entry in engine.logprobs)
+            if self._want_logprobs and self._llm.sampling.logprobs is not None:
+                logprobs = [self._logprob_entry(t, e) for t, e in zip(ids, engine.logprobs, strict=False)]
         if stopped:
             final = True
             self.finish_reason = "stop"
@@ -103,14 +114,26 @@ class ResponseWriter:
             self.finish_reason = FINISH_REASONS.get(engine.finish_reason, "stop")
         self.done = final
         if self._stream:
-            return self._emit(text, ids, len(ids), final)
+            return self._emit(text, ids, len(ids), final, logprobs)
         if text:
             self._text_parts.append(text)
         if self._want_ids:
             self._ids.extend(ids)
+        self._logprob_parts.extend(logprobs)
         if not final:
             return []
-        return self._emit("".join(self._text_parts), self._ids, self.num_output_tokens, True)
+        return self._emit("".join(self._text_parts), self._ids, self.num_output_tokens, True, self._logprob_parts)
+
+    def _logprob_entry(self, token: int, entry: worker_pb2.TokenLogprobs) -> dict[str, dict[str, object]]:
+        """One step as vLLM's backend writes it: {token_id: {logprob, rank, decoded_token}}, sampled first."""
+        step = {str(token): self._logprob_value(token, entry.logprob, entry.rank)}
+        for top in entry.top:
+            step.setdefault(str(top.token_id), self._logprob_value(top.token_id, top.logprob, top.rank))
+        return step
+
+    def _logprob_value(self, token: int, logprob: float, rank: int) -> dict[str, object]:
+        decoded = self._tokenizer.decode([token]) if self._tokenizer is not None else None
+        return {"logprob": logprob, "rank": rank, "decoded_token": decoded}
 
     def _new(self) -> tuple[Response, pb.ModelInferResponse]:
         """A response to fill: a ModelInferResponse (unary) or a ModelStreamInferResponse wrapping one."""
@@ -126,7 +149,14 @@ class ResponseWriter:
         inner.id = self._llm.client_id
         return outer, inner
 
-    def _emit(self, text: str, ids: Sequence[int], num_tokens: int, final: bool) -> list[Response]:
+    def _emit(
+        self,
+        text: str,
+        ids: Sequence[int],
+        num_tokens: int,
+        final: bool,
+        logprobs: list[dict[str, dict[str, object]]],
+    ) -> list[Response]:
         message, response = self._new()
         if self._want_text:
             add_output(response, "text_output", "BYTES", (1,), encode_one_bytes(text.encode()))
@@ -136,12 +166,19 @@ class ResponseWriter:
                 "finish_reason",
                 "BYTES",
                 (1,),
-                encode_one_bytes(self.finish_reason.encode() if final else b""),
+                # str(None), as vLLM's backend writes a request's reason before it finishes
+                encode_one_bytes(self.finish_reason.encode() if final else b"None"),
             )
         if self._want_num_in:
             add_output(response, "num_input_tokens", "UINT32", (1,), encode_numbers("UINT32", (self._num_input,)))
         if self._want_num_out:
             add_output(response, "num_output_tokens", "UINT32", (1,), encode_numbers("UINT32", (num_tokens,)))
+        if self._want_cumulative:
+            add_output(response, "cumulative_logprob", "FP32", (1,), encode_numbers("FP32", (self.cumulative_logprob,)))
+        if self._want_logprobs:
+            # "null" when sampling_parameters has no "logprobs" key (vLLM then samples none)
+            doc = json.dumps(logprobs) if self._llm.sampling.logprobs is not None else "null"
+            add_output(response, "logprobs", "BYTES", (1,), encode_one_bytes(doc.encode()))
         if self._want_ids:
             token_ids = list(ids)
             add_output(response, "output_ids", "INT32", (len(token_ids),), encode_numbers("INT32", token_ids))

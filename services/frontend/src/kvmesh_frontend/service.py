@@ -50,6 +50,9 @@ INPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("return_finish_reason", "BOOL", (1,)),
     ("return_num_input_tokens", "BOOL", (1,)),
     ("return_num_output_tokens", "BOOL", (1,)),
+    ("return_logprobs", "BOOL", (1,)),
+    ("return_cumulative_logprob", "BOOL", (1,)),
+    ("return_output_ids", "BOOL", (1,)),
     ("max_tokens", "INT32", (1,)),
     ("min_length", "INT32", (1,)),
 )
@@ -58,9 +61,17 @@ OUTPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
     ("finish_reason", "BYTES", (-1,)),
     ("num_input_tokens", "UINT32", (1,)),
     ("num_output_tokens", "UINT32", (-1,)),
+    ("cumulative_logprob", "FP32", (-1,)),
+    ("logprobs", "BYTES", (-1,)),
     ("output_ids", "INT32", (-1,)),
 )
-_CONFIG_TYPES = {"BYTES": mc.TYPE_STRING, "BOOL": mc.TYPE_BOOL, "INT32": mc.TYPE_INT32, "UINT32": mc.TYPE_UINT32}
+_CONFIG_TYPES = {
+    "BYTES": mc.TYPE_STRING,
+    "BOOL": mc.TYPE_BOOL,
+    "INT32": mc.TYPE_INT32,
+    "UINT32": mc.TYPE_UINT32,
+    "FP32": mc.TYPE_FP32,
+}
 
 
 def model_metadata(name: str) -> pb.ModelMetadataResponse:
@@ -184,6 +195,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             entry.inference_stats.success.ns = stats.success_ns
             entry.inference_stats.fail.count = stats.fail_count
             entry.inference_stats.fail.ns = stats.fail_ns
+            phases = entry.inference_stats
+            for duration, ns in (
+                (phases.queue, stats.queue_ns),
+                (phases.compute_input, stats.input_ns),
+                (phases.compute_infer, stats.infer_ns),
+                (phases.compute_output, 0),
+            ):
+                duration.count = count
+                duration.ns = ns
         return response
 
     # -- inference ------------------------------------------------------------------------------

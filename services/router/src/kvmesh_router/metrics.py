@@ -155,7 +155,7 @@ class RouterMetrics:
 
         self.overlap = histogram("overlap_blocks", "cached prompt blocks on the chosen engine", _OVERLAP_BUCKETS)
         self.quality = histogram(
-            "decision_quality",
+            "decision_quality_ratio",
             "overlap achieved / best overlap any eligible engine had (decisions with some overlap available)",
             _QUALITY_BUCKETS,
         )

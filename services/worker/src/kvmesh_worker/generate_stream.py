@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -27,8 +28,9 @@ from kvmesh import telemetry
 from kvmesh.v1 import worker_pb2
 from kvmesh.wakeup import Wakeup
 
-from kvmesh_worker.engine import EngineRequest, InvalidRequest, QueueFull, RequestOutput
+from kvmesh_worker.engine import EngineRequest, ForwardPassMetrics, InvalidRequest, QueueFull, RequestOutput
 from kvmesh_worker.engines import Engine
+from kvmesh_worker.metrics import request_metrics
 
 SPAN_NAME = "kvmesh.v1.WorkerService/Generate"  # one span per request (the name traces already use)
 _FINISH = {
@@ -50,13 +52,42 @@ def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> Engi
     )
 
 
-def fill_response(response: worker_pb2.GenerateResponse, outputs: list[RequestOutput], num_prompt: int) -> bool:
+def mock_logprob(token_id: int, position: int) -> float:
+    """A deterministic stand-in log probability in (-4, 0] for engines that sample no distribution.
+
+    The mocker draws token ids, not logits: the same token at the same output position always gets
+    the same value, so tests and clients see stable, plausible numbers.
+    """
+    mixed = (token_id * 2654435761 + (position + 1) * 40503) & 0xFFFF
+    return -4.0 * mixed / 65536.0
+
+
+def fill_logprobs(response: worker_pb2.GenerateResponse, outputs: list[RequestOutput], top: int) -> None:
+    """One TokenLogprobs per new token: the engine's (``output.logprobs``) or the mock stand-in."""
+    for output in outputs:
+        reported = getattr(output, "logprobs", None)
+        if reported is not None:  # an engine that samples a real distribution
+            response.logprobs.extend(reported)
+            continue
+        position = output.num_output_tokens - len(output.token_ids)
+        for offset, token in enumerate(output.token_ids):
+            value = mock_logprob(token, position + offset)
+            entry = response.logprobs.add(logprob=value, rank=1)
+            if top:
+                entry.top.add(token_id=token, logprob=value, rank=1)
+
+
+def fill_response(
+    response: worker_pb2.GenerateResponse, outputs: list[RequestOutput], num_prompt: int, logprobs: int | None = None
+) -> bool:
     """Merge one request's outputs into ``response``; True when the request finished."""
     finished = False
     if len(outputs) == 1:
         response.token_ids.extend(outputs[0].token_ids)
     else:
         response.token_ids.extend([token for output in outputs for token in output.token_ids])
+    if logprobs is not None:
+        fill_logprobs(response, outputs, logprobs)
     for output in outputs:
         if output.num_cached_prompt_tokens is not None:
             response.num_cached_tokens = output.num_cached_prompt_tokens
@@ -67,13 +98,81 @@ def fill_response(response: worker_pb2.GenerateResponse, outputs: list[RequestOu
     return finished
 
 
-class _Active:
-    __slots__ = ("engine", "num_prompt", "span")
+class PassClock:
+    """When one engine's latest forward pass ended and how long it took (its pass observer).
 
-    def __init__(self, engine: Engine, num_prompt: int, span: Any) -> None:
+    Engines deliver a pass's outputs, then report the pass: by the time the session's writer handles
+    a request's first token, the clock holds the pass that produced it. That pass's start splits the
+    request's wait into queue (before) and prefill (the pass).
+    """
+
+    __slots__ = ("end", "wall")
+
+    def __init__(self) -> None:
+        self.end = 0.0
+        self.wall = 0.0
+
+    def __call__(self, engine_id: int, metrics: ForwardPassMetrics, wall_s: float) -> None:
+        self.end = time.time()
+        self.wall = wall_s
+
+
+_CLOCKS: dict[int, tuple[Engine, PassClock]] = {}
+
+
+def pass_clock(engine: Engine) -> PassClock:
+    """The engine's PassClock, registered as its observer on first use."""
+    found = _CLOCKS.get(id(engine))
+    if found is not None and found[0] is engine:
+        return found[1]
+    clock = PassClock()
+    engine.add_observer(clock)
+    _CLOCKS[id(engine)] = (engine, clock)
+    return clock
+
+
+class _Active:
+    __slots__ = ("clock", "engine", "first_at", "labels", "logprobs", "num_output", "num_prompt", "span", "submitted")
+
+    def __init__(
+        self, engine: Engine, num_prompt: int, span: Any, logprobs: int | None = None, model: str = ""
+    ) -> None:
         self.engine = engine
         self.num_prompt = num_prompt
         self.span = span
+        self.logprobs = logprobs
+        self.clock = pass_clock(engine)
+        self.submitted = time.time()
+        self.first_at = 0.0
+        self.num_output = 0
+        self.labels = (model, f"{engine.engine_id:x}")
+
+    def first_token(self) -> None:
+        """Queue and prefill, from the pass that produced the first token (see PassClock)."""
+        now = time.time()
+        clock = self.clock
+        end = clock.end if self.submitted <= clock.end <= now else now
+        start = max(self.submitted, end - clock.wall)
+        self.first_at = end
+        metrics = request_metrics()
+        metrics.queue_time.labels(*self.labels).observe(start - self.submitted)
+        metrics.prefill_time.labels(*self.labels).observe(end - start)
+        if self.span is not None:
+            telemetry.end_span(telemetry.start_span("queue", self.span, start_time=self.submitted), end_time=start)
+            telemetry.end_span(telemetry.start_span("prefill", self.span, start_time=start), end_time=end)
+
+    def finished(self, response: worker_pb2.GenerateResponse) -> None:
+        """Decode time and time per output token; ends the request's span."""
+        now = time.time()
+        if self.first_at and self.num_output > 1:
+            per_token = (now - self.first_at) / (self.num_output - 1)
+            request_metrics().time_per_output_token.labels(*self.labels).observe(per_token)
+        if self.span is not None:
+            if self.first_at:
+                decode = telemetry.start_span("decode", self.span, start_time=self.first_at)
+                telemetry.end_span(decode, attributes={"kvmesh.output_tokens": self.num_output}, end_time=now)
+            attributes = {"kvmesh.output_tokens": self.num_output, "kvmesh.finish_reason": response.finish_reason}
+            telemetry.end_span(self.span, None, attributes)
 
 
 class GenerateStreamSession:
@@ -85,7 +184,9 @@ class GenerateStreamSession:
         refusal: Callable[[], str | None],
         on_aborted: Callable[[Engine], None],
         context: grpc.aio.ServicerContext[worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse],
+        model: str = "",
     ) -> None:
+        self._model = model  # the metrics' model label
         self._engines = engines
         self._refusal = refusal
         self._on_aborted = on_aborted
@@ -157,6 +258,15 @@ class GenerateStreamSession:
             self._fail(request_id, grpc.StatusCode.NOT_FOUND, message)
             return
         span = telemetry.start_request_span(SPAN_NAME, request.trace_context)
+        if span is not None:
+            span.set_attributes(
+                {
+                    "kvmesh.request_id": request_id,
+                    "kvmesh.model": self._model,
+                    "kvmesh.engine_id": f"{request.engine_id:x}",
+                    "kvmesh.prompt_tokens": len(request.token_ids),
+                }
+            )
         try:
             engine.submit(engine_request(request, request_id), self)
         except InvalidRequest as exc:
@@ -164,7 +274,8 @@ class GenerateStreamSession:
         except QueueFull as exc:
             self._fail(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), span)
         else:
-            self._active[request_id] = _Active(engine, len(request.token_ids), span)
+            logprobs = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
+            self._active[request_id] = _Active(engine, len(request.token_ids), span, logprobs, self._model)
 
     def _cancel(self, request_id: str) -> None:
         active = self._active.pop(request_id, None)
@@ -208,8 +319,11 @@ class GenerateStreamSession:
                 if entry is None:  # cancelled while its outputs waited
                     continue
                 item = message.outputs.add(request_id=request_id)
-                if fill_response(item.response, outputs, entry.num_prompt):
+                entry.num_output = outputs[-1].num_output_tokens
+                if not entry.first_at and entry.num_output:
+                    entry.first_token()
+                if fill_response(item.response, outputs, entry.num_prompt, entry.logprobs):
                     del active[request_id]
-                    telemetry.end_request_span(entry.span, None)
+                    entry.finished(item.response)
             if message.outputs:
                 await write(message)

@@ -104,7 +104,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest],
         context: grpc.aio.ServicerContext[worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse],
     ) -> None:
-        session = GenerateStreamSession(self.engines, self._refusal, self._aborted, context)
+        session = GenerateStreamSession(self.engines, self._refusal, self._aborted, context, self.model.name)
         self._sessions.add(session)
         if self._draining:
             session.stop_when_idle()
