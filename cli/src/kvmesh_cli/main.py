@@ -14,6 +14,7 @@ from collections.abc import Sequence
 # (module, attribute): each exposes register(subparsers) adding one command with func=...
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("kvmesh_cli.up", "register"),
+    ("kvmesh_cli.certs", "register"),
     ("kvmesh_bench.cli", "register"),
     ("kvmesh_bench.datagen.cli", "register"),
 )

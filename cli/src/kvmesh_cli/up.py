@@ -24,6 +24,7 @@ from kvmesh_router.settings import Settings as RouterSettings
 from kvmesh_worker.settings import Settings as WorkerSettings
 
 from kvmesh_cli.kserve_demo import demo_request, server_ready
+from kvmesh_cli.up_tls import add_tls_argument, daemon_tls_args, kserve_credentials, prepare_tls
 
 EXAMPLE = """\
 import tritonclient.grpc as grpcclient, numpy as np
@@ -79,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--namespace", default="kvmesh-local", help="discovery namespace (default: kvmesh-local)")
     p.add_argument("--log-dir", default=None, help="where daemon logs go (default: a temp dir)")
     p.add_argument("--no-demo", action="store_true", help="do not send the demo request")
+    add_tls_argument(p)
     p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for ServerReady")
     p.set_defaults(func=run)
 
@@ -124,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvmesh-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     common = ["--discovery", args.discovery or default_discovery_url(), "--namespace", args.namespace]
+    common += ["--bind-host", "127.0.0.1"]  # a local mesh is reachable from this machine only
+    tls_dir = prepare_tls(args, log_dir)
+    credentials = kserve_credentials(tls_dir)
     if args.config:
         common += ["--config", args.config]
     worker_args = [*common, "--num-engines", str(args.num_engines)]
@@ -138,12 +143,15 @@ def run(args: argparse.Namespace) -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
+        worker_args += daemon_tls_args(tls_dir, "worker")
+        router_args += daemon_tls_args(tls_dir, "router")
+        frontend_args = [*common, "--grpc-port", str(args.grpc_port), *daemon_tls_args(tls_dir, "frontend")]
         procs.append(_spawn("kvmesh-worker", worker_args, log_dir))
         procs.append(_spawn("kvmesh-router", router_args, log_dir))
-        procs.append(_spawn("kvmesh-frontend", [*common, "--grpc-port", str(args.grpc_port)], log_dir))
+        procs.append(_spawn("kvmesh-frontend", frontend_args, log_dir))
         address = f"127.0.0.1:{args.grpc_port}"
         deadline = time.monotonic() + args.ready_timeout
-        while not server_ready(address):
+        while not server_ready(address, credentials=credentials):
             dead = [p for p in procs if p.poll() is not None]
             if dead or time.monotonic() > deadline:
                 why = f"{Path(dead[0].args[0]).name} exited with {dead[0].returncode}" if dead else "timed out"
@@ -157,13 +165,18 @@ def run(args: argparse.Namespace) -> int:
             f"Ctrl-C stops it.",
             flush=True,
         )
-        print("\nTry it with tritonclient:\n" + EXAMPLE.format(port=args.grpc_port, model=model) + "\n", flush=True)
+        example = EXAMPLE.format(port=args.grpc_port, model=model)
+        if tls_dir is not None:  # stock tritonclient over TLS: the mesh CA verifies the frontend
+            example = example.replace(
+                ")\ninputs", f", ssl=True, root_certificates={str(tls_dir / 'ca.crt')!r})\ninputs", 1
+            )
+        print("\nTry it with tritonclient:\n" + example + "\n", flush=True)
         if not args.no_demo:
             # ServerReady means an engine is live; the router may still be warming up for a moment.
-            outcome = demo_request(address, model)
+            outcome = demo_request(address, model, credentials=credentials)
             while outcome.startswith("demo request failed: UNAVAILABLE") and time.monotonic() < deadline + 30:
                 time.sleep(0.5)
-                outcome = demo_request(address, model)
+                outcome = demo_request(address, model, credentials=credentials)
             print(outcome, flush=True)
         while not stop["now"] and all(p.poll() is None for p in procs):
             time.sleep(0.2)

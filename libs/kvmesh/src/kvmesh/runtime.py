@@ -36,9 +36,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh import telemetry
+from kvmesh import sd_notify, telemetry, tls
 from kvmesh.discovery import Discovery, DiscoveryUnavailable, Lease, instance_key, open_discovery
 from kvmesh.grpc_options import SERVER_OPTIONS
+from kvmesh.identity import RoleGate
 from kvmesh.settings import DaemonSettings, fail
 from kvmesh.v1 import discovery_pb2
 
@@ -109,7 +110,9 @@ class DaemonRuntime:
             await runtime.wait_for_stop()
     """
 
-    def __init__(self, name: str, settings: DaemonSettings) -> None:
+    def __init__(
+        self, name: str, settings: DaemonSettings, *, interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
+    ) -> None:
         self.name = name
         self.settings = settings
         self.resources = AsyncExitStack()
@@ -118,7 +121,12 @@ class DaemonRuntime:
         self.address = ""
         self.metrics_address = ""
         self.server = grpc.aio.server(
-            interceptors=[_ServingGate(self.is_serving, self._refusal_reason), *telemetry.server_interceptors()],
+            interceptors=[
+                _ServingGate(self.is_serving, self._refusal_reason),
+                *([RoleGate()] if settings.tls_enabled else []),  # security: mesh roles, see kvmesh.identity
+                *interceptors,
+                *telemetry.server_interceptors(),
+            ],
             options=SERVER_OPTIONS,
         )
         self.health = health.aio.HealthServicer()
@@ -135,6 +143,8 @@ class DaemonRuntime:
         self._drain_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._exit = AsyncExitStack()
         self.started_unix_ms = int(time.time() * 1000)
+        self.tls: tls.TlsMaterial | None = None
+        self._notified_ready = False
 
     @property
     def discovery(self) -> Discovery:
@@ -152,6 +162,7 @@ class DaemonRuntime:
         settings = self.settings
         async with AsyncExitStack() as stack:  # unwinds what was opened if anything here fails
             stack.callback(telemetry.shutdown_tracing)
+            self._open_tls_and_watchdog(stack)
             try:
                 self._discovery = await open_discovery(settings.discovery, ttl=settings.lease_ttl)
                 stack.push_async_callback(self._discovery.close)
@@ -161,7 +172,7 @@ class DaemonRuntime:
             except DiscoveryUnavailable as exc:
                 fail(self.name, f"--discovery {settings.discovery}: {exc}")
             self.instance_id = self._lease.id
-            port = telemetry.start_metrics_server(settings.metrics_port)
+            port = telemetry.start_metrics_server(settings.metrics_port, settings.bind_host)
             if port is not None:
                 self.metrics_address = f"{settings.host}:{port}"
             stack.push_async_callback(self.resources.aclose)
@@ -174,9 +185,24 @@ class DaemonRuntime:
     ) -> bool:
         return await self._exit.__aexit__(exc_type, exc, tb)
 
+    def _open_tls_and_watchdog(self, stack: AsyncExitStack) -> None:
+        """Load this daemon's mesh identity (client and server side) and start systemd's watchdog pings."""
+        settings = self.settings
+        if settings.tls_enabled:
+            try:
+                self.tls = tls.load(settings.tls_cert, settings.tls_key, settings.tls_ca)
+            except OSError as exc:
+                fail(self.name, f"--tls-cert/--tls-key/--tls-ca: cannot read {exc.filename}: {exc.strerror}")
+            tls.configure_client(self.tls)
+        interval = sd_notify.watchdog_interval()
+        if interval is not None:
+            task = asyncio.get_running_loop().create_task(sd_notify.watchdog_loop(interval))
+            stack.callback(task.cancel)
+
     async def _drain(self) -> None:
         """Deregister at once (while ``on_draining`` hooks end endless streams), then drain in-flight calls."""
         self._draining = True  # before the first await: from here on new calls are refused
+        sd_notify.notify("STOPPING=1\nSTATUS=draining")
         started = [result for hook in self._drain_hooks if inspect.isawaitable(result := hook())]
         for error in await asyncio.gather(self._revoke(), *started, return_exceptions=True):
             if isinstance(error, BaseException):
@@ -194,8 +220,13 @@ class DaemonRuntime:
         add_to_server(servicer, self.server)
         self._service_names.append(full_name)
 
-    async def start(self, port: int, bind_host: str = "0.0.0.0", *, ready: bool = True) -> int:
-        """Bind and start serving; returns the bound port (``port`` 0 picks a free one).
+    async def start(
+        self, port: int, bind_host: str | None = None, *, ready: bool = True, require_client_cert: bool = True
+    ) -> int:
+        """Bind ``bind_host`` (default ``--bind-host``) and start serving; returns the bound port (0 picks one).
+
+        With TLS on the port is TLS only; ``require_client_cert=False`` is for the frontend's KServe
+        port alone (external clients), every daemon-to-daemon port requires a mesh client certificate.
 
         ``ready=False`` starts with health NOT_SERVING (a daemon that must warm up first, e.g. a
         router rebuilding its index); it turns SERVING on ``set_ready()``.
@@ -205,7 +236,12 @@ class DaemonRuntime:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(self._service_names, self.server)
         try:
-            bound = self.server.add_insecure_port(f"{bind_host}:{port}")
+            target = f"{bind_host or self.settings.bind_host}:{port}"
+            if self.tls is not None:
+                creds = tls.server_credentials(self.tls, require_client_cert=require_client_cert)
+                bound = self.server.add_secure_port(target, creds)
+            else:
+                bound = self.server.add_insecure_port(target)
         except RuntimeError as exc:
             fail(self.name, f"--grpc-port {port}: cannot bind ({exc})")
         if bound == 0:
@@ -291,3 +327,6 @@ class DaemonRuntime:
         )
         for name in ("", *self._service_names):
             await self.health.set(name, status)
+        if status == health_pb2.HealthCheckResponse.SERVING and not self._notified_ready:
+            self._notified_ready = True  # systemd: READY=1 only once SERVING is true, and only once
+            sd_notify.notify(f"READY=1\nSTATUS=serving on {self.address}\nMAINPID={os.getpid()}")

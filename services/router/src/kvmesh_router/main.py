@@ -77,7 +77,10 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
     runtime.resources.push_async_callback(pool.close)
 
     def channel_for(address: str):  # noqa: ANN202 - grpc.aio.Channel
-        return pool.get(address, address)
+        return pool.get(address, address, role="worker")  # with TLS: only a worker certificate answers
+
+    def replica_channel(address: str):  # noqa: ANN202 - grpc.aio.Channel
+        return pool.get(address, address, role="router")
 
     ingest: Ingest | None = None
     if state.kv_index is not None:
@@ -86,7 +89,7 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
         runtime.resources.push_async_callback(ingest.close)
     hub: ReplicaHub | None = None
     if settings.replica_sync:
-        hub = ReplicaHub(state, runtime.instance_id, channel_for, queue_size=settings.sync_queue_size)
+        hub = ReplicaHub(state, runtime.instance_id, replica_channel, queue_size=settings.sync_queue_size)
         metrics.add_source("replicas", hub.stats_dict)
         # Replica links are endless streams: they end when draining starts, or the drain would wait for them.
         runtime.on_draining(hub.close)
