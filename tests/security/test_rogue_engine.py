@@ -35,9 +35,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _inputs(i: int) -> list[grpcclient.InferInput]:
+    sampling = b'{"max_tokens": 4, "ignore_eos": true}'
     values = [("text_input", np.array([f"request {i} about KV caches".encode()], dtype=object), "BYTES"),
               ("stream", np.array([True]), "BOOL"),
-              ("sampling_parameters", np.array([b'{"max_tokens": 4, "ignore_eos": true}'], dtype=object), "BYTES")]  # fmt: skip
+              ("sampling_parameters", np.array([sampling], dtype=object), "BYTES")]  # fmt: skip
     inputs = []
     for name, value, dtype in values:
         tensor = grpcclient.InferInput(name, [1], dtype)
@@ -55,7 +56,9 @@ def send_requests(address: str, pki: Path | None, n: int = REQUESTS) -> tuple[in
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         try:
             for i in range(n):
-                client.async_stream_infer("kvmesh-mock", _inputs(i), request_id=str(i), enable_empty_final_response=True)
+                client.async_stream_infer(
+                    "kvmesh-mock", _inputs(i), request_id=str(i), enable_empty_final_response=True
+                )
                 while True:
                     result, error = results.get(timeout=30)
                     if error is not None:
