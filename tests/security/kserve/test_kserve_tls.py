@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from kvmesh_cli import certs as certs_cli
 from tritonclient.utils import InferenceServerException
 
-from tests.security.test_rogue_engine import send_requests
+from tests.security.kserve.test_rogue_engine import send_requests
 from tests.security.tlsmesh import TlsMesh
 
 pytestmark = pytest.mark.e2e
