@@ -10,6 +10,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "packaging" / "systemd"
+CONTRACT = (
+    *("Type=notify", "NotifyAccess=main", "WatchdogSec=", "Restart=on-failure", "EnvironmentFile=-/etc/kvmesh/"),
+    *("NoNewPrivileges=yes", "ProtectSystem=strict", "User=kvmesh", "KillSignal=SIGTERM", "LoadCredential=tls.key:"),
+)
 EXPECTED = ["kvmesh-frontend.service", "kvmesh-planner.service", "kvmesh-router@.service", "kvmesh-worker@.service"]
 
 
@@ -23,7 +27,6 @@ def test_every_unit_verifies() -> None:
 @pytest.mark.parametrize("name", EXPECTED)
 def test_unit_contract(name: str) -> None:
     text = (UNITS / name).read_text()
-    for line in ("Type=notify", "NotifyAccess=main", "WatchdogSec=", "Restart=on-failure", "EnvironmentFile=-/etc/kvmesh/",
-                 "NoNewPrivileges=yes", "ProtectSystem=strict", "User=kvmesh", "KillSignal=SIGTERM", "LoadCredential=tls.key:"):  # fmt: skip
+    for line in CONTRACT:
         assert line in text, f"{name} lacks {line}"
     assert sorted(p.name for p in UNITS.glob("*.service")) == EXPECTED
