@@ -29,6 +29,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -191,9 +192,12 @@ class DaemonRuntime:
         if settings.tls_enabled:
             try:
                 self.tls = tls.load(settings.tls_cert, settings.tls_key, settings.tls_ca)
+                etcd_ca = Path(settings.etcd_ca).read_bytes() if settings.etcd_ca else self.tls.ca
             except OSError as exc:
-                fail(self.name, f"--tls-cert/--tls-key/--tls-ca: cannot read {exc.filename}: {exc.strerror}")
+                fail(self.name, f"--tls-*/--etcd-ca: cannot read {exc.filename}: {exc.strerror}")
             tls.configure_client(self.tls)
+            if settings.etcd_tls:
+                tls.configure_etcd(tls.TlsMaterial(self.tls.cert, self.tls.key, etcd_ca))
         interval = sd_notify.watchdog_interval()
         if interval is not None:
             task = asyncio.get_running_loop().create_task(sd_notify.watchdog_loop(interval))

@@ -90,6 +90,10 @@ class DaemonSettings(BaseModel):
     """PEM private key for --tls-cert"""
     tls_ca: str = ""
     """PEM mesh CA: peers (servers and clients alike) must present a certificate it issued"""
+    etcd_tls: bool = False
+    """mTLS to etcd with --tls-cert/--tls-key, trusting --etcd-ca (default --tls-ca): etcd --client-cert-auth"""
+    etcd_ca: str = ""
+    """PEM CA of etcd's server certificate, when etcd has its own CA (with --etcd-tls)"""
     metrics_port: Annotated[int, Field(ge=-1, le=65535)] = -1
     """Prometheus /metrics port (0 = any free port, -1 = disabled)"""
     otel_exporter: Literal["none", "console", "otlp"] = "none"
@@ -109,7 +113,9 @@ class DaemonSettings(BaseModel):
         if any(given.values()) and not all(given.values()):
             missing = ", ".join(flag for flag, value in given.items() if not value)
             raise ValueError(f"TLS needs --tls-cert, --tls-key and --tls-ca together; missing {missing}")
-        for flag, path in given.items():
+        if self.etcd_tls and not self.tls_cert:
+            raise ValueError("--etcd-tls needs --tls-cert, --tls-key and --tls-ca (the certificate shown to etcd)")
+        for flag, path in {**given, "--etcd-ca": self.etcd_ca}.items():
             if path and not os.access(path, os.R_OK):
                 raise ValueError(f"{flag} {path}: not a readable file")
         return self

@@ -29,6 +29,8 @@ __all__ = [
     "channel_credentials",
     "client_material",
     "configure_client",
+    "configure_etcd",
+    "etcd_material",
     "load",
     "peer_role",
     "role_dns",
@@ -92,6 +94,19 @@ def configure_client(material: TlsMaterial | None) -> None:
 
 def client_material() -> TlsMaterial | None:
     return _client
+
+
+_etcd: TlsMaterial | None = None
+
+
+def configure_etcd(material: TlsMaterial | None) -> None:
+    """Set the identity this process presents to etcd (``None``: plaintext etcd)."""
+    global _etcd
+    _etcd = material
+
+
+def etcd_material() -> TlsMaterial | None:
+    return _etcd
 
 
 def peer_role(auth_context: Mapping[str, Iterable[bytes]]) -> str | None:
