@@ -2,7 +2,8 @@
 
 What it writes (directory 0700, keys 0600, EC P-256, valid ``--days``):
 ``ca.crt``/``ca.key`` (the mesh CA), and for each role ``frontend``, ``router``, ``worker``,
-``planner``, ``operator`` (the CLI), ``client`` (a KServe client) and ``etcd`` (its server certificate): ``<role>.crt``/``<role>.key``.
+``planner``, ``operator`` (the CLI), ``client`` (a KServe client) and ``etcd`` (its server
+certificate): ``<role>.crt``/``<role>.key``.
 Each leaf carries the SANs the mesh checks (see ``kvmesh.tls``): the URI
 ``spiffe://kvmesh/<role>/<name>``, the DNS name ``<role>.kvmesh``, plus ``localhost``, this host's
 name, ``IP:127.0.0.1`` and ``IP:::1`` so a local mesh dials plain loopback addresses.

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("kvmesh_cli.up", "register"),
     ("kvmesh_cli.certs", "register"),
+    ("kvmesh_cli.ops", "register"),
     ("kvmesh_bench.cli", "register"),
     ("kvmesh_bench.datagen.cli", "register"),
 )

@@ -28,6 +28,7 @@ POLICY: dict[str, frozenset[str]] = {
     "/kvmesh.v1.RouterService/Session": frozenset({"frontend", "operator"}),
     "/kvmesh.v1.RouterService/ReplicaSync": frozenset({"router"}),
     "/kvmesh.v1.RouterService/": frozenset({"frontend", "router", "operator", "planner"}),
+    "/kvmesh.v1.AdminService/": frozenset({"operator"}),
     "/kvmesh.v1.PlannerService/": frozenset({"operator", "planner", "frontend", "router"}),
     "/kvmesh.v1.": _ANY_DAEMON,
 }

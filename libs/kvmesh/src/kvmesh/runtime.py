@@ -42,7 +42,7 @@ from kvmesh.discovery import Discovery, DiscoveryUnavailable, Lease, instance_ke
 from kvmesh.grpc_options import SERVER_OPTIONS
 from kvmesh.identity import RoleGate
 from kvmesh.settings import DaemonSettings, fail
-from kvmesh.v1 import discovery_pb2
+from kvmesh.v1 import admin_pb2, admin_pb2_grpc, discovery_pb2
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,24 @@ class _ServingGate(grpc.aio.ServerInterceptor):
         )
 
 
+class _Admin(admin_pb2_grpc.AdminServiceServicer):
+    """``kvmesh drain``: the SIGTERM drain by RPC; operator certificate (kvmesh.identity), or loopback without TLS."""
+
+    def __init__(self, runtime: DaemonRuntime) -> None:
+        self._runtime = runtime
+
+    async def Drain(
+        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> admin_pb2.DrainResponse:
+        runtime = self._runtime
+        if runtime.tls is None and not context.peer().startswith(("ipv4:127.", "ipv6:[::1]", "unix:")):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "without TLS, drain is accepted from loopback only")
+        started = not runtime._stop.is_set() and not runtime._draining
+        log.warning("drain requested by %s: %s", context.peer(), request.reason or "no reason given")
+        runtime._stop.set()
+        return admin_pb2.DrainResponse(instance_id=f"{runtime.instance_id:x}", started=started)
+
+
 class DaemonRuntime:
     """Owns discovery, the lease, the gRPC server and the signal handling of one daemon process.
 
@@ -131,11 +149,13 @@ class DaemonRuntime:
             options=SERVER_OPTIONS,
         )
         self.health = health.aio.HealthServicer()
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(_Admin(self), self.server)
         self._discovery: Discovery | None = None
         self._lease: Lease | None = None
         self._service_names: list[str] = [
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
+            admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
         ]
         self._records: dict[str, discovery_pb2.InstanceRecord] = {}
         self._draining = False
