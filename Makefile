@@ -83,7 +83,11 @@ test-bazel: setup-dev
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel test //... || exit 1; \
 	else echo "bazel not installed: skipping bazel test //..."; fi
 
-test: lint test-python test-bazel
+# Each distribution builds a wheel; a fresh venv with only those wheels runs the mesh (kvmesh up --tls).
+test-wheels: setup
+	scripts/test-wheels.sh
+
+test: lint test-python test-bazel test-wheels
 
 run: setup
 	$(VENV)/bin/kvmesh up
