@@ -47,8 +47,10 @@ def _inputs(i: int) -> list[grpcclient.InferInput]:
     return inputs
 
 
-def send_requests(address: str, pki: Path | None, n: int = REQUESTS) -> tuple[int, list[str]]:
-    """Stream ``n`` requests one after the other; returns (completed, errors)."""
+def send_requests(
+    address: str, pki: Path | None, n: int = REQUESTS, migrations: list[int] | None = None
+) -> tuple[int, list[str]]:
+    """Stream ``n`` requests one after the other; returns (completed, errors); appends each one's migrations."""
     tls = {} if pki is None else {"ssl": True, "root_certificates": str(pki / "ca.crt")}
     results: queue.Queue[tuple[object, object]] = queue.Queue()
     done, errors = 0, []
@@ -67,6 +69,8 @@ def send_requests(address: str, pki: Path | None, n: int = REQUESTS) -> tuple[in
                     params = result.get_response().parameters  # type: ignore[attr-defined]
                     if "triton_final_response" in params and params["triton_final_response"].bool_param:
                         done += 1
+                        if migrations is not None and "kvmesh.migrations" in params:
+                            migrations.append(params["kvmesh.migrations"].int64_param)
                         break
         finally:
             client.stop_stream()
@@ -130,8 +134,13 @@ def test_with_tls_the_rogue_engine_gets_zero_requests(
         frontend = mesh.standard()
         counter = tmp_path / "rogue-count"
         stack.append(_rogue(discovery, mesh.namespace, counter, *tls))
-        done, errors = send_requests(frontend.address, pki)
+        migrations: list[int] = []
+        done, errors = send_requests(frontend.address, pki, migrations=migrations)
         assert _count(counter) == 0, f"the rogue got {counter.read_text()}"
         assert done == REQUESTS, f"{done}/{REQUESTS} completed; errors: {errors[:3]}\n{mesh.logs()}"
+        # The router never chose it (no request had to move off it): its identity was never proven.
+        assert sum(migrations) == 0 and len(migrations) == REQUESTS, migrations
+        router = next(d for d in mesh.daemons if d.name == "kvmesh-router")
+        assert "no worker certificate answered" in router.log_text()
     finally:
         mesh.close()

@@ -36,6 +36,7 @@ from kvmesh.v1 import router_pb2
 
 from kvmesh_router.engines import EngineInfo
 from kvmesh_router.fleet import Fleet
+from kvmesh_router.identity_gate import IdentityGate
 from kvmesh_router.ingest import Ingest
 from kvmesh_router.load_watch import LoadWatch
 from kvmesh_router.metrics import RouterMetrics
@@ -119,7 +120,12 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
         if dropped:
             log.info("engine %x gone: dropped %d bookings", engine_id, len(dropped))
 
-    fleet = Fleet(runtime.discovery, settings.namespace, engine_added, engine_removed)
+    if settings.tls_enabled:  # security: an engine is routable only once a worker certificate answered for it
+        gate = IdentityGate(channel_for, engine_added, engine_removed)
+        runtime.resources.push_async_callback(gate.close)
+        fleet = Fleet(runtime.discovery, settings.namespace, gate.added, gate.removed)
+    else:
+        fleet = Fleet(runtime.discovery, settings.namespace, engine_added, engine_removed)
     runtime.resources.push_async_callback(fleet.close)
     warm = asyncio.Event()  # set once warm, cleared when draining starts
     runtime.on_draining(warm.clear)
