@@ -9,7 +9,7 @@ DISTS := libs/kvmesh services/worker services/router services/frontend bench cli
 STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-dev system-deps dev-deps perf-tools protos lint typecheck test test-python test-node test-bazel run bench clean
+.PHONY: help setup setup-dev system-deps dev-deps perf-tools protos lint typecheck verify-units test test-python test-node test-bazel test-wheels run bench clean
 
 help:
 	@echo "make run    - set up everything and start the local mesh (kvmesh up)"
@@ -76,16 +76,21 @@ lint: setup-dev
 	node_modules/.bin/buf lint
 	scripts/buf-breaking.sh
 	$(MAKE) --no-print-directory typecheck
+	$(MAKE) --no-print-directory verify-units
+
+# systemd-analyze verify on every unit in packaging/systemd (empty output or it fails).
+verify-units: setup
+	scripts/verify-units.sh
 
 # mypy over every distribution's sources; the settings (strictness, paths) are in pyproject.toml.
 typecheck: setup
 	$(VENV)/bin/mypy
 
-# tests/kserve_clients run stock tritonclient, whose stubs declare proto package `inference` like
-# ours: the two cannot share one process's descriptor pool, hence two pytest processes.
+# tests/kserve_clients and tests/security/kserve run stock tritonclient, whose stubs declare proto
+# package `inference` like ours: the two cannot share one process's descriptor pool, hence two pytest processes.
 test-python: setup-dev
-	$(VENV)/bin/python -m pytest --ignore=tests/kserve_clients $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest tests/kserve_clients $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest --ignore=tests/kserve_clients --ignore=tests/security/kserve $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/kserve_clients tests/security/kserve $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-node
 
 # A client generated in a second language (Node @grpc/grpc-js) streams ModelStreamInfer from kvmesh up.
@@ -97,7 +102,11 @@ test-bazel: setup-dev
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel test //... || exit 1; \
 	else echo "bazel not installed: skipping bazel test //..."; fi
 
-test: lint test-python test-bazel
+# Each distribution builds a wheel; a fresh venv with only those wheels runs the mesh (kvmesh up --tls).
+test-wheels: setup
+	scripts/test-wheels.sh
+
+test: lint test-python test-bazel test-wheels
 
 run: setup
 	$(VENV)/bin/kvmesh up

@@ -16,6 +16,8 @@ from typing import NoReturn
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("kvmesh_cli.up", "register"),
     ("kvmesh_cli.model_files", "register"),
+    ("kvmesh_cli.certs", "register"),
+    ("kvmesh_cli.ops", "register"),
     ("kvmesh_bench.cli", "register"),
     ("kvmesh_bench.datagen.cli", "register"),
 )

@@ -29,6 +29,7 @@ from kvmesh_router.settings import Settings as RouterSettings
 from kvmesh_worker.settings import Settings as WorkerSettings
 
 from kvmesh_cli.kserve_demo import demo_request, server_ready
+from kvmesh_cli.up_tls import add_tls_argument, daemon_tls_args, kserve_credentials, prepare_tls
 
 EXAMPLE = """\
 import tritonclient.grpc as grpcclient, numpy as np
@@ -100,6 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Prometheus /metrics on PORT (worker), PORT+1 (router), PORT+2 (frontend) (default: none)",
     )
     p.add_argument("--no-demo", action="store_true", help="do not send the demo request")
+    add_tls_argument(p)
     p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for ServerReady")
     p.set_defaults(func=run)
 
@@ -133,11 +135,12 @@ def _why(proc: subprocess.Popen[bytes], log_dir: Path) -> str:
     return f"{name} exited with {proc.returncode}" + (f": {said.strip()}" if said else "")
 
 
-def _routable(address: str, model: str) -> bool:
+def _routable(address: str, model: str, credentials: grpc.ChannelCredentials | None) -> bool:
     """Whether a request gets routed yet (ServerReady says only that an engine is live: the router
     may still be registering). "kvmesh is up" must mean a client's first request works."""
     try:
-        return not demo_request(address, model, max_tokens=1).startswith("demo request failed: UNAVAILABLE")
+        outcome = demo_request(address, model, max_tokens=1, credentials=credentials)
+        return not outcome.startswith("demo request failed: UNAVAILABLE")
     except grpc.RpcError:
         return False
 
@@ -192,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvmesh-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     common = ["--discovery", args.discovery or default_discovery_url(), "--namespace", args.namespace]
+    common += ["--bind-host", "127.0.0.1"]  # a local mesh is reachable from this machine only
+    tls_dir = prepare_tls(args, log_dir)
+    credentials = kserve_credentials(tls_dir)
     if args.config:
         common += ["--config", args.config]
     if args.otel_exporter:
@@ -220,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.update(now=True))
     clean = False
     try:
+        worker_args += daemon_tls_args(tls_dir, "worker")
+        router_args += daemon_tls_args(tls_dir, "router")
+        frontend_args = [*common, "--grpc-port", str(args.grpc_port), *daemon_tls_args(tls_dir, "frontend")]
         procs.append(_spawn("kvmesh-worker", worker_args, log_dir))
         procs.append(_spawn("kvmesh-router", router_args, log_dir))
         procs.append(_spawn("kvmesh-frontend", frontend_args, log_dir))
@@ -236,7 +245,11 @@ def run(args: argparse.Namespace) -> int:
                 why = _why(dead[0], log_dir) if dead else f"not ready within {args.ready_timeout:g}s"
                 print(f"kvmesh up: error: mesh not ready ({why}); logs in {log_dir}", file=sys.stderr)
                 return 2 if dead and dead[0].returncode == 2 else 1
-            if server_ready(address) and all(p.poll() is None for p in procs) and _routable(address, model):
+            if (
+                server_ready(address, credentials=credentials)
+                and all(p.poll() is None for p in procs)
+                and _routable(address, model, credentials)
+            ):
                 break
             time.sleep(0.2)
         print(
@@ -248,7 +261,12 @@ def run(args: argparse.Namespace) -> int:
         if metrics:
             where = ", ".join(f"{n.removeprefix('kvmesh-')} http://localhost:{p}/metrics" for n, p in metrics.items())
             print(f"Prometheus metrics: {where}", flush=True)
-        print("\nTry it with tritonclient:\n" + EXAMPLE.format(port=args.grpc_port, model=model) + "\n", flush=True)
+        example = EXAMPLE.format(port=args.grpc_port, model=model)
+        if tls_dir is not None:  # stock tritonclient over TLS: the mesh CA verifies the frontend
+            example = example.replace(
+                ")\ninputs", f", ssl=True, root_certificates={str(tls_dir / 'ca.crt')!r})\ninputs", 1
+            )
+        print("\nTry it with tritonclient:\n" + example + "\n", flush=True)
         where = "" if args.namespace == "kvmesh-local" else f" --namespace {args.namespace}"
         where += f" --discovery {args.discovery}" if args.discovery else ""
         print(
@@ -259,10 +277,10 @@ def run(args: argparse.Namespace) -> int:
         )
         if not args.no_demo:
             # ServerReady means an engine is live; the router may still be warming up for a moment.
-            outcome = demo_request(address, model)
+            outcome = demo_request(address, model, credentials=credentials)
             while outcome.startswith("demo request failed: UNAVAILABLE") and time.monotonic() < deadline + 30:
                 time.sleep(0.5)
-                outcome = demo_request(address, model)
+                outcome = demo_request(address, model, credentials=credentials)
             print(outcome, flush=True)
         while not stop["now"] and all(p.poll() is None for p in procs):
             time.sleep(0.2)

@@ -30,6 +30,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -38,11 +39,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh import reflection as kvmesh_reflection
-from kvmesh import telemetry
+from kvmesh import sd_notify, telemetry, tls
 from kvmesh.discovery import Discovery, DiscoveryUnavailable, Lease, instance_key, open_discovery
 from kvmesh.grpc_options import SERVER_OPTIONS
+from kvmesh.identity import RoleGate
 from kvmesh.settings import DaemonSettings, fail
-from kvmesh.v1 import discovery_pb2
+from kvmesh.v1 import admin_pb2, admin_pb2_grpc, discovery_pb2
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +116,24 @@ async def _first_message(requests: AsyncIterator[Any]) -> None:
             await anext(aiter(requests))
 
 
+class _Admin(admin_pb2_grpc.AdminServiceServicer):
+    """``kvmesh drain``: the SIGTERM drain by RPC; operator certificate (kvmesh.identity), or loopback without TLS."""
+
+    def __init__(self, runtime: DaemonRuntime) -> None:
+        self._runtime = runtime
+
+    async def Drain(
+        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> admin_pb2.DrainResponse:
+        runtime = self._runtime
+        if runtime.tls is None and not context.peer().startswith(("ipv4:127.", "ipv6:[::1]", "unix:")):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "without TLS, drain is accepted from loopback only")
+        started = not runtime._stop.is_set() and not runtime._draining
+        log.warning("drain requested by %s: %s", context.peer(), request.reason or "no reason given")
+        runtime._stop.set()
+        return admin_pb2.DrainResponse(instance_id=f"{runtime.instance_id:x}", started=started)
+
+
 class DaemonRuntime:
     """Owns discovery, the lease, the gRPC server and the signal handling of one daemon process.
 
@@ -129,7 +149,12 @@ class DaemonRuntime:
     """
 
     def __init__(
-        self, name: str, settings: DaemonSettings, *, server_options: Sequence[tuple[str, Any]] = SERVER_OPTIONS
+        self,
+        name: str,
+        settings: DaemonSettings,
+        *,
+        server_options: Sequence[tuple[str, Any]] = SERVER_OPTIONS,
+        interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
     ) -> None:
         self.name = name
         self.settings = settings
@@ -139,15 +164,22 @@ class DaemonRuntime:
         self.address = ""
         self.metrics_address = ""
         self.server = grpc.aio.server(
-            interceptors=[_ServingGate(self.is_serving, self._refusal_reason), *telemetry.server_interceptors()],
+            interceptors=[
+                _ServingGate(self.is_serving, self._refusal_reason),
+                *([RoleGate()] if settings.tls_enabled else []),  # security: mesh roles, see kvmesh.identity
+                *interceptors,
+                *telemetry.server_interceptors(),
+            ],
             options=list(server_options),
         )
         self.health = health.aio.HealthServicer()
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(_Admin(self), self.server)
         self._discovery: Discovery | None = None
         self._lease: Lease | None = None
         self._service_names: list[str] = [
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
+            admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
         ]
         self._records: dict[str, discovery_pb2.InstanceRecord] = {}
         self._draining = False
@@ -156,6 +188,8 @@ class DaemonRuntime:
         self._drain_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._exit = AsyncExitStack()
         self.started_unix_ms = int(time.time() * 1000)
+        self.tls: tls.TlsMaterial | None = None
+        self._notified_ready = False
 
     @property
     def discovery(self) -> Discovery:
@@ -173,6 +207,7 @@ class DaemonRuntime:
         settings = self.settings
         async with AsyncExitStack() as stack:  # unwinds what was opened if anything here fails
             stack.callback(telemetry.shutdown_tracing)
+            self._open_tls_and_watchdog(stack)
             try:
                 self._discovery = await open_discovery(settings.discovery, ttl=settings.lease_ttl)
                 stack.push_async_callback(self._discovery.close)
@@ -182,7 +217,7 @@ class DaemonRuntime:
             except DiscoveryUnavailable as exc:
                 fail(self.name, f"--discovery {settings.discovery}: {exc}")
             self.instance_id = self._lease.id
-            port = telemetry.start_metrics_server(settings.metrics_port)
+            port = telemetry.start_metrics_server(settings.metrics_port, settings.bind_host)
             if port is not None:
                 self.metrics_address = f"{settings.host}:{port}"
             stack.push_async_callback(self.resources.aclose)
@@ -196,9 +231,27 @@ class DaemonRuntime:
         # only callbacks are on the stack, so it never suppresses: None tells mypy the body's return is final
         await self._exit.__aexit__(exc_type, exc, tb)
 
+    def _open_tls_and_watchdog(self, stack: AsyncExitStack) -> None:
+        """Load this daemon's mesh identity (client and server side) and start systemd's watchdog pings."""
+        settings = self.settings
+        if settings.tls_enabled:
+            try:
+                self.tls = tls.load(settings.tls_cert, settings.tls_key, settings.tls_ca)
+                etcd_ca = Path(settings.etcd_ca).read_bytes() if settings.etcd_ca else self.tls.ca
+            except OSError as exc:
+                fail(self.name, f"--tls-*/--etcd-ca: cannot read {exc.filename}: {exc.strerror}")
+            tls.configure_client(self.tls)
+            if settings.etcd_tls:
+                tls.configure_etcd(tls.TlsMaterial(self.tls.cert, self.tls.key, etcd_ca))
+        interval = sd_notify.watchdog_interval()
+        if interval is not None:
+            task = asyncio.get_running_loop().create_task(sd_notify.watchdog_loop(interval))
+            stack.callback(task.cancel)
+
     async def _drain(self) -> None:
         """Deregister at once (while ``on_draining`` hooks end endless streams), then drain in-flight calls."""
         self._draining = True  # before the first await: from here on new calls are refused
+        sd_notify.notify("STOPPING=1\nSTATUS=draining")
         started = [result for hook in self._drain_hooks if inspect.isawaitable(result := hook())]
         for error in await asyncio.gather(self._revoke(), *started, return_exceptions=True):
             if isinstance(error, BaseException):
@@ -216,8 +269,13 @@ class DaemonRuntime:
         add_to_server(servicer, self.server)
         self._service_names.append(full_name)
 
-    async def start(self, port: int, bind_host: str = "0.0.0.0", *, ready: bool = True) -> int:
-        """Bind and start serving; returns the bound port (``port`` 0 picks a free one).
+    async def start(
+        self, port: int, bind_host: str | None = None, *, ready: bool = True, require_client_cert: bool = True
+    ) -> int:
+        """Bind ``bind_host`` (default ``--bind-host``) and start serving; returns the bound port (0 picks one).
+
+        With TLS on the port is TLS only; ``require_client_cert=False`` is for the frontend's KServe
+        port alone (external clients), every daemon-to-daemon port requires a mesh client certificate.
 
         ``ready=False`` starts with health NOT_SERVING (a daemon that must warm up first, e.g. a
         router rebuilding its index); it turns SERVING on ``set_ready()``.
@@ -227,7 +285,12 @@ class DaemonRuntime:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         kvmesh_reflection.enable_server_reflection(self._service_names, self.server)  # v1 and v1alpha
         try:
-            bound = self.server.add_insecure_port(f"{bind_host}:{port}")
+            target = f"{bind_host or self.settings.bind_host}:{port}"
+            if self.tls is not None:
+                creds = tls.server_credentials(self.tls, require_client_cert=require_client_cert)
+                bound = self.server.add_secure_port(target, creds)
+            else:
+                bound = self.server.add_insecure_port(target)
         except RuntimeError as exc:
             fail(self.name, f"--grpc-port {port}: cannot bind ({exc})")
         if bound == 0:
@@ -313,3 +376,6 @@ class DaemonRuntime:
         )
         for name in ("", *self._service_names):
             await self.health.set(name, status)
+        if status == health_pb2.HealthCheckResponse.SERVING and not self._notified_ready:
+            self._notified_ready = True  # systemd: READY=1 only once SERVING is true, and only once
+            sd_notify.notify(f"READY=1\nSTATUS=serving on {self.address}\nMAINPID={os.getpid()}")

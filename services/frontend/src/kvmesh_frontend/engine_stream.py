@@ -225,7 +225,7 @@ class EngineStreams:
     def start(self, address: str, request: worker_pb2.GenerateRequest) -> EngineCall:
         stream = self._streams.get(address)
         if stream is None or stream.closed:
-            channel = self._pool.get(address, address)
+            channel = self._pool.get(address, address, role="worker")
             stream = self._streams[address] = EngineStream(address, channel, self._forget, self._idle)
         return stream.start(request)
 

@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
+from pathlib import Path
 
 import uvloop
 from inference import grpc_service_pb2, grpc_service_pb2_grpc
@@ -20,7 +21,9 @@ from kvmesh import telemetry
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import Discovery, WatchEvent, instance_prefix, model_prefix
 from kvmesh.grpc_options import FRONTEND_SERVER_OPTIONS
+from kvmesh.identity import BearerTokenGate
 from kvmesh.runtime import VERSION, DaemonRuntime
+from kvmesh.settings import fail
 
 from kvmesh_frontend.generation import Generator
 from kvmesh_frontend.metrics import default_metrics
@@ -51,8 +54,23 @@ async def _watch(discovery: Discovery, prefix: str, apply: Callable[[WatchEvent]
                 log.exception("discovery event under %s could not be applied", prefix)
 
 
+def kserve_auth(config: Settings) -> tuple[BearerTokenGate, ...]:
+    """KServe client authentication by bearer token, when --kserve-token-file is set; one line, exit 2 if unreadable."""
+    if not config.kserve_token_file:
+        return ()
+    try:
+        token = Path(config.kserve_token_file).read_text().strip()
+    except OSError as exc:
+        fail(PROG, f"--kserve-token-file {config.kserve_token_file}: {exc.strerror}")
+    if not token:
+        fail(PROG, f"--kserve-token-file {config.kserve_token_file}: empty")
+    return (BearerTokenGate(token),)
+
+
 async def serve(config: Settings) -> None:
-    async with DaemonRuntime(PROG, config, server_options=FRONTEND_SERVER_OPTIONS) as runtime:
+    async with DaemonRuntime(
+        PROG, config, server_options=FRONTEND_SERVER_OPTIONS, interceptors=kserve_auth(config)
+    ) as runtime:
         await _serve(runtime, config)
     log.info("stopped")
 
@@ -85,7 +103,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
         InferenceServicer(frontend, VERSION),
     )
-    bound = await runtime.start(config.grpc_port, bind_host=config.bind_host)
+    bound = await runtime.start(config.grpc_port, require_client_cert=config.kserve_client_cert)
     watchers = [
         asyncio.create_task(_watch(runtime.discovery, model_prefix(config.namespace), registry.apply)),
         asyncio.create_task(

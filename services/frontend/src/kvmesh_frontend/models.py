@@ -256,7 +256,7 @@ class ModelRegistry:
             assets.done = True
 
     async def _fetch(self, card: discovery_pb2.ModelCard) -> dict[str, bytes]:
-        stub = worker_pb2_grpc.WorkerServiceStub(self._pool.get(card.address, card.address))
+        stub = worker_pb2_grpc.WorkerServiceStub(self._pool.get(card.address, card.address, role="worker"))
         files: dict[str, bytes] = {}
         for name in TOKENIZER_FILES:
             if name not in card.files:

@@ -268,7 +268,7 @@ class RouterClient:
         healthy = [rid for rid in candidates if now - self._suspect.get(rid, -1e9) > _SUSPECT_S]
         replica_id = random.choice(healthy or candidates)
         address = self._replicas[replica_id]
-        session = RouterSession(replica_id, address, self._pool.get(address, address), self._on_closed)
+        session = RouterSession(replica_id, address, self._pool.get(address, address, role="router"), self._on_closed)
         if self._session is not None and not self._session.closed:
             self._drop_session(self._session)
         self._session = session

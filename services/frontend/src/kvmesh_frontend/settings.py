@@ -13,8 +13,10 @@ class Settings(DaemonSettings):
 
     grpc_port: Port = 8001
     """KServe v2 gRPC port (Triton's default; 0 picks a free one)"""
-    bind_host: str = "0.0.0.0"
-    """interface the gRPC server listens on"""
+    kserve_client_cert: bool = False
+    """with --tls-*: KServe clients must present a certificate from --tls-ca (mTLS, as Triton offers)"""
+    kserve_token_file: str = ""
+    """file holding a bearer token KServe clients must send as 'authorization: Bearer <token>' (use with TLS)"""
     migration_limit: NonNegativeInt = 3
     """times a request may move to another engine when its engine dies mid-stream (0 = off)"""
     route_timeout: Seconds = 30.0

@@ -10,6 +10,9 @@
   (10 s, 5 s timeout) detect a dead server under a silent watch stream.
 * Leases: ``refresh_lease`` (one LeaseKeepAlive round trip) drives the keeper; a TTL of 0 means
   the lease is gone. TTLs are whole seconds on etcd (ceil of the requested TTL, at least 1).
+* TLS: with ``kvmesh.tls.configure_etcd`` (a daemon's ``--etcd-tls``) every client is a
+  :class:`TlsClient` (aetcd has no TLS): mTLS with the daemon's certificate, so an etcd started with
+  ``--client-cert-auth`` refuses anyone without a certificate from its CA.
 * Watches: list (get_prefix at revision R), yield Snapshot, watch from R+1. A lost stream
   (ConnectionFailedError), a compacted start revision (RevisionCompactedError) or a watch that
   ends for any other reason restarts the cycle with a fresh list and a fresh Snapshot.
@@ -28,8 +31,10 @@ from typing import Any, TypeVar
 import aetcd
 import aetcd.exceptions as etcd_errors
 import grpc
+from aetcd import rpc, watcher
 from aetcd.rtypes import EventKind
 
+from kvmesh import tls
 from kvmesh.backoff import Backoff
 from kvmesh.discovery.base import (
     Added,
@@ -108,6 +113,43 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())[:300]
 
 
+class TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type hints
+    """``aetcd.Client`` over mTLS: aetcd 1.0.0's ``connect`` with ``secure_channel`` for ``insecure_channel``.
+
+    Why a copy: aetcd hardcodes the insecure channel (martyanov/aetcd#37) and has no hook; the copy
+    relies on its private attributes, so aetcd is pinned exactly and tests/security/test_etcd_tls.py
+    runs it against a real etcd with ``--client-cert-auth``.
+    """
+
+    def __init__(self, *args: Any, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # type: ignore[has-type]  # another task is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            self.channel = rpc.secure_channel(target, self._credentials, options=list(self._options.items()))
+            if self._username is not None and self._password is not None:  # etcd's own auth, on top
+                self.auth_stub = rpc.AuthStub(self.channel)
+                request = rpc.AuthenticateRequest(name=self._username, password=self._password)
+                resp = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+                self.metadata = (("token", resp.token),)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
 class _Connection:
     """The current aetcd client, with failover to the next endpoint on connectivity errors."""
 
@@ -120,6 +162,15 @@ class _Connection:
 
     def _make(self, index: int) -> aetcd.Client:
         host, port = self.endpoints[index]
+        material = tls.etcd_material()
+        if material is not None:
+            return TlsClient(
+                host=host,
+                port=port,
+                timeout=self.op_timeout,
+                options=dict(CHANNEL_OPTIONS),
+                credentials=tls.channel_credentials(material),
+            )
         return aetcd.Client(host=host, port=port, timeout=self.op_timeout, options=dict(CHANNEL_OPTIONS))
 
     @property

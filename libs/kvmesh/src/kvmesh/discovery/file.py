@@ -20,6 +20,12 @@ Layout under the root directory (format version 1)::
   every 0.5 s): lease files stale for TTL + 1 s, records whose lease is dead or missing, and
   temp files older than 60 s are deleted. A record is removed by renaming it aside first, so a
   concurrent rewrite of the same key by a live lease is restored, never lost.
+* Permissions (security): the whole tree is created 0700 and every file 0600, so another local user
+  can neither read the registry nor register a rogue engine. The root must be owned by this user and
+  not group- or world-writable, and every ancestor must be owned by this user or root and not
+  writable by others unless sticky (``/tmp``): anything else is refused (exit 2 in a daemon). This is
+  what makes the predictable fallback ``/tmp/kvmesh-$UID`` safe: another user may create it first,
+  but then it is theirs and we refuse it.
 * Keepalive = ``os.utime`` on the lease file after checking it still exists and is not stale
   (a stale lease is dead for everyone: it must not come back). Clock: wall time, one machine.
 """
@@ -34,6 +40,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
@@ -78,6 +85,45 @@ def _enc(segment: str) -> str:
     return q
 
 
+def _mkdirs(path: Path) -> None:
+    """``mkdir -p`` where every directory created is 0700 (``Path.mkdir`` gives parents 0777 & umask)."""
+    missing: list[Path] = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Create ``path`` (which must not exist) 0600 and write ``data``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def check_root_safe(root: Path) -> None:
+    """Refuse a root another local user could write to (see the module docstring); raises DiscoveryUnavailable."""
+    uid = os.geteuid()
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise DiscoveryUnavailable(f"discovery directory {root} is not a directory (symlinks are refused)")
+    if st.st_uid != uid:
+        raise DiscoveryUnavailable(f"discovery directory {root} is owned by uid {st.st_uid}, not by this user ({uid})")
+    if st.st_mode & 0o022:
+        raise DiscoveryUnavailable(
+            f"discovery directory {root} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}); chmod 700 it"
+        )
+    for parent in root.parents:
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, uid) or (pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX):
+            raise DiscoveryUnavailable(
+                f"discovery directory {root}: its ancestor {parent} can be changed by another user "
+                f"(owner uid {pst.st_uid}, mode {stat.S_IMODE(pst.st_mode):o})"
+            )
+
+
 def _tmp_name(name: str) -> str:
     return f".{name[:80]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
@@ -105,22 +151,23 @@ class _Store:
 
     # -- setup ---------------------------------------------------------------------------------
     def prepare(self) -> None:
-        for d in (self.root, self.leases, self.kv):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _mkdirs(self.root)
+        check_root_safe(self.root)
+        for d in (self.leases, self.kv):
+            _mkdirs(d)
         probe = self.root / _tmp_name("probe")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
+        _write_private(probe, b"ok")
         probe.unlink()
 
     # -- leases --------------------------------------------------------------------------------
     def grant(self, ttl: float) -> int:
         body = {"id": None, "ttl": ttl, "pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}
-        self.leases.mkdir(mode=0o700, parents=True, exist_ok=True)  # the directory may have been wiped
+        _mkdirs(self.leases)  # the directory may have been wiped
         while True:
             lease_id = secrets.randbits(63) or 1
             body["id"] = f"{lease_id:x}"
             tmp = self.leases / _tmp_name("lease")
-            tmp.write_bytes(json.dumps(body).encode())
+            _write_private(tmp, json.dumps(body).encode())
             try:
                 os.link(tmp, self.lease_path(lease_id))
             except FileExistsError:
@@ -187,10 +234,9 @@ class _Store:
         header = json.dumps({"key": key, "lease": f"{lease_id:x}"}, ensure_ascii=True).encode() + b"\n"
         for attempt in range(2):
             try:
-                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                _mkdirs(path.parent)
                 tmp = path.parent / _tmp_name(path.name)
-                with open(tmp, "wb") as f:
-                    f.write(header + value)
+                _write_private(tmp, header + value)
                 os.replace(tmp, path)
                 return
             except FileNotFoundError:  # directory removed under us: recreate once
