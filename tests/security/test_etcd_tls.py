@@ -8,7 +8,6 @@ import contextlib
 import json
 import ssl
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from kvmesh_cli import certs as certs_cli
 
 from tests.security.tlsmesh import TlsMesh, tls_args
 from tests.support.daemons import run_cli
-from tests.support.etcd import ETCD_BIN, EtcdServer, _die_with_parent, etcd_available
+from tests.support.etcd import ETCD_BIN, EtcdServer, dies_with_parent, etcd_available
 
 pytestmark = [pytest.mark.etcd, pytest.mark.skipif(not etcd_available(), reason="etcd not installed")]
 
@@ -37,15 +36,14 @@ class TlsEtcd(EtcdServer):
         client, peer = f"https://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
         self.proc = subprocess.Popen(
-            [ETCD_BIN, "--name", self.name, "--data-dir", str(self.data_dir),
+            dies_with_parent([ETCD_BIN, "--name", self.name, "--data-dir", str(self.data_dir),
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
              "--initial-cluster", f"{self.name}={peer}", "--initial-cluster-state", "new",
              "--heartbeat-interval", "10", "--election-timeout", "100", "--logger", "zap", "--log-level", "warn",
              "--client-cert-auth", "--trusted-ca-file", str(self.pki / "ca.crt"),
-             "--cert-file", str(self.pki / "etcd.crt"), "--key-file", str(self.pki / "etcd.key")],
+             "--cert-file", str(self.pki / "etcd.crt"), "--key-file", str(self.pki / "etcd.key")]),
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
 
     def _wait_healthy(self, timeout: float) -> None:
