@@ -31,8 +31,10 @@ Disaggregation seams (only ``EngineMode.AGGREGATED`` is implemented):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
+from kvmesh.hashing import block_hashes, salted_seed
 from kvmesh.kv_events import CacheDump, EventData, KvEvent
 from kvmesh.kv_publisher import EventJournal
 
@@ -109,6 +111,33 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------- disaggregation (engine shell)
+    # Pins are plain block references outside any request: a pinned block is active (it counts as load
+    # and is never evicted) until unpinned. The shell pins a prefill's prompt blocks while a decode
+    # engine pulls them, and a decode engine's pulled blocks until its request is admitted.
+
+    def prompt_hashes(self, prompt: Sequence[int] | np.ndarray, cache_salt: str | None) -> tuple[list[int], list[int]]:
+        """(local, sequence) hashes of the prompt's full blocks, exactly as a request would have them."""
+        return block_hashes(np.asarray(prompt).astype("<u4"), self._block_size, salted_seed(cache_salt))
+
+    def pin_cached_prefix(self, seq_hashes: list[int], local_hashes: list[int], limit: int) -> int:
+        """Pin the longest cached prefix of ``seq_hashes[:limit]``; returns its length in blocks (no events)."""
+        n = self.block_manager.match_prefix(seq_hashes, limit)[0]
+        if n:
+            self.block_manager.use(seq_hashes, local_hashes, 0, n)
+        return n
+
+    def pin_new(self, seq_hashes: list[int], local_hashes: list[int], lo: int, hi: int) -> None:
+        """Store and pin blocks ``[lo, hi)`` whose KV arrived from elsewhere (BlocksStored on the next step)."""
+        bm = self.block_manager
+        if bm.num_missing(seq_hashes, lo, hi) > bm.free_slots:
+            raise QueueFull(f"no room for {hi - lo} transferred KV blocks ({bm.num_active} of {bm.num_blocks} active)")
+        bm.use(seq_hashes, local_hashes, lo, hi)
+
+    def unpin(self, seq_hashes: Sequence[int]) -> None:
+        if seq_hashes:
+            self.block_manager.deref(list(seq_hashes))
 
     # ------------------------------------------------------------------------------------------ step
 
