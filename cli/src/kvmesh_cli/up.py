@@ -74,6 +74,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"mocker speed, 0 = no sleeping (default: the worker's, {_default(WorkerSettings, 'speedup_ratio')})",
     )
     p.add_argument("--config", metavar="FILE", help="TOML file given to every daemon ([common], [worker], ...)")
+    # Disaggregated prefill/decode (docs/disaggregation.md): instead of the aggregated worker, P prefill and
+    # D decode worker processes of one engine each.
+    p.add_argument("--prefill-workers", type=int, default=0, help="prefill worker processes (default: 0)")
+    p.add_argument("--decode-workers", type=int, default=0, help="decode worker processes (default: 0 = aggregated)")
     p.add_argument("--model-path", default=None, help="HF-style model dir (default: built-in kvmesh-mock)")
     p.add_argument("--discovery", default=None, help="discovery URL (default: the per-user file backend)")
     p.add_argument("--namespace", default="kvmesh-local", help="discovery namespace (default: kvmesh-local)")
@@ -83,13 +87,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _spawn(name: str, args: list[str], log_dir: Path) -> subprocess.Popen[bytes]:
+def _spawn(name: str, args: list[str], log_dir: Path, log_name: str | None = None) -> subprocess.Popen[bytes]:
     """Start daemon ``name``; it gets the ``KVMESH_*`` variables it declares, not the other daemons'."""
     exe = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
     if exe is None:
         raise FileNotFoundError(f"{name} is not installed (run `make setup`)")
     own = DAEMONS[name].variables()
-    log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    log = open(log_dir / f"{log_name or name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
     return subprocess.Popen(
         [exe, *args],
         stdout=log,
@@ -126,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     common = ["--discovery", args.discovery or default_discovery_url(), "--namespace", args.namespace]
     if args.config:
         common += ["--config", args.config]
-    worker_args = [*common, "--num-engines", str(args.num_engines)]
+    worker_args = [*common]
     if args.block_size is not None:
         worker_args += ["--block-size", str(args.block_size)]
     if args.speedup_ratio is not None:
@@ -137,8 +141,17 @@ def run(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    if args.prefill_workers and not args.decode_workers:
+        print("kvmesh up: error: --prefill-workers needs --decode-workers", file=sys.stderr)
+        return 2
     try:
-        procs.append(_spawn("kvmesh-worker", worker_args, log_dir))
+        if args.decode_workers:
+            for role, count in (("decode", args.decode_workers), ("prefill", args.prefill_workers)):
+                for i in range(count):
+                    role_args = [*worker_args, "--num-engines", "1", "--role", role]
+                    procs.append(_spawn("kvmesh-worker", role_args, log_dir, f"kvmesh-worker-{role}-{i}"))
+        else:
+            procs.append(_spawn("kvmesh-worker", [*worker_args, "--num-engines", str(args.num_engines)], log_dir))
         procs.append(_spawn("kvmesh-router", router_args, log_dir))
         procs.append(_spawn("kvmesh-frontend", [*common, "--grpc-port", str(args.grpc_port)], log_dir))
         address = f"127.0.0.1:{args.grpc_port}"
@@ -153,7 +166,12 @@ def run(args: argparse.Namespace) -> int:
         model = "kvmesh-mock" if not args.model_path else Path(args.model_path).name
         print(
             f"kvmesh is up: KServe gRPC on localhost:{args.grpc_port}, model {model!r}, "
-            f"{args.num_engines} mocker engine(s); logs in {log_dir}; "
+            + (
+                f"{args.prefill_workers} prefill + {args.decode_workers} decode worker(s)"
+                if args.decode_workers
+                else f"{args.num_engines} mocker engine(s)"
+            )
+            + f"; logs in {log_dir}; "
             f"Ctrl-C stops it.",
             flush=True,
         )

@@ -29,6 +29,9 @@ FINAL_FLAG = "triton_final_response"
 PARAM_WORKER_ID = "kvmesh.worker_id"
 PARAM_CACHED_TOKENS = "kvmesh.cached_tokens"
 PARAM_MIGRATIONS = "kvmesh.migrations"
+PARAM_PREFILL_WORKER_ID = "kvmesh.prefill_worker_id"  # 0: prefilled on the decode engine
+PARAM_KV_TRANSFERRED_BLOCKS = "kvmesh.kv_transferred_blocks"
+PARAM_DISAGG = "kvmesh.disagg"  # "remote", or "local: <why>"
 
 Response = pb.ModelInferResponse | pb.ModelStreamInferResponse
 
@@ -165,3 +168,8 @@ class ResponseWriter:
         set_int_param(response, PARAM_WORKER_ID, self._state.engine_id)
         set_int_param(response, PARAM_CACHED_TOKENS, self._state.cached_tokens)
         set_int_param(response, PARAM_MIGRATIONS, self._state.migrations)
+        disagg = self._state.disagg
+        if disagg.decision:  # a disaggregated model: where the prompt was computed, and why
+            set_int_param(response, PARAM_PREFILL_WORKER_ID, disagg.prefill_engine_id)
+            set_int_param(response, PARAM_KV_TRANSFERRED_BLOCKS, disagg.transferred_blocks)
+            response.parameters[PARAM_DISAGG].string_param = disagg.decision
