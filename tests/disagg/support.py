@@ -78,3 +78,14 @@ def wait_no_active_blocks(address: str, engine_id: int, timeout: float = 1.0) ->
         if current.active_blocks == 0 or time.monotonic() > deadline:
             return current
         time.sleep(0.02)
+
+
+def all_loads(address: str) -> list[worker_pb2.EngineLoad]:
+    """Every engine's current load at a worker (WatchLoad's first message)."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stream = worker_pb2_grpc.WorkerServiceStub(channel).WatchLoad(worker_pb2.WatchLoadRequest(), timeout=5)
+        first = next(iter(stream))
+        stream.cancel()
+    return list(first.loads)

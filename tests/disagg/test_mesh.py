@@ -13,7 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.kserve_clients.mesh import MODEL, Mesh, engine_loads, llm_inputs, param, stream_requests
+from tests.disagg.support import all_loads
+from tests.kserve_clients.mesh import MODEL, Mesh, llm_inputs, param, stream_requests
 from tests.support.etcd import EtcdServer, etcd_available
 
 pytestmark = pytest.mark.e2e
@@ -32,17 +33,18 @@ def disagg_mesh(mesh: Mesh, prefill: int, decode: int, *frontend_args: str) -> M
     return mesh
 
 
-def assert_nothing_held(mesh: Mesh, timeout: float = 1.0) -> None:
-    """0 blocks active on every engine of the mesh (requests, holds, pins), within ``timeout``."""
+def assert_nothing_held(mesh: Mesh, timeout: float = 1.0, since: float | None = None) -> float:
+    """0 blocks active on every engine of the mesh (requests, holds, pins) within ``timeout`` of ``since``
+    (monotonic; default now); returns when that was seen, relative to ``since``."""
+    since = time.monotonic() if since is None else since
     workers = [d.address for d in mesh.daemons if d.name == "kvmesh-worker" and d.proc.poll() is None]
-    deadline = time.monotonic() + timeout
     while True:
-        loads = engine_loads(*workers)
-        held = {a: [e["active_blocks"] for e in engines] for a, engines in loads.items()}
+        held = {a: [load.active_blocks for load in all_loads(a)] for a in workers}
+        seen = time.monotonic() - since
         if all(b == 0 for blocks in held.values() for b in blocks):
-            return
-        assert time.monotonic() < deadline, f"blocks still held: {held}"
-        time.sleep(0.05)
+            return seen
+        assert seen < timeout, f"blocks still held {seen:.2f}s later: {held}"
+        time.sleep(0.02)
 
 
 def request(rid: str, prompt: str, max_tokens: int = 12) -> dict:

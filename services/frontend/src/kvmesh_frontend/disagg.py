@@ -122,7 +122,11 @@ class Disaggregator:
                     "no prefill engine can take the request and the frontend enforces disaggregation "
                     f"(--enforce-disagg): {pdecision.message or 'no prefill engine is live'}"
                 )
-            state.decision = "local: no prefill engine"
+            state.decision = (
+                "local: no other prefill engine after a failed one"
+                if state.excluded_prefill
+                else "local: no prefill engine"
+            )
             return None
         psampling = worker_pb2.SamplingOptions()
         psampling.CopyFrom(sampling)

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 # Test hook (real processes only): a prefill worker started with this set corrupts one byte of the last
 # block of every hold, so the decode side's verification must fail the request with DATA_LOSS.
 CORRUPT_ENV = "KVMESH_TEST_CORRUPT_KV"
+# Test hook: a decode worker started with this waits so many seconds before each NIXL read, so that a
+# test can kill the prefill worker between its hold and the pull (the "mid-transfer" fault).
+PULL_DELAY_ENV = "KVMESH_TEST_PULL_DELAY_S"
 PULL_TIMEOUT_S = 10.0
 
 
@@ -68,6 +71,7 @@ class MockerKv:
         self._pins: dict[str, list[int]] = {}  # request id -> blocks pinned by its pull
         self._ids = itertools.count()
         self._corrupt = bool(os.environ.get(CORRUPT_ENV))
+        self._pull_delay_s = float(os.environ.get(PULL_DELAY_ENV) or 0)
 
     @property
     def held_blocks(self) -> int:
@@ -158,6 +162,8 @@ class MockerKv:
                     slots = arena.take(missing)
                 except ArenaFull as exc:
                     raise KvPullFailed("RESOURCE_EXHAUSTED", str(exc)) from None
+                if self._pull_delay_s:
+                    await asyncio.sleep(self._pull_delay_s)
                 bpb = arena.bytes_per_block
                 local_descs = [(arena.address + slot * bpb, bpb) for slot in slots]
                 remote_descs = [(params.arena_address + params.block_ids[i] * bpb, bpb) for i in range(have, n)]

@@ -11,9 +11,8 @@ def model_bytes_per_block(config: dict[str, Any], block_size: int) -> int | None
     """layers x 2 (K and V) x kv_heads x head_dim x dtype bytes x tokens per block; None if config lacks them."""
     try:
         layers = int(config["num_hidden_layers"])
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        kv_heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     dtype = _DTYPE_BYTES.get(str(config.get("torch_dtype", "bfloat16")), 2)
