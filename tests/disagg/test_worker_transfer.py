@@ -12,7 +12,7 @@ import grpc
 import pytest
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
-from tests.disagg.support import BLOCK, cards_sync, wait_no_active_blocks, worker
+from tests.disagg.support import BLOCK, cards_sync, load, wait_no_active_blocks, worker
 from tests.support.daemons import running
 from tests.support.generate import RequestFailed, generate_sync, tokens_of
 
@@ -128,3 +128,19 @@ def test_a_corrupted_block_fails_the_request_with_data_loss(tmp_path):
             assert "failed verification" in failed.value.message
         assert wait_no_active_blocks(prefill.address, pcard.engine_id).active_blocks == 0
         assert wait_no_active_blocks(decode.address, dcard.engine_id).active_blocks == 0
+
+
+def test_an_unreleased_hold_expires_with_its_lease(tmp_path):
+    discovery = f"file://{tmp_path / 'disc'}"
+    prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0", "--kv-hold-timeout", "0.5")
+    with running(prefill):
+        prefill.wait_serving(30)
+        (pcard,) = cards_sync(discovery, "xfer", 1)
+        with grpc.insecure_channel(prefill.address) as pch:
+            pstub = worker_pb2_grpc.WorkerServiceStub(pch)
+            params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+            assert load(prefill.address, pcard.engine_id).active_blocks == 10  # held: pinned, counted as load
+            assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=2.0).active_blocks == 0
+            assert not pstub.ReleaseKv(
+                worker_pb2.ReleaseKvRequest(engine_id=pcard.engine_id, transfer_id=params.transfer_id)
+            ).released
