@@ -56,6 +56,9 @@ class DisaggConfig:
     # The router daemon's default (--prefill-backlog-tokens): over it a prefill engine is busy, and when
     # every prefill engine is, the decode engine prefills locally. None: unbounded.
     prefill_backlog_tokens: int | None = 65536
+    # Weight of the decode engine's cached prefix in the decode choice; None: the router's (kvmesh counts
+    # it). 0 is Dynamo's decode router, which zeroes overlap credit on the decode side.
+    decode_overlap_weight: float | None = None
 
 
 def run_offline_disagg(
@@ -80,6 +83,9 @@ def run_offline_disagg(
         )
         router.index.add_engine(e)
     admission, apply_event = router.admission, router.index.apply_event
+    decode_override = _DECODE
+    if disagg.decode_overlap_weight is not None:
+        decode_override = RouterConfigOverride(role="decode", overlap_score_weight=disagg.decode_overlap_weight)
     admission.thresholds = BusyThresholds(prefill_backlog_tokens=disagg.prefill_backlog_tokens)
     bs = econf.block_size
     bytes_per_block = disagg.model_bytes_per_token * bs
@@ -210,7 +216,8 @@ def run_offline_disagg(
         tokens = req.prompt(mapper)
         local, hashes = block_hashes(tokens, bs)
         decision = admission.decide(
-            RouteRequest(req.request_id, hashes, int(tokens.size), req.max_tokens, override=_DECODE), now=ta / 1000.0
+            RouteRequest(req.request_id, hashes, int(tokens.size), req.max_tokens, override=decode_override),
+            now=ta / 1000.0,
         )
         if not isinstance(decision, Decision):
             errors.append(f"{req.request_id}: not routed ({decision.message})")
