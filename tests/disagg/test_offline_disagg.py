@@ -1,5 +1,5 @@
 """The offline P/D replay on the real cores: every request completes, transfers only what decode lacks,
-conditional disaggregation and the prefill-pool bound take effect, and the run is deterministic."""
+conditional disaggregation takes effect, a slower link costs TTFT, and the run is deterministic."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ PROMPT = list(range(100, 100 + 10 * BLOCK + 2))  # 10 full blocks and a partial 
 def _pair(tmp_path, prefill_env=None):
     discovery = f"file://{tmp_path / 'disc'}"
     prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0", env=prefill_env)
-    decode = worker(tmp_path, discovery, "xfer", "decode", "--speedup-ratio", "0")
+    decode = worker(tmp_path, discovery, "xfer", "decode", "--speedup-ratio", "0", "--kv-transfer-gbps", "1")
     return discovery, prefill, decode
 
 
@@ -85,6 +85,9 @@ def test_decode_pulls_only_missing_blocks_verifies_them_and_nothing_stays_held(t
             report = responses[0].kv_report
             assert (report.offered_blocks, report.local_hit_blocks, report.transferred_blocks) == (10, 0, 10)
             assert report.transferred_bytes == report.pull_everything_bytes == 10 * 4096
+            # Modelled at the model-true size (kvmesh-mock: 128 KiB per token) over the 1 GB/s link.
+            assert params.model_bytes_per_block == 128 * 1024 * BLOCK
+            assert report.modelled_ms == pytest.approx(10 * params.model_bytes_per_block / 1e9 * 1e3)
             assert tokens_of(responses) == reference  # same prompt and seed: the same tokens on any engine
             # Released by the decode worker after its pull: a second release finds nothing.
             assert not pstub.ReleaseKv(
