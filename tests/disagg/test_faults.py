@@ -179,7 +179,10 @@ def test_prefill_and_decode_workers_added_and_removed_under_load_fail_nothing(tm
         time.sleep(1.5)
         first_prefill = next(d for d in mesh.daemons if "prefill" in d.args)
         first_prefill.signal(signal.SIGTERM)  # drains: in-flight legs finish, new ones go elsewhere
+        first_decode = next(d for d in mesh.daemons if "decode" in d.args)
+        first_decode.signal(signal.SIGTERM)  # likewise for a decode worker
         first_prefill.wait(15)
+        first_decode.wait(15)
         time.sleep(1.5)
         for d in [d for d in mesh.daemons if "prefill" in d.args and d.proc.poll() is None]:
             d.signal(signal.SIGTERM)  # the last prefill engine leaves: the decode engines prefill locally

@@ -83,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run = run_offline_disagg(requests, config, disagg, TokenMapper(seed=args.seed))
                 rows.append(_row(load, f"{prefill}P{n - prefill}D", f"{gbps:g}", run, n))
                 print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+        if args.json is not None:  # after every load: a long sweep that is stopped keeps what it measured
+            args.json.write_text(json.dumps({"benchmark": "disagg-sweep", "rows": rows}, indent=2))
     print()
     print(format_table(rows, COLUMNS))
     print("TTFT and ITL in ms; tok/s/engine: output tokens per second per engine of the fleet (P + D = N)")
