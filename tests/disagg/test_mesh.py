@@ -81,6 +81,8 @@ def test_1p1d_one_ordinary_stream_remote_prefill_then_only_new_blocks(mesh_1p1d)
     again = stream_requests(mesh_1p1d.url_frontend, [request("b", LONG)])["b"]
     assert again.num_tokens == 12
     assert param(again.final, "kvmesh.kv_transferred_blocks") < first_blocks
+    moved, everything = (param(again.final, f"kvmesh.kv_{k}_bytes") for k in ("transferred", "pull_everything"))
+    assert moved < everything and everything == param(out.final, "kvmesh.kv_pull_everything_bytes")
     assert again.text == out.text  # deterministic mocker: same prompt, same tokens, whichever path
     assert_nothing_held(mesh_1p1d)
 
