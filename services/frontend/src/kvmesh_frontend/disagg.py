@@ -37,7 +37,7 @@ from kvmesh.v1 import discovery_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
 
 from kvmesh_frontend.engine_stream import EngineError, EngineStreams
-from kvmesh_frontend.errors import exhausted, unavailable
+from kvmesh_frontend.errors import exhausted, invalid, unavailable
 from kvmesh_frontend.routing import RouterClient
 
 log = logging.getLogger(__name__)
@@ -155,8 +155,8 @@ class Disaggregator:
                         params.source_address = pdecision.address
                     break
         except EngineError as exc:
-            if exc.code in (grpc.StatusCode.INVALID_ARGUMENT,):
-                raise
+            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself is bad: no fallback fixes it
+                raise invalid(f"prefill engine {pdecision.engine_id:x} rejected the request: {exc.details}") from None
             log.warning("prefill engine %x failed (%s): prefilling locally", pdecision.engine_id, exc)
             state.excluded_prefill.append(pdecision.engine_id)
             state.decision = "local: the prefill engine failed"
