@@ -13,8 +13,8 @@ filter picks the pool), and the frontend's orchestration is mirrored step for st
    the prompt's blocks (the hold); the missing blocks then take ``missing x model bytes per block /
    gbps`` (the worker's modelled time; the real NIXL time on one host is far below it at these sizes);
 4. at the transfer's end the blocks are stored on the decode engine (``EngineCore.pin_new``: KV events as
-   a real pull causes), the hold is released, and the request joins the decode engine, where only the
-   last partial block is computed; its pins end at its first token.
+   a real pull causes), the hold is released, and the request joins the decode engine (its pins end
+   there, as in the worker), where only the last partial block is computed.
 
 TTFT is the decode engine's first token - arrival (the prefill's token is dropped, as live). ITL is the
 decode engines' pass durations weighted by their decode tokens.
@@ -166,9 +166,6 @@ def run_offline_disagg(
                     first[k] = t
                     cached[k] = o.num_cached_prompt_tokens or 0
                     admission.mark_prefill_completed(rid)
-                    pins = decode_pins.pop(rid, None)
-                    if pins:
-                        core.unpin(pins)
                 if o.finished:
                     finish[k] = t
                     admission.free(rid)
@@ -202,8 +199,9 @@ def run_offline_disagg(
             except EngineError:
                 pass  # no room: the decode engine computes what it lacks (as a failed pull + local prefill)
             cores[p].unpin(blocks)
-            if not submit(d, rid, tokens, requests[k].max_tokens, t):
-                cores[d].unpin(decode_pins.pop(rid))
+            ok = submit(d, rid, tokens, requests[k].max_tokens, t)
+            cores[d].unpin(decode_pins.pop(rid))  # as the worker: pins end once the request is queued
+            if not ok:
                 admission.free(rid)
                 continue
             slot_of[rid] = k

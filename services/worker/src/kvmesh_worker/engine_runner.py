@@ -235,6 +235,11 @@ class EngineRunner:
             if kv is not None:
                 kv.unpin_request(request.request_id)
             raise
+        if kv is not None:
+            # A pull's pins end once the request is queued: the blocks stay cached (the most recently used,
+            # so evicted last) and its admission finds them; pinning until admission could deadlock a full
+            # engine whose queued requests pin the blocks that running ones need.
+            kv.unpin_request(request.request_id)
         if request.hold_kv:
             self._hold_requests[request.request_id] = request
         self._streams[request.request_id] = sink
@@ -339,13 +344,11 @@ class EngineRunner:
             self.publisher.publish(events)
 
     def _deliver_kv(self, outputs: list[RequestOutput]) -> None:
-        """A request's first output ends its pull's pins (it holds its own references now); a held one's last
-        output carries where its KV is held."""
+        """A held request's last output carries where its KV is held."""
         kv = self.kv
         assert kv is not None
         holds = self._hold_requests
         for output in outputs:
-            kv.unpin_request(output.request_id)
             if output.finished:
                 request = holds.pop(output.request_id, None)
                 if request is not None and output.request_id in self._streams:

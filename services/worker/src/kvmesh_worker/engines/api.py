@@ -29,7 +29,7 @@ with ``hold_kv`` finishes like any other, and its last output carries ``kv_trans
 prefill result is first ``await pull_kv(request, params)`` (the engine pulls what it lacks, verifies it,
 and keeps it pinned for this request id), then ``submit``-ted; the worker then tells the source
 ``ReleaseKv`` whatever the outcome. Invariants: what ``pull_kv`` pinned is unpinned by the request's
-first output, its ``abort``, or a failed ``submit``; a cancelled ``pull_kv`` leaves nothing pinned; a
+``submit`` (accepted or not) or its ``abort``; a cancelled ``pull_kv`` leaves nothing pinned; a
 hold lives until ``release_kv`` or its lease (``--kv-hold-timeout``) ends, whichever comes first.
 """
 
