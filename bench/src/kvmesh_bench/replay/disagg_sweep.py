@@ -4,7 +4,7 @@ For every load (``--loads``, as arrival speedups) and KV link bandwidth (``--gbp
 requests through an aggregated fleet of N engines and through every split P prefill + (N-P) decode
 engines (:mod:`kvmesh_bench.replay.disagg`: the same engine and router cores). It reports TTFT p50/p99,
 ITL p50/p99 and output throughput per engine, prints a table and writes ``--json`` plus a PNG of TTFT
-p50 and ITL p50 per split (next to the JSON, or ``--plot``).
+p50/p99, ITL p50/p99 and throughput per split (next to the JSON, or ``--plot``).
 """
 
 from __future__ import annotations
@@ -104,7 +104,13 @@ def _plot(rows: list[dict[str, Any]], loads: list[float], bandwidths: list[float
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = [("ttft_p50", "TTFT p50 (ms)"), ("itl_p50", "ITL p50 (ms)"), ("tok_s_per_engine", "tok/s per engine")]
+    metrics = [
+        ("ttft_p50", "TTFT p50 (ms)"),
+        ("ttft_p99", "TTFT p99 (ms)"),
+        ("itl_p50", "ITL p50 (ms)"),
+        ("itl_p99", "ITL p99 (ms)"),
+        ("tok_s_per_engine", "tok/s per engine"),
+    ]
     fig, axes = plt.subplots(len(metrics), len(loads), figsize=(4 * len(loads), 3.2 * len(metrics)), squeeze=False)
     splits = list(range(1, n))
     for col, load in enumerate(loads):
