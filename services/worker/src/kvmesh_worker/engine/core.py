@@ -15,7 +15,10 @@ Cost: a pass is O(running requests) plus O(blocks that change). A replay that on
 (``emit_token_ids=False``) can also skip the dominant case, runs of decode passes in which nothing
 but counters change, with ``fast_forward`` (exactly equivalent to stepping through them).
 
-Disaggregation seams (only ``EngineMode.AGGREGATED`` is implemented):
+Disaggregation is done by the engine shell (``kvmesh_worker.kv_transfer.mocker_kv``) with the pin methods
+below: a held prompt and a pulled prompt are pinned blocks, nothing else changes in the core. The
+original seams (only ``EngineMode.AGGREGATED`` is implemented) stay for an engine that would model it
+in the core:
 
 * prefill-only (``EngineMode.PREFILL``): requests run exactly as now with ``max_tokens=1``; at
   finish, instead of deref'ing the blocks, the scheduler would park the request in a ``transferring``
