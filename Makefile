@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DISTS := libs/kvmesh services/worker services/router services/frontend bench cli
-STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
+STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
 .PHONY: help setup setup-dev system-deps dev-deps perf-tools protos lint typecheck verify-units test test-python test-node test-bazel test-wheels run bench clean
@@ -54,10 +54,11 @@ system-deps:
 dev-deps:
 	$(call apt_need,etcd:etcd-server etcdctl:etcd-client bazel:bazel-bootstrap node:nodejs npm:npm)
 
-$(STAMP): constraints.txt $(addsuffix /pyproject.toml,$(DISTS))
+$(STAMP): constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS))
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip 'setuptools>=68' wheel
 	$(PIP) install -q -r constraints.txt
+	$(PIP) install -q --no-deps -r requirements-nixl.txt
 	$(PY) libs/kvmesh/gen_protos.py >/dev/null
 	$(PIP) install -q --no-deps --no-build-isolation $(addprefix -e ,$(DISTS))
 	@rm -f $(VENV)/.kvmesh-setup-*; touch $@

@@ -82,6 +82,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"mocker speed, 0 = no sleeping (default: the worker's, {_default(WorkerSettings, 'speedup_ratio')})",
     )
     p.add_argument("--config", metavar="FILE", help="TOML file given to every daemon ([common], [worker], ...)")
+    # Disaggregated prefill/decode (docs/disaggregation.md): instead of the aggregated worker, P prefill and
+    # D decode worker processes of one engine each.
+    p.add_argument("--prefill-workers", type=int, default=0, help="prefill worker processes (default: 0)")
+    p.add_argument("--decode-workers", type=int, default=0, help="decode worker processes (default: 0 = aggregated)")
     p.add_argument("--model-path", default=None, help="HF-style model dir (default: built-in kvmesh-mock)")
     p.add_argument("--discovery", default=None, help="discovery URL (default: the per-user file backend)")
     p.add_argument("--namespace", default="kvmesh-local", help="discovery namespace (default: kvmesh-local)")
@@ -123,12 +127,17 @@ def _port_taken(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
+_LOGS: dict[int, Path] = {}
+"""Each spawned daemon's log file, by pid (P/D workers log to one file each)."""
+
+
 def _why(proc: subprocess.Popen[bytes], log_dir: Path) -> str:
     """A dead daemon's own last word: its ``error:`` line, else the last line of its log."""
     argv = typing.cast(list[str], proc.args)  # _spawn always passes an argv list of str
     name = Path(argv[0]).name
     try:
-        lines = [line for line in (log_dir / f"{name}.log").read_text(errors="replace").splitlines() if line.strip()]
+        log_path = _LOGS.get(proc.pid, log_dir / f"{name}.log")
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
     except OSError:
         lines = []
     said = next((line for line in reversed(lines) if f"{name}: error:" in line), lines[-1] if lines else "")
@@ -145,14 +154,15 @@ def _routable(address: str, model: str, credentials: grpc.ChannelCredentials | N
         return False
 
 
-def _spawn(name: str, args: list[str], log_dir: Path) -> subprocess.Popen[bytes]:
+def _spawn(name: str, args: list[str], log_dir: Path, log_name: str | None = None) -> subprocess.Popen[bytes]:
     """Start daemon ``name``; it gets the ``KVMESH_*`` variables it declares, not the other daemons'."""
     exe = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
     if exe is None:
         raise FileNotFoundError(f"{name} is not installed (run `make setup`)")
     own = DAEMONS[name].variables()
-    log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
-    return subprocess.Popen(
+    log_path = log_dir / f"{log_name or name}.log"
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    proc = subprocess.Popen(
         [exe, *args],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -163,6 +173,8 @@ def _spawn(name: str, args: list[str], log_dir: Path) -> subprocess.Popen[bytes]
             "PYTHONUNBUFFERED": "1",
         },
     )
+    _LOGS[proc.pid] = log_path
+    return proc
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -205,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = {}
     if args.metrics_port_base is not None:
         metrics = {name: args.metrics_port_base + i for i, name in enumerate(DAEMONS)}
-    worker_args = [*common, "--num-engines", str(args.num_engines)]
+    worker_args = [*common]
     if args.block_size is not None:
         worker_args += ["--block-size", str(args.block_size)]
     if args.speedup_ratio is not None:
@@ -214,22 +226,42 @@ def run(args: argparse.Namespace) -> int:
     if args.model_path:
         worker_args += ["--model-path", args.model_path]
     frontend_args = [*common, "--grpc-port", str(args.grpc_port)]
-    for name, daemon_args in (("kvmesh-worker", worker_args), ("kvmesh-router", router_args)):
-        if name in metrics:
-            daemon_args += ["--metrics-port", str(metrics[name])]
+    if "kvmesh-router" in metrics:
+        router_args += ["--metrics-port", str(metrics["kvmesh-router"])]
     if "kvmesh-frontend" in metrics:
         frontend_args += ["--metrics-port", str(metrics["kvmesh-frontend"])]
+    # Worker processes: the first gets the worker's port of the base; further P/D workers the ports after
+    # the three daemons' (base+3, base+4, ...), so that no two processes clash.
+    worker_ports = iter(
+        [metrics["kvmesh-worker"], *range(args.metrics_port_base + len(DAEMONS), 65536)]
+        if args.metrics_port_base is not None
+        else []
+    )
+
+    def worker(extra: list[str]) -> list[str]:
+        port = next(worker_ports, None)
+        return [*worker_args, *extra, *(["--metrics-port", str(port)] if port is not None else [])]
+
     procs: list[subprocess.Popen[bytes]] = []
     stop = {"now": False}
     # SIGHUP: the terminal closed. Stop the mesh like Ctrl-C instead of orphaning live daemons.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda *_: stop.update(now=True))
+    if args.prefill_workers and not args.decode_workers:
+        print("kvmesh up: error: --prefill-workers needs --decode-workers", file=sys.stderr)
+        return 2
     clean = False
     try:
         worker_args += daemon_tls_args(tls_dir, "worker")
         router_args += daemon_tls_args(tls_dir, "router")
-        frontend_args = [*common, "--grpc-port", str(args.grpc_port), *daemon_tls_args(tls_dir, "frontend")]
-        procs.append(_spawn("kvmesh-worker", worker_args, log_dir))
+        frontend_args += daemon_tls_args(tls_dir, "frontend")
+        if args.decode_workers:
+            for role, count in (("decode", args.decode_workers), ("prefill", args.prefill_workers)):
+                for i in range(count):
+                    role_args = worker(["--num-engines", "1", "--role", role])
+                    procs.append(_spawn("kvmesh-worker", role_args, log_dir, f"kvmesh-worker-{role}-{i}"))
+        else:
+            procs.append(_spawn("kvmesh-worker", worker(["--num-engines", str(args.num_engines)]), log_dir))
         procs.append(_spawn("kvmesh-router", router_args, log_dir))
         procs.append(_spawn("kvmesh-frontend", frontend_args, log_dir))
         address = f"127.0.0.1:{args.grpc_port}"
@@ -254,7 +286,12 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         print(
             f"kvmesh is up: KServe gRPC on localhost:{args.grpc_port}, model {model!r}, "
-            f"{args.num_engines} mocker engine(s); logs in {log_dir}; "
+            + (
+                f"{args.prefill_workers} prefill + {args.decode_workers} decode worker(s)"
+                if args.decode_workers
+                else f"{args.num_engines} mocker engine(s)"
+            )
+            + f"; logs in {log_dir}; "
             f"Ctrl-C stops it.",
             flush=True,
         )

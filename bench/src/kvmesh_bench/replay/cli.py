@@ -131,6 +131,19 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON (and the plots next to it)")
     p.add_argument("--plot", metavar="PATH", help="write the PNG plots here (default: next to --json)")
     p.add_argument("--no-progress", action="store_true", help="live: no progress bar")
+    # Disaggregated fleet (offline; docs/disaggregation.md): P prefill + D decode engines instead of --engines.
+    p.add_argument("--prefill-engines", type=int, default=0, help="offline: prefill engines (P/D fleet)")
+    p.add_argument("--decode-engines", type=int, default=0, help="offline: decode engines (P/D fleet)")
+    p.add_argument("--kv-transfer-gbps", type=positive_float, default=100.0, help="offline P/D: KV link GB/s")
+    p.add_argument("--disagg-min-tokens", type=int, default=0, help="offline P/D: local prefill at or below")
+    p.add_argument(
+        "--prefill-backlog-tokens", type=int, default=65536, help="offline P/D: prefill engine busy bound (0 = none)"
+    )
+
+
+def disagg_label(disagg: object) -> str:
+    p, d, g = (getattr(disagg, k) for k in ("prefill_engines", "decode_engines", "transfer_gbps"))
+    return f"{p}P{d}D@{g:g}GB/s"
 
 
 def load_requests(args: argparse.Namespace) -> list[ReplayRequest]:
@@ -176,7 +189,19 @@ def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequ
             seed=seed,
             vocab_size=args.vocab_size,
         )
-        run = run_offline(requests, config, mapper, label=spec.label)
+        if getattr(args, "decode_engines", 0):
+            from kvmesh_bench.replay.disagg import DisaggConfig, run_offline_disagg
+
+            disagg = DisaggConfig(
+                args.prefill_engines,
+                args.decode_engines,
+                args.kv_transfer_gbps,
+                args.disagg_min_tokens,
+                prefill_backlog_tokens=args.prefill_backlog_tokens or None,
+            )
+            run = run_offline_disagg(requests, config, disagg, mapper, label=f"{spec.label} {disagg_label(disagg)}")
+        else:
+            run = run_offline(requests, config, mapper, label=spec.label)
     else:
         from kvmesh_bench.replay.live import FrontendUnreachable, LiveOptions, run_live
 
@@ -254,7 +279,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _print_meta(run: RunData) -> None:
     m = run.meta
-    if run.kind == "offline":
+    if "disagg" in m:
+        dm = m["disagg"]
+        print(
+            f"disaggregated: {dm['remote_prefill_fraction']:.1%} prefilled remotely; {dm['transferred_blocks']} blocks "
+            f"transferred vs {dm['pull_everything_blocks']} to pull everything; {m['cpu_s']:.1f} s CPU"
+        )
+    elif run.kind == "offline":
         print(
             f"simulation: {m['passes']} passes stepped, {m['skipped_quiet_passes']} quiet passes skipped, "
             f"{m['cpu_s']:.1f} s CPU ({m['wall_s']:.1f} s wall); router view: hit {m['router_hit_rate']:.3f}, "

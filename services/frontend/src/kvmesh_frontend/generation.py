@@ -31,6 +31,7 @@ from kvmesh.channels import ChannelPool
 from kvmesh.hashing import block_hashes
 from kvmesh.v1 import router_pb2, worker_pb2
 
+from kvmesh_frontend.disagg import DECODE, DisaggPolicy, Disaggregator, DisaggState
 from kvmesh_frontend.engine_stream import EngineError, EngineStreams
 from kvmesh_frontend.errors import FrontendError, exhausted, internal, invalid, unavailable
 from kvmesh_frontend.routing import RouterClient, RouterSession
@@ -72,6 +73,7 @@ class GenerationState:
     cached_tokens: int = 0  # router's overlap x block size, on the engine that finished
     migrations: int = 0
     failures: list[str] = field(default_factory=list)
+    disagg: DisaggState = field(default_factory=DisaggState)
 
 
 class Generator:
@@ -86,9 +88,12 @@ class Generator:
         engine_alive: EngineAlive | None = None,
         no_engine_grace: float = 2.0,
         address_live: Callable[[str], bool] = lambda _address: True,
+        disagg_policy: DisaggPolicy | None = None,
+        model_roles: Callable[[str], set[int]] = lambda _model: set(),
     ) -> None:
         self._router = router
         self.engines = EngineStreams(pool, address_live)
+        self.disagg = Disaggregator(router, self.engines, disagg_policy or DisaggPolicy(), model_roles)
         self.migration_limit = migration_limit
         self._on_migration = on_migration
         self._engine_alive = engine_alive
@@ -122,6 +127,9 @@ class Generator:
                 query.overrides.policy = req.router_policy
             if req.pinned_engine_id is not None:
                 query.pinned_engine_id = req.pinned_engine_id
+            disaggregated = self.disagg.applies(req.model)
+            if disaggregated:
+                query.overrides.role = DECODE
             span = telemetry.start_span(
                 "route", attributes={"kvmesh.request_id": request_id, "kvmesh.attempt": attempt}
             )
@@ -145,16 +153,30 @@ class Generator:
                 sampling.CopyFrom(req.sampling)
                 sampling.max_tokens = remaining
                 sampling.min_tokens = max(0, req.sampling.min_tokens - len(generated))
+            kv = None
+            if disaggregated:
+                try:
+                    kv = await self.disagg.prefill(decision, query, tokens, sampling, state.disagg)
+                except BaseException:
+                    session.finished(request_id)
+                    raise
             call = self.engines.start(
                 decision.address,
                 worker_pb2.GenerateRequest(
-                    request_id=request_id, engine_id=decision.engine_id, token_ids=tokens, sampling=sampling
+                    request_id=request_id,
+                    engine_id=decision.engine_id,
+                    token_ids=tokens,
+                    sampling=sampling,
+                    prefill_result=kv,
                 ),
             )
             finished = False
             first = True
+            transfer_failed = False
             try:
                 async for response in call:
+                    if first and kv is not None:
+                        self.disagg.observe(response, state.disagg)
                     if response.token_ids:
                         if first:
                             first = False
@@ -167,6 +189,7 @@ class Generator:
                         return
                 failure = "the engine ended the stream before the request finished"
             except EngineError as exc:
+                transfer_failed = self.disagg.transfer_failed(exc, kv, state.disagg)
                 if exc.code not in MIGRATABLE:
                     raise self._engine_error(req, decision, exc) from None
                 failure = f"{exc.code.name}: {exc.details}"  # for the log: may carry a peer's gRPC debug text
@@ -174,6 +197,8 @@ class Generator:
                 if not finished:
                     call.cancel()
                 session.finished(request_id)
+                if kv is not None:
+                    self.disagg.release(kv)
 
             # The engine failed mid-stream (or before its first token): migrate.
             state.failures.append(f"engine {decision.engine_id:x}: {failure}")
@@ -195,7 +220,8 @@ class Generator:
                 )
             attempt += 1
             state.migrations = attempt
-            excluded.append(decision.engine_id)
+            if not transfer_failed:  # a failed KV pull is the prefill side's failure: keep the decode engine
+                excluded.append(decision.engine_id)
             log.warning(
                 "request %s: engine %x failed after %d tokens (%s); migrating (%d/%d)",
                 req.request_id,

@@ -25,6 +25,7 @@ from kvmesh.identity import BearerTokenGate
 from kvmesh.runtime import VERSION, DaemonRuntime
 from kvmesh.settings import fail
 
+from kvmesh_frontend.disagg import DisaggPolicy
 from kvmesh_frontend.generation import Generator
 from kvmesh_frontend.metrics import default_metrics
 from kvmesh_frontend.models import ModelRegistry
@@ -90,7 +91,10 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         on_migration=metrics.migration,
         engine_alive=registry.engine_alive,
         address_live=registry.address_live,
+        disagg_policy=DisaggPolicy(config.disagg_min_tokens, config.disagg_busy, config.enforce_disagg),
+        model_roles=registry.roles,
     )
+    runtime.resources.push_async_callback(generator.disagg.close)
     runtime.resources.push_async_callback(generator.engines.close)
     runtime.resources.push_async_callback(router.close)
     registry.on_address_gone = generator.engines.retire

@@ -195,6 +195,11 @@ class ModelRegistry:
             return pinned in entry.cards and pinned not in excluded
         return any(engine not in excluded for engine in entry.cards)
 
+    def roles(self, name: str) -> set[int]:
+        """Worker roles (``discovery_pb2.WorkerRole``) of the model's live engines."""
+        entry = self._models.get(name)
+        return {card.role for card in entry.cards.values()} if entry else set()
+
     def engines(self, name: str) -> list[int]:
         entry = self._models.get(name)
         return sorted(entry.cards) if entry else []

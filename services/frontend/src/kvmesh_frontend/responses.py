@@ -30,6 +30,11 @@ FINAL_FLAG = "triton_final_response"
 PARAM_WORKER_ID = "kvmesh.worker_id"
 PARAM_CACHED_TOKENS = "kvmesh.cached_tokens"
 PARAM_MIGRATIONS = "kvmesh.migrations"
+PARAM_PREFILL_WORKER_ID = "kvmesh.prefill_worker_id"  # 0: prefilled on the decode engine
+PARAM_KV_TRANSFERRED_BLOCKS = "kvmesh.kv_transferred_blocks"
+PARAM_KV_TRANSFERRED_BYTES = "kvmesh.kv_transferred_bytes"
+PARAM_KV_PULL_EVERYTHING_BYTES = "kvmesh.kv_pull_everything_bytes"  # what pulling every held block would move
+PARAM_DISAGG = "kvmesh.disagg"  # "remote", or "local: <why>"
 
 Response = pb.ModelInferResponse | pb.ModelStreamInferResponse
 
@@ -202,3 +207,10 @@ class ResponseWriter:
         set_int_param(response, PARAM_WORKER_ID, self._state.engine_id)
         set_int_param(response, PARAM_CACHED_TOKENS, self._state.cached_tokens)
         set_int_param(response, PARAM_MIGRATIONS, self._state.migrations)
+        disagg = self._state.disagg
+        if disagg.decision:  # a disaggregated model: where the prompt was computed, and why
+            set_int_param(response, PARAM_PREFILL_WORKER_ID, disagg.prefill_engine_id)
+            set_int_param(response, PARAM_KV_TRANSFERRED_BLOCKS, disagg.transferred_blocks)
+            set_int_param(response, PARAM_KV_TRANSFERRED_BYTES, disagg.transferred_bytes)
+            set_int_param(response, PARAM_KV_PULL_EVERYTHING_BYTES, disagg.pull_everything_bytes)
+            response.parameters[PARAM_DISAGG].string_param = disagg.decision

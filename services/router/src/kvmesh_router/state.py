@@ -88,7 +88,9 @@ class RouterState:
                 overlap_score_weight=s.overlap_weight,
                 temperature=s.temperature,
             ),
-            thresholds=BusyThresholds(s.busy_prefill_tokens, s.busy_prefill_frac, s.busy_kv_usage),
+            thresholds=BusyThresholds(
+                s.busy_prefill_tokens, s.busy_prefill_frac, s.busy_kv_usage, s.prefill_backlog_tokens
+            ),
             rng=random.Random(s.seed),
             # TimedIndex passes the DecisionPredictor methods through __getattr__, which mypy cannot see
             predictor=predictor,  # type: ignore[arg-type]

@@ -13,7 +13,12 @@ Invariants:
 - when the stream ends for any reason, every request still on it is aborted (blocks freed);
 - while the daemon is not serving (lease lost, draining) new requests fail in-band with
   UNAVAILABLE; a draining worker ends the stream once its last request is done, so a drain does
-  not wait for the caller to hang up.
+  not wait for the caller to hang up;
+- disaggregation: a request with a ``prefill_result`` is active from the start but reaches its engine
+  only after ``Engine.pull_kv``; a cancel (or the stream's end) during the pull cancels it; whatever
+  happens, the source is told ``ReleaseKv`` once the pull is over (its hold lease is the backstop); a
+  failed pull ends the request in-band with the pull's status (ABORTED, DATA_LOSS, ...). The pull's
+  report rides on the request's first response; a held request's KvTransferParams on its last.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from typing import Any
 import grpc
 from kvmesh import telemetry
 from kvmesh.v1 import worker_pb2
+from kvmesh.v1.kv_transfer_pb2 import KvTransferParams, KvTransferReport
 from kvmesh.wakeup import Wakeup
 
 from kvmesh_worker.engine import EngineRequest, ForwardPassMetrics, InvalidRequest, QueueFull, RequestOutput
-from kvmesh_worker.engines import Engine
+from kvmesh_worker.engines import Engine, KvPullFailed
 from kvmesh_worker.metrics import request_metrics
 
 SPAN_NAME = "kvmesh.v1.WorkerService/Generate"  # one span per request (the name traces already use)
@@ -49,6 +55,7 @@ def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> Engi
         ignore_eos=sampling.ignore_eos,
         stop_token_ids=tuple(sampling.stop_token_ids),
         seed=sampling.seed if sampling.HasField("seed") else 0,
+        hold_kv=request.hold_kv_for_transfer,
     )
 
 
@@ -95,6 +102,8 @@ def fill_response(
         if output.finished:
             finished = True
             response.finish_reason = _FINISH.get(output.finish_reason or "stop", worker_pb2.FINISH_REASON_STOP)
+            if output.kv_transfer is not None:
+                response.kv_transfer.CopyFrom(output.kv_transfer)  # type: ignore[arg-type]  # KvTransferParams
     return finished
 
 
@@ -185,9 +194,13 @@ class GenerateStreamSession:
         on_aborted: Callable[[Engine], None],
         context: grpc.aio.ServicerContext[worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse],
         model: str = "",
+        release_remote: Callable[[KvTransferParams], None] = lambda _params: None,
     ) -> None:
         self._model = model  # the metrics' model label
         self._engines = engines
+        self._release_remote = release_remote
+        self._pulls: dict[str, asyncio.Task[None]] = {}
+        self._reports: dict[str, KvTransferReport] = {}
         self._refusal = refusal
         self._on_aborted = on_aborted
         self._context = context
@@ -267,6 +280,11 @@ class GenerateStreamSession:
                     "kvmesh.prompt_tokens": len(request.token_ids),
                 }
             )
+        logprobs = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
+        if request.HasField("prefill_result"):
+            self._active[request_id] = _Active(engine, len(request.token_ids), span, logprobs, self._model)
+            self._pulls[request_id] = self._loop.create_task(self._pull_then_submit(engine, request))
+            return
         try:
             engine.submit(engine_request(request, request_id), self)
         except InvalidRequest as exc:
@@ -274,10 +292,46 @@ class GenerateStreamSession:
         except QueueFull as exc:
             self._fail(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), span)
         else:
-            logprobs = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
             self._active[request_id] = _Active(engine, len(request.token_ids), span, logprobs, self._model)
 
+    async def _pull_then_submit(self, engine: Engine, request: worker_pb2.GenerateRequest) -> None:
+        """Pull the prompt's KV, then submit; the source is released whatever happens."""
+        request_id = request.request_id
+        params = request.prefill_result
+        ereq = engine_request(request, request_id)
+        try:
+            report = await engine.pull_kv(ereq, params)
+        except KvPullFailed as exc:
+            self._fail_active(request_id, grpc.StatusCode[exc.code], str(exc))
+            return
+        except Exception as exc:  # never leave the request hanging; the client sees no internals
+            self._fail_active(request_id, grpc.StatusCode.INTERNAL, f"KV pull failed ({type(exc).__name__})")
+            return
+        finally:
+            self._pulls.pop(request_id, None)
+            self._release_remote(params)
+        if request_id not in self._active:  # cancelled right as the pull ended
+            engine.abort(request_id)
+            return
+        try:
+            engine.submit(ereq, self)
+        except InvalidRequest as exc:
+            self._fail_active(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            self._fail_active(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        else:
+            self._reports[request_id] = report
+
+    def _fail_active(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        active = self._active.pop(request_id, None)
+        if active is not None:
+            self._fail(request_id, code, message, active.span)
+
     def _cancel(self, request_id: str) -> None:
+        pull = self._pulls.pop(request_id, None)
+        if pull is not None:
+            pull.cancel()
+        self._reports.pop(request_id, None)
         active = self._active.pop(request_id, None)
         self._pending.pop(request_id, None)
         if active is not None:
@@ -293,6 +347,10 @@ class GenerateStreamSession:
         self._wakeup.set()
 
     def _abort_all(self) -> None:
+        pulls, self._pulls = self._pulls, {}
+        for pull in pulls.values():
+            pull.cancel()
+        self._reports.clear()
         active, self._active = self._active, {}
         self._pending.clear()
         for request_id, entry in active.items():
@@ -322,6 +380,10 @@ class GenerateStreamSession:
                 entry.num_output = outputs[-1].num_output_tokens
                 if not entry.first_at and entry.num_output:
                     entry.first_token()
+                if self._reports:
+                    report = self._reports.pop(request_id, None)
+                    if report is not None:
+                        item.response.kv_report.CopyFrom(report)
                 if fill_response(item.response, outputs, entry.num_prompt, entry.logprobs):
                     del active[request_id]
                     entry.finished(item.response)

@@ -10,6 +10,12 @@ from pydantic import AfterValidator, Field, NonNegativeInt, PositiveInt
 from kvmesh_worker.engines import registry
 
 
+def _bytes_per_block(value: str) -> str:
+    if value != "model" and not (value.isdigit() and int(value) > 0):
+        raise ValueError(f"must be a positive number of bytes or 'model', got {value!r}")
+    return value
+
+
 class Settings(DaemonSettings):
     """The common daemon settings plus the engines this process hosts."""
 
@@ -48,3 +54,16 @@ class Settings(DaemonSettings):
     """'polynomial' (Dynamo's constants) or a path to an NPZ profile"""
     event_buffer_size: PositiveInt = 1024
     """recent KV events kept per engine for subscribers that resume"""
+
+    # -- disaggregated serving (docs/disaggregation.md); kept together ------------------------------
+    role: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    """what this worker's engines do: aggregated (prefill + decode), prefill (compute prompts, hold their KV
+    for a decode engine), decode (pull prompt KV from prefill engines; prefills locally when told to)"""
+    kv_bytes_per_block: Annotated[str, AfterValidator(_bytes_per_block)] = "4096"
+    """bytes of one KV block in the host-memory arena (prefill/decode roles): a number, or 'model' for the
+    model-true size from config.json (layers x 2 x kv_heads x head_dim x dtype bytes x block_size)"""
+    kv_transfer_gbps: Annotated[float, Field(ge=0)] = 0.0
+    """modelled KV transfer bandwidth, GB/s: decode starts after max(real NIXL time, model-true bytes / this);
+    0 = real time only"""
+    kv_hold_timeout: Annotated[float, Field(gt=0)] = 30.0
+    """seconds a prefill engine holds a prompt's KV for a decode engine that never releases it"""

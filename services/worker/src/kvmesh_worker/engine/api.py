@@ -58,6 +58,8 @@ class EngineRequest:
     # Cache namespace (e.g. a LoRA name): requests with different salts never share blocks.
     cache_salt: str | None = None
     kv_source: KvSource = KvSource.COMPUTE
+    # Disaggregation: after finishing, keep the prompt's blocks for a transfer (engines that move KV).
+    hold_kv: bool = False
 
 
 @dataclass(slots=True)
@@ -75,6 +77,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_cached_prompt_tokens: int | None = None
+    # Last output of a ``hold_kv`` request: where its KV is held (kvmesh.v1.KvTransferParams; set by the
+    # engine shell, never by the I/O-free core).
+    kv_transfer: object | None = None
 
 
 @dataclass(slots=True)

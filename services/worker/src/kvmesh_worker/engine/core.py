@@ -15,7 +15,10 @@ Cost: a pass is O(running requests) plus O(blocks that change). A replay that on
 (``emit_token_ids=False``) can also skip the dominant case, runs of decode passes in which nothing
 but counters change, with ``fast_forward`` (exactly equivalent to stepping through them).
 
-Disaggregation seams (only ``EngineMode.AGGREGATED`` is implemented):
+Disaggregation is done by the engine shell (``kvmesh_worker.kv_transfer.mocker_kv``) with the pin methods
+below: a held prompt and a pulled prompt are pinned blocks, nothing else changes in the core. The
+original seams (only ``EngineMode.AGGREGATED`` is implemented) stay for an engine that would model it
+in the core:
 
 * prefill-only (``EngineMode.PREFILL``): requests run exactly as now with ``max_tokens=1``; at
   finish, instead of deref'ing the blocks, the scheduler would park the request in a ``transferring``
@@ -31,8 +34,10 @@ Disaggregation seams (only ``EngineMode.AGGREGATED`` is implemented):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
+from kvmesh.hashing import block_hashes, salted_seed
 from kvmesh.kv_events import CacheDump, EventData, KvEvent
 from kvmesh.kv_publisher import EventJournal
 
@@ -109,6 +114,33 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------- disaggregation (engine shell)
+    # Pins are plain block references outside any request: a pinned block is active (it counts as load
+    # and is never evicted) until unpinned. The shell pins a prefill's prompt blocks while a decode
+    # engine pulls them, and a decode engine's pulled blocks until its request is admitted.
+
+    def prompt_hashes(self, prompt: Sequence[int] | np.ndarray, cache_salt: str | None) -> tuple[list[int], list[int]]:
+        """(local, sequence) hashes of the prompt's full blocks, exactly as a request would have them."""
+        return block_hashes(np.asarray(prompt).astype("<u4"), self._block_size, salted_seed(cache_salt))
+
+    def pin_cached_prefix(self, seq_hashes: list[int], local_hashes: list[int], limit: int) -> int:
+        """Pin the longest cached prefix of ``seq_hashes[:limit]``; returns its length in blocks (no events)."""
+        n = self.block_manager.match_prefix(seq_hashes, limit)[0]
+        if n:
+            self.block_manager.use(seq_hashes, local_hashes, 0, n)
+        return n
+
+    def pin_new(self, seq_hashes: list[int], local_hashes: list[int], lo: int, hi: int) -> None:
+        """Store and pin blocks ``[lo, hi)`` whose KV arrived from elsewhere (BlocksStored on the next step)."""
+        bm = self.block_manager
+        if bm.num_missing(seq_hashes, lo, hi) > bm.free_slots:
+            raise QueueFull(f"no room for {hi - lo} transferred KV blocks ({bm.num_active} of {bm.num_blocks} active)")
+        bm.use(seq_hashes, local_hashes, lo, hi)
+
+    def unpin(self, seq_hashes: Sequence[int]) -> None:
+        if seq_hashes:
+            self.block_manager.deref(list(seq_hashes))
 
     # ------------------------------------------------------------------------------------------ step
 
