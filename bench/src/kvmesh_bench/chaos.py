@@ -328,7 +328,7 @@ class Run:
     @property
     def stub(self) -> kserve_grpc.GRPCInferenceServiceAsyncStub:
         assert self.channel is not None
-        return cast("kserve_grpc.GRPCInferenceServiceAsyncStub", kserve_grpc.GRPCInferenceServiceStub(self.channel))
+        return kserve_grpc.GRPCInferenceServiceStub(self.channel)
 
     async def wait_ready(self, engines: int, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
