@@ -278,6 +278,7 @@ class Report:
     leaked_bookings: float = 0.0
     rss_mib: dict[str, dict[str, float]] = field(default_factory=dict)
     max_gap_s: float = 0.0
+    migrations: float = 0.0
     background_requests: int = 0
     background_failures: dict[str, int] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
@@ -289,6 +290,7 @@ class Report:
             ("requests (ok / cancelled on purpose)", f"{self.requests} ({self.ok} / {self.cancelled})"),
             ("failures by status", ", ".join(f"{k} {v}" for k, v in sorted(self.failures.items())) or "0"),
             ("leaked KV blocks / bookings", f"{self.leaked_blocks:g} / {self.leaked_bookings:g}"),
+            ("migrations (frontend)", f"{self.migrations:g}"),
             (
                 "background stream: requests, failures",
                 f"{self.background_requests}, {sum(self.background_failures.values())}",
@@ -338,7 +340,9 @@ class Run:
                 if (await self.stub.ModelReady(kserve.ModelReadyRequest(name=MODEL), timeout=1)).ready:
                     config = (await self.stub.ModelConfig(kserve.ModelConfigRequest(name=MODEL), timeout=1)).config
                     if config.parameters["engines"].string_value == str(engines):
-                        return
+                        # ModelReady speaks of engines only: the frontend may not have seen a router yet
+                        if await one_request(self.stub, f"warmup{time.monotonic_ns()}", 2, timeout=5) == "ok":
+                            return
             await asyncio.sleep(0.1)
         raise RuntimeError(f"the mesh did not have {engines} ready engines within {timeout:g} s")
 
@@ -524,6 +528,7 @@ async def run_scenario(args: argparse.Namespace, workdir: Path) -> Report:
         if run._background_task is not None:
             await asyncio.wait([run._background_task], timeout=60)
         await run.settle_leaks()
+        run.report.migrations = mesh.metric_sum("frontend", "kvmesh_frontend_migrations_total")
         run.sample_rss("end")
         report = run.report
         report.ok = run.statuses.pop("ok", 0)

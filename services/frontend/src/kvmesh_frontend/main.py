@@ -71,6 +71,8 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         on_migration=metrics.migration,
         engine_alive=registry.engine_alive,
         address_live=registry.address_live,
+        engine_addresses=registry.engine_addresses,
+        down_s=config.lease_ttl + 1.0,  # by then discovery has dropped a dead worker
     )
     runtime.resources.push_async_callback(generator.engines.close)
     runtime.resources.push_async_callback(router.close)

@@ -189,6 +189,11 @@ class ModelRegistry:
             return pinned in entry.cards and pinned not in excluded
         return any(engine not in excluded for engine in entry.cards)
 
+    def engine_addresses(self, name: str) -> dict[int, str]:
+        """``{engine id: worker address}`` of model ``name`` (to exclude every engine of a dead worker)."""
+        entry = self._models.get(name)
+        return {engine_id: card.address for engine_id, card in entry.cards.items()} if entry else {}
+
     def engines(self, name: str) -> list[int]:
         entry = self._models.get(name)
         return sorted(entry.cards) if entry else []
