@@ -339,10 +339,11 @@ class Run:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 if (await self.stub.ModelReady(kserve.ModelReadyRequest(name=MODEL), timeout=1)).ready:
                     config = (await self.stub.ModelConfig(kserve.ModelConfigRequest(name=MODEL), timeout=1)).config
-                    if config.parameters["engines"].string_value == str(engines):
-                        # ModelReady speaks of engines only: the frontend may not have seen a router yet
-                        if await one_request(self.stub, f"warmup{time.monotonic_ns()}", 2, timeout=5) == "ok":
-                            return
+                    # ModelReady speaks of engines only: the frontend may not have seen a router yet
+                    if config.parameters["engines"].string_value == str(engines) and (
+                        await one_request(self.stub, f"warmup{time.monotonic_ns()}", 2, timeout=5) == "ok"
+                    ):
+                        return
             await asyncio.sleep(0.1)
         raise RuntimeError(f"the mesh did not have {engines} ready engines within {timeout:g} s")
 
