@@ -196,15 +196,16 @@ class Mesh:
 
     def metric_sum(self, kind: str, name: str) -> float:
         """Sum of a Prometheus metric over every live daemon of a kind (0 for none)."""
-        total = 0.0
+        return sum(self.metric(p, name) for p in self.procs if p.kind == kind and p.alive)
+
+    @staticmethod
+    def metric(proc: Proc, name: str) -> float:
+        """Sum of a Prometheus metric's samples (every label set) on one daemon (0 if it does not answer)."""
         pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
-        for p in self.procs:
-            if p.kind != kind or not p.alive:
-                continue
-            url = f"http://127.0.0.1:{p.metrics_port}/metrics"
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as reply:
-                total += sum(float(v) for v in pattern.findall(reply.read().decode()))
-        return total
+        url = f"http://127.0.0.1:{proc.metrics_port}/metrics"
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as reply:
+            return sum(float(v) for v in pattern.findall(reply.read().decode()))
+        return 0.0
 
     def close(self) -> None:
         for p in reversed(self.procs):
@@ -440,10 +441,21 @@ async def _kill_router(run: Run) -> None:
     routers = [run.mesh.router(), run.mesh.router()]
     run.mesh.start_frontend()
     await run.start(2)
-    await run.load(run.args.duration / 2)
+    await run.load(run.args.duration / 3)
     routers[0].signal(signal.SIGKILL)
-    run.report.notes["fault"] = "kill -9 of one of two router replicas under load"
-    await run.load(run.args.duration / 2)
+    run.report.notes["fault"] = "kill -9 of one of two router replicas under load, then a new replica joins"
+    await run.load(run.args.duration / 3)
+    joined = run.mesh.router()
+    before = Mesh.metric(joined, "kvmesh_router_decisions_total")
+    await run.load(run.args.duration / 3)
+    await run.drain()
+    decisions = {
+        f"{p.port}": Mesh.metric(p, "kvmesh_router_decisions_total")
+        for p in run.mesh.procs
+        if p.kind == "router" and p.alive
+    }
+    run.report.notes["decisions per live router"] = decisions
+    run.report.notes["decisions of the joined router"] = Mesh.metric(joined, "kvmesh_router_decisions_total") - before
 
 
 def _etcd(mode: str) -> Scenario:
