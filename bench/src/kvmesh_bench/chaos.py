@@ -315,6 +315,8 @@ class Run:
         self.report = Report(args.scenario)
         self.statuses: Counter[str] = Counter()
         self.background: Counter[str] = Counter()
+        self.ttft: list[float] = []
+        self.failure_latency: dict[str, list[float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_background = asyncio.Event()
         self._last_token = 0.0
@@ -349,14 +351,26 @@ class Run:
         raise RuntimeError(f"the mesh did not have {engines} ready engines within {timeout:g} s")
 
     async def _send(self, n: int, cancel_after: int | None) -> None:
-        status = await one_request(self.stub, f"r{n}", self.args.tokens, cancel_after=cancel_after)
-        self._count(self.statuses, status)
+        started = time.monotonic()
+        first: list[float] = []
 
-    def _count(self, counter: Counter[str], status: str) -> None:
+        def on_token(at: float) -> None:
+            if not first:
+                first.append(at)
+
+        status = await one_request(self.stub, f"r{n}", self.args.tokens, cancel_after=cancel_after, on_token=on_token)
+        name = self._count(self.statuses, status)
+        if name == "ok" and first:
+            self.ttft.append(first[0] - started)
+        elif name not in ("ok", "cancelled"):
+            self.failure_latency.setdefault(name, []).append(time.monotonic() - started)
+
+    def _count(self, counter: Counter[str], status: str) -> str:
         name = status.split(":", 1)[0].strip() or "ERROR"
         if name not in ("ok", "cancelled"):
             self.report.examples.setdefault(name, status[:300])
         counter[name] += 1
+        return name
 
     async def load(self, seconds: float, rate: float | None = None, cancel: bool = False) -> None:
         """Open-loop load: ``rate`` requests/s for ``seconds`` (requests keep running after it returns)."""
@@ -547,6 +561,10 @@ async def run_scenario(args: argparse.Namespace, workdir: Path) -> Report:
         report.ok = run.statuses.pop("ok", 0)
         report.cancelled = run.statuses.pop("cancelled", 0)
         report.failures = dict(run.statuses)
+        if run.ttft:
+            report.notes["TTFT of ok requests p50 / p99"] = _p50_p99(run.ttft)
+        for name, seconds in run.failure_latency.items():
+            report.notes[f"{name} latency p50 / p99"] = _p50_p99(seconds)
         report.background_requests = sum(run.background.values())
         report.background_failures = {k: v for k, v in run.background.items() if k != "ok"}
         return report
@@ -554,6 +572,12 @@ async def run_scenario(args: argparse.Namespace, workdir: Path) -> Report:
         if run.channel is not None:
             await run.channel.close()
         await asyncio.to_thread(mesh.close)
+
+
+def _p50_p99(seconds: list[float]) -> str:
+    ordered = sorted(seconds)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000  # noqa: E731
+    return f"{pick(0.5):.0f} ms / {pick(0.99):.0f} ms"
 
 
 def options(scenario: str, **overrides: Any) -> argparse.Namespace:
