@@ -15,7 +15,8 @@ it with UNAVAILABLE, which the flow treats as "migrate".
 *address* down for ``down_s`` seconds (default: the lease TTL + 1 s, by which discovery has dropped a
 dead worker's records): the generation flow then excludes every engine at that address, for the
 migration and for new requests, instead of finding them dead one engine at a time. A message on a
-new stream to the address, or discovery retiring it, clears the mark.
+new stream to the address, discovery retiring it, or a new engine registering there (the worker
+restarted on the same port) clears the mark.
 """
 
 from __future__ import annotations
@@ -253,6 +254,10 @@ class EngineStreams:
             return True
         del self._down[address]
         return False
+
+    def revive(self, address: str) -> None:
+        """A new engine registered at ``address``: whatever failed there before is not what runs now."""
+        self._down.pop(address, None)
 
     @property
     def any_down(self) -> bool:

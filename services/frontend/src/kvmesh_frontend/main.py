@@ -77,6 +77,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
     runtime.resources.push_async_callback(generator.engines.close)
     runtime.resources.push_async_callback(router.close)
     registry.on_address_gone = generator.engines.retire
+    registry.on_engine_joined = generator.engines.revive
     frontend = Frontend(
         registry, generator, metrics, id_prefix=f"{runtime.instance_id:x}", default_max_tokens=config.default_max_tokens
     )

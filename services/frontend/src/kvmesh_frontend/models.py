@@ -92,6 +92,8 @@ class ModelRegistry:
         self._address_cards: dict[str, int] = {}  # worker address -> live cards at it
         # Called with a worker address once no live engine is left there (its connection can go).
         self.on_address_gone: Callable[[str], None] | None = None
+        # Called with a worker address when an engine new to this frontend registers there (a restart).
+        self.on_engine_joined: Callable[[str], None] | None = None
 
     # -- discovery ------------------------------------------------------------------------------
     def apply(self, event: WatchEvent) -> None:
@@ -118,6 +120,8 @@ class ModelRegistry:
         elif not entry.cards:
             log.info("model %s is back (engine %x at %s)", name, engine_id, card.address)
         replaced = entry.cards.get(engine_id) if self._keys.get(key) == (name, engine_id) else None
+        if engine_id not in entry.cards and self.on_engine_joined is not None and card.address:
+            self.on_engine_joined(card.address)
         entry.cards[engine_id] = card
         self._keys[key] = (name, engine_id)
         self._count_address(card.address, +1)
