@@ -507,6 +507,15 @@ async def _overload(run: Run) -> None:
     run.report.notes["burst seconds"] = round(time.monotonic() - started, 1)
 
 
+async def _overload_open(run: Run) -> None:
+    run.mesh.worker(2, "--speedup-ratio", str(run.args.speedup), "--max-num-seqs", "8")
+    run.mesh.router()
+    run.mesh.start_frontend()
+    await run.start(2)
+    run.report.notes["fault"] = f"open-loop {run.args.rate:g} requests/s for {run.args.duration:g} s, beyond capacity"
+    await run.load(run.args.duration)
+
+
 async def _cancel(run: Run) -> None:
     run.mesh.worker(2, "--speedup-ratio", str(run.args.speedup))
     run.mesh.router()
@@ -534,6 +543,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "etcd-outage": ("stop etcd for --outage seconds under load, then start it again", _etcd("stop")),
     "etcd-frozen": ("SIGSTOP etcd for --outage seconds under load, then SIGCONT", _etcd("freeze")),
     "overload": ("a burst of --burst requests at --concurrency on 2 engines with --max-num-seqs 8", _overload),
+    "overload-open": ("open-loop --rate beyond what 2 engines with --max-num-seqs 8 serve", _overload_open),
     "cancel": ("half the requests cancelled at a random token", _cancel),
     "soak": ("steady load, no fault (memory and leaks over time)", _soak),
 }
