@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv-transfer": ("kvmesh_bench.kv_transfer_bench", "NIXL READ between two processes vs memcpy, per KV block size"),
     "disagg-sweep": ("kvmesh_bench.replay.disagg_sweep", "offline: aggregated N engines vs every P+D split of N"),
     "compare": ("kvmesh_bench.replay.compare", "the same replay per router mode, with ratios to round_robin"),
+    "chaos": ("kvmesh_bench.chaos", "fault suite: kill workers/routers, stop or freeze etcd, overload, cancel, soak"),
 }
 
 

@@ -1,11 +1,14 @@
 """The lifecycle every kvmesh daemon shares: lease, gRPC server, health, reflection, drain.
 
 Invariants (the reasons this module exists):
-- **No zombie.** A daemon serves only while its discovery lease is alive. The moment the lease
-  keeper cannot prove the lease, health flips to NOT_SERVING and new calls (other than health and
-  reflection) are refused with UNAVAILABLE; when discovery is back the keeper re-registers under a
-  new lease and serving resumes, without a restart. Instance ids stay stable across re-grants
-  (they are minted from the first lease), so caches and in-flight streams keyed by them survive.
+- **Serving never depends on discovery being reachable.** Health and the serving gate follow only
+  the process's own state (warm-up, drain). While etcd is unreachable the daemon keeps serving on
+  the membership it last saw; whether it is dead is decided by the others (routers and frontends
+  drop an instance whose record vanished while discovery is up), never by the daemon stopping itself.
+- **No zombie.** The lease keeper never gives up: if the backend dropped the lease (this process was
+  frozen, cut off, or etcd expired it), the keeper re-registers every record under its old key
+  (same instance id) within about a second of discovery answering, without a restart. Instance
+  ids are minted from the first lease and never change, so caches and streams keyed by them survive.
 - **Graceful exit.** SIGTERM/SIGINT: new calls are refused and the lease is revoked first (every
   record vanishes at once, so nobody routes new work here) while ``on_draining`` hooks end endless
   streams; then health goes NOT_SERVING, in-flight calls get ``--drain-timeout`` seconds to finish,
@@ -53,7 +56,7 @@ _ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 class _ServingGate(grpc.aio.ServerInterceptor):
-    """Refuses new calls while the daemon must not serve (lease lost, draining)."""
+    """Refuses new calls while the daemon must not serve (draining)."""
 
     def __init__(self, is_serving: Callable[[], bool], reason: Callable[[], str]) -> None:
         self._is_serving = is_serving
@@ -335,10 +338,11 @@ class DaemonRuntime:
         await self.lease.put(key, value)
 
     def is_serving(self) -> bool:
-        return not self._draining and self._lease is not None and self._lease.alive
+        """Not draining. Deliberately not "lease alive": see the module docstring."""
+        return not self._draining and self._lease is not None
 
     def refusal(self) -> str | None:
-        """Why new work is refused right now (lease lost, draining); None while serving."""
+        """Why new work is refused right now (draining); None while serving."""
         return None if self.is_serving() else self._refusal_reason()
 
     def on_draining(self, hook: Callable[[], Awaitable[None] | None]) -> None:
@@ -348,7 +352,7 @@ class DaemonRuntime:
     def _refusal_reason(self) -> str:
         if self._draining:
             return f"{self.name} is shutting down; retry on another instance"
-        return f"{self.name} lost its discovery lease and is not serving; retry on another instance"
+        return f"{self.name} is not started yet; retry on another instance"
 
     async def wait_for_stop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -358,15 +362,13 @@ class DaemonRuntime:
 
     # -- lease callbacks ------------------------------------------------------------------------
     def _on_lease_lost(self) -> None:
-        log.error("discovery lease lost: not serving until it is re-established")
-        asyncio.get_running_loop().create_task(self._set_health(False))
+        log.error("discovery dropped this instance's lease; re-registering as %x (still serving)", self.instance_id)
 
     async def _on_lease_renewed(self, new_lease_id: int) -> None:
-        log.warning("discovery lease re-established as %x: serving again", new_lease_id)
+        log.warning("instance %x re-registered under lease %x", self.instance_id, new_lease_id)
         for key, record in self._records.items():  # refresh the lease id the records carry
             record.lease_id = new_lease_id
             await self.lease.put(key, record.SerializeToString())
-        await self._set_health(True)
 
     async def _set_health(self, serving: bool) -> None:
         status = (

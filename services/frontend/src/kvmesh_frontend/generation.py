@@ -10,7 +10,9 @@
 4. if the engine dies mid-stream (UNAVAILABLE, a broken or truncated stream, an engine that is gone),
    re-route the prompt plus the tokens generated so far to another engine (the failed ones are
    excluded) with the remaining ``max_tokens``, up to ``migration_limit`` times. The caller sees
-   one uninterrupted stream.
+   one uninterrupted stream. When the worker's whole stream failed (the process died), every engine
+   at that address is excluded at once, and so are they for new requests while the address is down
+   (:mod:`.engine_stream`): killing a 4-engine worker costs a request one migration, not four.
 
 Cleanup is structural: every attempt's engine call is cancelled and its booking freed in a
 ``finally``, so closing the generator (client cancel or disconnect, a stop string, an error) leaks
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -90,9 +92,12 @@ class Generator:
         address_live: Callable[[str], bool] = lambda _address: True,
         disagg_policy: DisaggPolicy | None = None,
         model_roles: Callable[[str], set[int]] = lambda _model: set(),
+        engine_addresses: Callable[[str], Mapping[int, str]] = lambda _model: {},
+        down_s: float = 11.0,
     ) -> None:
         self._router = router
-        self.engines = EngineStreams(pool, address_live)
+        self.engines = EngineStreams(pool, address_live, down_s)
+        self._engine_addresses = engine_addresses
         self.disagg = Disaggregator(router, self.engines, disagg_policy or DisaggPolicy(), model_roles)
         self.migration_limit = migration_limit
         self._on_migration = on_migration
@@ -105,7 +110,7 @@ class Generator:
         prompt = req.token_ids
         hashes = req.block_hashes
         generated: list[int] = []
-        excluded: list[int] = []
+        excluded: list[int] = self._down_engines(req.model) if self.engines.any_down else []
         attempt = 0
         while True:
             request_id = req.request_id if attempt == 0 else f"{req.request_id}~m{attempt}"
@@ -222,6 +227,9 @@ class Generator:
             state.migrations = attempt
             if not transfer_failed:  # a failed KV pull is the prefill side's failure: keep the decode engine
                 excluded.append(decision.engine_id)
+                if self.engines.is_down(decision.address):  # the worker, not only this engine, failed
+                    at = self._engine_addresses(req.model)
+                    excluded.extend(e for e, a in at.items() if a == decision.address and e not in excluded)
             log.warning(
                 "request %s: engine %x failed after %d tokens (%s); migrating (%d/%d)",
                 req.request_id,
@@ -233,6 +241,12 @@ class Generator:
             )
             if self._on_migration is not None:
                 self._on_migration(req.model)
+
+    def _down_engines(self, model: str) -> list[int]:
+        """Engines of ``model`` at addresses whose stream just failed; none if that would be all of them."""
+        engines = self._engine_addresses(model)
+        down = [e for e, address in engines.items() if self.engines.is_down(address)]
+        return down if len(down) < len(engines) else []
 
     async def _route(
         self, query: router_pb2.RouteQuery, req: PreparedRequest

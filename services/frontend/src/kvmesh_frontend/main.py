@@ -93,11 +93,14 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         address_live=registry.address_live,
         disagg_policy=DisaggPolicy(config.disagg_min_tokens, config.disagg_busy, config.enforce_disagg),
         model_roles=registry.roles,
+        engine_addresses=registry.engine_addresses,
+        down_s=config.lease_ttl + 1.0,  # by then discovery has dropped a dead worker
     )
     runtime.resources.push_async_callback(generator.disagg.close)
     runtime.resources.push_async_callback(generator.engines.close)
     runtime.resources.push_async_callback(router.close)
     registry.on_address_gone = generator.engines.retire
+    registry.on_engine_joined = generator.engines.revive
     frontend = Frontend(
         registry, generator, metrics, id_prefix=f"{runtime.instance_id:x}", default_max_tokens=config.default_max_tokens
     )

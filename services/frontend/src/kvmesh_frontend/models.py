@@ -92,6 +92,8 @@ class ModelRegistry:
         self._address_cards: dict[str, int] = {}  # worker address -> live cards at it
         # Called with a worker address once no live engine is left there (its connection can go).
         self.on_address_gone: Callable[[str], None] | None = None
+        # Called with a worker address when an engine new to this frontend registers there (a restart).
+        self.on_engine_joined: Callable[[str], None] | None = None
 
     # -- discovery ------------------------------------------------------------------------------
     def apply(self, event: WatchEvent) -> None:
@@ -118,6 +120,8 @@ class ModelRegistry:
         elif not entry.cards:
             log.info("model %s is back (engine %x at %s)", name, engine_id, card.address)
         replaced = entry.cards.get(engine_id) if self._keys.get(key) == (name, engine_id) else None
+        if engine_id not in entry.cards and self.on_engine_joined is not None and card.address:
+            self.on_engine_joined(card.address)
         entry.cards[engine_id] = card
         self._keys[key] = (name, engine_id)
         self._count_address(card.address, +1)
@@ -199,6 +203,11 @@ class ModelRegistry:
         """Worker roles (``discovery_pb2.WorkerRole``) of the model's live engines."""
         entry = self._models.get(name)
         return {card.role for card in entry.cards.values()} if entry else set()
+
+    def engine_addresses(self, name: str) -> dict[int, str]:
+        """``{engine id: worker address}`` of model ``name`` (to exclude every engine of a dead worker)."""
+        entry = self._models.get(name)
+        return {engine_id: card.address for engine_id, card in entry.cards.items()} if entry else {}
 
     def engines(self, name: str) -> list[int]:
         entry = self._models.get(name)

@@ -86,7 +86,12 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
 
     ingest: Ingest | None = None
     if state.kv_index is not None:
-        ingest = Ingest(state.kv_index, channel_for, on_recovered=lambda s, _m: metrics.recovery_seconds.observe(s))
+        ingest = Ingest(
+            state.kv_index,
+            channel_for,
+            on_recovered=lambda s, _m: metrics.recovery_seconds.observe(s),
+            on_reachable=state.engines.set_reachable,
+        )
         metrics.add_source("ingest", ingest.stats_dict)
         runtime.resources.push_async_callback(ingest.close)
     hub: ReplicaHub | None = None

@@ -54,10 +54,12 @@ class RouterSettings(BaseModel):
     busy_prefill_tokens: Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_off_is_none)] = None
     """an engine with more booked prefill tokens is busy ('none' = off)"""
     busy_prefill_frac: OptionalFraction = None
-    """busy above this fraction of the engine's max_num_batched_tokens ('none' = off)"""
-    busy_kv_usage: OptionalFraction = None
-    """busy above this fraction of the engine's KV blocks in use ('none' = off); a query is REJECTED only
-    when every eligible engine is busy"""
+    """busy with more booked, not yet prefilled prompt tokens than this many forward passes hold (x the
+    engine's max_num_batched_tokens; 'none' = off: long-context bursts would trip any fixed value, and the
+    engine's bounded waiting queue already sheds by count)"""
+    busy_kv_usage: OptionalFraction = 0.95
+    """busy above this fraction of the engine's KV blocks in use ('none' = off); a query is REJECTED
+    (RESOURCE_EXHAUSTED, at once) only when every eligible engine is busy"""
     kv_events: bool = True
     """follow the engines' KV events (--no-kv-events: approximate mode, the router's own decisions become
     predicted cached blocks with a TTL)"""

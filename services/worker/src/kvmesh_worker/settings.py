@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from kvmesh.settings import DaemonSettings, Port
-from pydantic import AfterValidator, Field, NonNegativeInt, PositiveInt
+from pydantic import AfterValidator, Field, NonNegativeInt, PositiveInt, model_validator
 
 from kvmesh_worker.engines import registry
 
@@ -46,8 +46,20 @@ class Settings(DaemonSettings):
     """split long prompts across passes"""
     max_model_len: NonNegativeInt = 0
     """longest prompt + max_tokens accepted (0 = what the cache can hold)"""
-    max_waiting_requests: NonNegativeInt = 0
-    """waiting-queue bound per engine; beyond it RESOURCE_EXHAUSTED (0 = unbounded)"""
+    max_waiting_requests: NonNegativeInt = 512
+    """waiting-queue bound per engine; beyond it RESOURCE_EXHAUSTED at once (default: 2 x max_num_seqs, so
+    queueing adds about two batches' worth of latency, never minutes; 0 = unbounded)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _waiting_bound_follows_max_num_seqs(cls, data: Any) -> Any:
+        """A production engine sheds load rather than queue without bound (issue 14 item 8)."""
+        if isinstance(data, dict) and "max_waiting_requests" not in data and "max_num_seqs" in data:
+            try:
+                return {**data, "max_waiting_requests": 2 * int(data["max_num_seqs"])}
+            except (TypeError, ValueError):
+                return data  # the max_num_seqs field reports its own error
+        return data
     speedup_ratio: Annotated[float, Field(ge=0)] = 1.0
     """simulated time runs this many times faster than real time (0 = no sleeping)"""
     perf_model: str = "polynomial"

@@ -443,7 +443,7 @@ class FileDiscovery(Discovery):
         except OSError as exc:
             raise DiscoveryUnavailable(f"discovery directory {self.root}: {exc}") from exc
 
-    async def list_and_watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
+    async def _watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         scanner = _Scanner(self._store, prefix)
         state: dict[str, bytes] | None = None
         while True:
@@ -452,6 +452,7 @@ class FileDiscovery(Discovery):
             try:
                 current = await asyncio.to_thread(scanner.scan)
             except OSError as exc:
+                self._note_unreachable()
                 if state is not None:
                     log.warning("file discovery: cannot scan %s (%s); will resync", self.root, exc)
                 state = None  # after recovery, a fresh Snapshot
@@ -498,6 +499,12 @@ class FileDiscovery(Discovery):
         return lease_id, ttl
 
     async def _lease_keepalive(self, lease_id: int) -> float:
+        return self._lease_keepalive_blocking(lease_id, self.op_timeout)
+
+    _blocking_keepalive = True
+
+    def _lease_keepalive_blocking(self, lease_id: int, timeout: float) -> float:
+        """A stat and a utime: thread-safe (the TTL map is only read here)."""
         try:
             return self._store.keepalive(lease_id, self._lease_ttl.get(lease_id, self.ttl))
         except OSError as exc:
