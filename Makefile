@@ -8,6 +8,7 @@ PIP := $(VENV)/bin/pip
 DISTS := libs/kvmesh services/worker services/router services/frontend bench cli
 STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
+TRITON_TESTS := tests/kserve_clients tests/security/kserve tests/disagg/kserve
 
 .PHONY: help setup setup-dev system-deps dev-deps perf-tools protos lint typecheck verify-units test test-python test-node test-bazel test-wheels run bench clean
 
@@ -87,11 +88,11 @@ verify-units: setup
 typecheck: setup
 	$(VENV)/bin/mypy
 
-# tests/kserve_clients and tests/security/kserve run stock tritonclient, whose stubs declare proto
-# package `inference` like ours: the two cannot share one process's descriptor pool, hence two pytest processes.
+# TRITON_TESTS run stock tritonclient, whose stubs declare proto package `inference` like ours: the two
+# cannot share one process's descriptor pool, hence two pytest processes.
 test-python: setup-dev
-	$(VENV)/bin/python -m pytest --ignore=tests/kserve_clients --ignore=tests/security/kserve $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest tests/kserve_clients tests/security/kserve $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(addprefix --ignore=,$(TRITON_TESTS)) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(TRITON_TESTS) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-node
 
 # A client generated in a second language (Node @grpc/grpc-js) streams ModelStreamInfer from kvmesh up.

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tests.disagg.test_mesh import LONG, assert_nothing_held, request
+from tests.disagg.kserve.test_mesh import LONG, assert_nothing_held, request
 from tests.kserve_clients.mesh import MODEL, Mesh, Outcome, absorb, param, stream_error, stream_requests
 
 pytestmark = pytest.mark.e2e
