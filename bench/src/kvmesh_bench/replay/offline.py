@@ -18,6 +18,11 @@ Virtual time follows the worker's real-time loop (``kvmesh_worker.engine_runner`
 - an arrival is routed (``Admission.decide``) and queued on the chosen engine at its trace time
   (timestamp / ``arrival_speedup``).
 
+The engines report their KV changes through a :class:`~kvmesh_worker.engine.block_manager.KvSink` (plain
+hashes, the same changes in the same order as their ``KvEvent`` journal) that the replay holds back until
+the pass ends and then applies with the index's ``store_chain`` / ``remove``: the same index updates as
+``apply_event``, without building an event object per pass and a StoredBlock per block.
+
 Runs of *quiet* decode passes (no output, no event, nothing a router can see) are skipped with
 ``EngineCore.fast_forward``, bounded by the next arrival, which is exactly equivalent to stepping
 through them. That, plus ``emit_token_ids=False``, is what makes the whole conversation trace with
@@ -113,6 +118,31 @@ class OfflineConfig:
         )
 
 
+class _PassChanges:
+    """One engine's KV changes since the last pass started (a KvSink): ``(stored?, parent, hashes, tokens)``."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, int | None, Sequence[int], Sequence[int]]] = []
+
+    def stored(self, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]) -> None:
+        self.items.append((_STORED, parent_hash, block_hashes, tokens_hashes))
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        self.items.append((_REMOVED, None, block_hashes, ()))
+
+    def cleared(self) -> None:
+        self.items.append((_CLEARED, None, (), ()))
+
+    def take(self) -> list[tuple[int, int | None, Sequence[int], Sequence[int]]]:
+        items, self.items = self.items, []
+        return items
+
+
+_STORED, _REMOVED, _CLEARED = 0, 1, 2
+
+
 class SimRouter:
     """The router daemon's routing core without its transport (see ``kvmesh_router.state.RouterState``)."""
 
@@ -137,12 +167,13 @@ def run_offline(
     cpu0, wall0 = time.process_time(), time.perf_counter()
     mapper = mapper or TokenMapper(vocab_size=config.vocab_size, seed=config.seed)
     econf = config.engine_config()
-    cores = [EngineCore(econf, load_perf_model(config.perf_model)) for _ in range(config.engines)]
+    sinks = [_PassChanges() for _ in range(config.engines)]
+    cores = [EngineCore(econf, load_perf_model(config.perf_model), sink) for sink in sinks]
     router = SimRouter(config.policy(), config.seed)
     for e in range(config.engines):
         router.add_engine(e, econf)
     admission, index = router.admission, router.index
-    apply_event = index.apply_event
+    store_chain, remove_blocks, clear_engine = index.store_chain, index.remove, index.clear
     bs = econf.block_size
 
     n = len(requests)
@@ -163,7 +194,7 @@ def run_offline(
     next_sample = [0.0] * config.engines
     samples: list[tuple[float, int, int, int, int, int]] = []
 
-    pending: list = [None] * config.engines  # the StepOutput of each engine's pass in flight
+    pending: list = [None] * config.engines  # the StepOutput and KV changes of each engine's pass in flight
     busy = [False] * config.engines
     heap: list[tuple[float, int, int]] = []  # (pass end, seq, engine)
     seq = 0
@@ -173,7 +204,7 @@ def run_offline(
     def start_pass(e: int, now: float) -> None:
         nonlocal seq, passes
         out = cores[e].step()
-        pending[e] = out
+        pending[e] = (out, sinks[e].take())
         passes += 1
         seq += 1
         heapq.heappush(heap, (now + out.metrics.duration_ms, seq, e))
@@ -183,10 +214,15 @@ def run_offline(
         ta = arrival[i] if i < n else inf
         if heap and heap[0][0] <= ta:
             t, _, e = heapq.heappop(heap)
-            out = pending[e]
+            out, changes = pending[e]
             pending[e] = None
-            for ev in out.kv_events:
-                apply_event(e, ev)
+            for kind, parent, hashes, tokens in changes:
+                if kind == _STORED:
+                    store_chain(e, parent, hashes, tokens)
+                elif kind == _REMOVED:
+                    remove_blocks(e, hashes)
+                else:
+                    clear_engine(e)
             for o in out.outputs:
                 k = slot_of[o.request_id]
                 if math.isnan(first[k]):
@@ -224,7 +260,7 @@ def run_offline(
         req = requests[i]
         i += 1
         tokens = req.prompt(mapper)
-        hashes = block_hashes(tokens, bs)[1]
+        local_hashes, hashes = block_hashes(tokens, bs)
         decision = admission.decide(
             RouteRequest(req.request_id, hashes, int(tokens.size), req.max_tokens), now=ta / 1000.0
         )
@@ -237,7 +273,11 @@ def run_offline(
         predicted[k] = decision.overlap_blocks * bs
         best[k] = decision.best_overlap_blocks * bs
         try:
-            cores[e].add_request(EngineRequest(req.request_id, tokens, req.max_tokens, ignore_eos=True))
+            cores[e].add_request(
+                EngineRequest(
+                    req.request_id, tokens, req.max_tokens, ignore_eos=True, prompt_hashes=(local_hashes, hashes)
+                )
+            )
         except EngineError as exc:
             admission.free(req.request_id)
             errors.append(f"{req.request_id}: engine {e} rejected it: {exc}")

@@ -58,6 +58,10 @@ class EngineRequest:
     # Cache namespace (e.g. a LoRA name): requests with different salts never share blocks.
     cache_salt: str | None = None
     kv_source: KvSource = KvSource.COMPUTE
+    # (tokens hashes, sequence hashes) of the prompt's full blocks, when the caller already has them (the
+    # offline replay's router hashed the prompt in the engine's block size): trusted, not recomputed.
+    # Ignored with a cache_salt (the engine hashes salted prompts itself).
+    prompt_hashes: tuple[Sequence[int], Sequence[int]] | None = None
 
 
 @dataclass(slots=True)

@@ -18,6 +18,10 @@ event per run of consecutive new blocks, parent = the predecessor's sequence has
 sequence start), BlocksRemoved when one leaves it (eviction, destroy, clear). Reusing a cached block
 and releasing a block to the inactive pool change nothing a router can see, so they emit nothing.
 
+Events go out through ``emit`` as ``EventData`` (the journal's vocabulary), or, when a :class:`KvSink` is
+given, as plain hash sequences to that sink instead (an in-process consumer such as the offline replay
+applies them to its index directly, without building a StoredBlock object per block).
+
 The caller checks capacity first (``free_slots`` vs ``num_missing``), so a move never half-fails.
 Cost is proportional to the blocks moved; nothing scans the cache except ``dump`` and ``clear``.
 """
@@ -25,6 +29,7 @@ Cost is proportional to the blocks moved; nothing scans the cache except ``dump`
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvmesh.kv_events import AllCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
 
@@ -33,19 +38,62 @@ from .evictor import LRUEvictor
 _NO_CHILDREN: tuple[int, ...] = ()  # typed so that ``children.get(h, _NO_CHILDREN)[0]`` is an int
 
 
+class KvSink(Protocol):
+    """The cached set's changes as plain hashes (the same moments and order as the EventData journal)."""
+
+    def stored(self, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]) -> None:
+        """A run of consecutive full blocks entered the cache (BlocksStored)."""
+        ...
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        """Blocks left the cache (BlocksRemoved)."""
+        ...
+
+    def cleared(self) -> None:
+        """Every block left the cache (AllCleared)."""
+        ...
+
+
+class _EventSink:
+    """The default sink: builds the ``EventData`` values and hands them to ``emit``."""
+
+    __slots__ = ("_emit",)
+
+    def __init__(self, emit: Callable[[EventData], object]) -> None:
+        self._emit = emit
+
+    def stored(self, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]) -> None:
+        self._emit(BlocksStored(parent_hash, tuple(map(StoredBlock, block_hashes, tokens_hashes))))
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        self._emit(BlocksRemoved(tuple(block_hashes)))
+
+    def cleared(self) -> None:
+        self._emit(AllCleared())
+
+
 class NoFreeBlocks(RuntimeError):
     """A move needed a slot that does not exist (the caller skipped its capacity check: a bug)."""
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, emit: Callable[[EventData], object]) -> None:
+    def __init__(
+        self, num_blocks: int, emit: Callable[[EventData], object] | None = None, sink: KvSink | None = None
+    ) -> None:
+        """Events go to ``sink`` if given, else to ``emit`` as EventData (one of the two is required)."""
+        if sink is None:
+            if emit is None:
+                raise ValueError("BlockManager needs an emit callback or a sink")
+            sink = _EventSink(emit)
         self.num_blocks = num_blocks
         self.active: dict[int, int] = {}  # block key -> refcount
         self.inactive = LRUEvictor()  # full blocks only
-        # Every cached full block: sequence hash -> (parent hash | None, tokens hash, position in its sequence).
-        self._meta: dict[int, tuple[int | None, int, int]] = {}
+        # Every cached full block: sequence hash -> (parent hash | None, tokens hash).
+        self._meta: dict[int, tuple[int | None, int]] = {}
         self._next_partial = -1
-        self._emit = emit
+        self._stored = sink.stored
+        self._removed = sink.removed
+        self._cleared = sink.cleared
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -121,13 +169,13 @@ class BlockManager:
             evicted = [inactive.popitem(last=False)[0] for _ in range(n_evict)]  # LRU first
             for h in evicted:
                 del meta[h]
-            self._emit(BlocksRemoved(tuple(evicted)))
+            self._removed(evicted)
         for a, b in runs:  # bulk inserts: this is the hot path of every prefill
             blocks, tokens = hashes[a:b], local_hashes[a:b]
             parent = hashes[a - 1] if a else None
             active.update(dict.fromkeys(blocks, 1))
-            meta.update(zip(blocks, zip([parent, *blocks[:-1]], tokens, range(a, b), strict=True), strict=True))
-            self._emit(BlocksStored(parent, tuple(map(StoredBlock, blocks, tokens))))
+            meta.update(zip(blocks, zip([parent, *blocks[:-1]], tokens, strict=True), strict=True))
+            self._stored(parent, blocks, tokens)
 
     def _take_existing(self, hashes: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]]:
         """Slow path of ``use``: take the cached blocks of ``hashes[lo:hi]``; return the runs of new ones."""
@@ -152,7 +200,7 @@ class BlockManager:
         evicted: list[int] = []
         self._take_slot(evicted)
         if evicted:
-            self._emit(BlocksRemoved(tuple(evicted)))
+            self._removed(evicted)
         key = self._next_partial
         self._next_partial -= 1
         self.active[key] = 1
@@ -163,6 +211,7 @@ class BlockManager:
 
         If that block is already cached (another request computed the same tokens), the partial
         block's slot is released and the existing block is used instead; otherwise it is stored.
+        ``position`` (the block's index in its sequence) is part of the move's description, not stored.
         """
         del self.active[key]
         if block_hash in self.active:
@@ -171,8 +220,8 @@ class BlockManager:
             self.active[block_hash] = 1
         else:
             self.active[block_hash] = 1
-            self._meta[block_hash] = (parent, tokens_hash, position)
-            self._emit(BlocksStored(parent, (StoredBlock(block_hash, tokens_hash),)))
+            self._meta[block_hash] = (parent, tokens_hash)
+            self._stored(parent, (block_hash,), (tokens_hash,))
 
     def deref(self, keys: Sequence[int]) -> None:
         """Deref: drop one reference on each block of a sequence.
@@ -208,7 +257,7 @@ class BlockManager:
                     del self._meta[key]
                     removed.append(key)
         if removed:
-            self._emit(BlocksRemoved(tuple(removed)))
+            self._removed(removed)
 
     def clear(self) -> None:
         """Drop every inactive block; active ones are in use and stay.
@@ -219,16 +268,16 @@ class BlockManager:
         for h in self.inactive:
             del self._meta[h]
         self.inactive.clear()
-        self._emit(AllCleared())
+        self._cleared()
         for event in self.dump():
-            self._emit(event)
+            self._stored(event.parent_hash, [b.block_hash for b in event.blocks], [b.tokens_hash for b in event.blocks])
 
     def dump(self) -> list[BlocksStored]:
         """The cached set as Stored events, parents before children (one event per unbranched chain)."""
         meta = self._meta
         children: dict[int, list[int]] = {}
         roots: list[int] = []
-        for h, (parent, _, _) in meta.items():
+        for h, (parent, _) in meta.items():
             if parent is not None and parent in meta:
                 children.setdefault(parent, []).append(h)
             else:
