@@ -197,8 +197,6 @@ def test_a_kv_sink_gets_exactly_the_journal_changes_and_the_outputs_stay_the_sam
             for _ in range(rng.randrange(1, 4)):
                 outs.append(core.step())
                 journal += [_as_changes(e.data) for e in outs[-1].kv_events]
-            if i == 30:
-                journal += [_as_changes(e.data) for e in core.clear_cache()]
         while core.has_unfinished():
             outs.append(core.step())
             journal += [_as_changes(e.data) for e in outs[-1].kv_events]
@@ -210,8 +208,21 @@ def test_a_kv_sink_gets_exactly_the_journal_changes_and_the_outputs_stay_the_sam
     b, nothing = drive(EngineCore(cfg, kv_sink=sink))
     assert [(o.outputs, o.metrics) for o in a] == [(o.outputs, o.metrics) for o in b]
     assert nothing == []
-    assert len(journal) > 10 and ("cleared",) in journal
+    assert len(journal) > 10 and any(c[0] == "removed" for c in journal)
     assert sink.changes == journal
+
+
+def test_an_engine_with_a_kv_sink_keeps_no_metadata_so_it_cannot_dump_or_clear():
+    cfg = EngineConfig(num_gpu_blocks=40, block_size=4, max_num_batched_tokens=48, watermark=0.0, vocab_size=500)
+    core = EngineCore(cfg, kv_sink=RecordingSink())
+    core.add_request(EngineRequest("a", list(range(10)), max_tokens=3, ignore_eos=True))
+    while core.has_unfinished():
+        core.step()
+    assert len(core.block_manager.cached_hashes()) == 3
+    with pytest.raises(RuntimeError, match="metadata"):
+        core.dump_cache()
+    with pytest.raises(RuntimeError, match="metadata"):
+        core.clear_cache()
 
 
 def test_prompt_hashes_given_by_the_caller_are_used_as_computed():

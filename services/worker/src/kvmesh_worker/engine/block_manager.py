@@ -20,7 +20,9 @@ and releasing a block to the inactive pool change nothing a router can see, so t
 
 Events go out through ``emit`` as ``EventData`` (the journal's vocabulary), or, when a :class:`KvSink` is
 given, as plain hash sequences to that sink instead (an in-process consumer such as the offline replay
-applies them to its index directly, without building a StoredBlock object per block).
+applies them to its index directly, without building a StoredBlock object per block). Such a consumer
+holds the cached set itself, so the block manager then keeps no per-block metadata (parent and tokens
+hash, which only ``dump`` needs): ``dump`` and ``clear`` raise, and a block costs two dict rows fewer.
 
 The caller checks capacity first (``free_slots`` vs ``num_missing``), so a move never half-fails.
 Cost is proportional to the blocks moved; nothing scans the cache except ``dump`` and ``clear``.
@@ -28,6 +30,7 @@ Cost is proportional to the blocks moved; nothing scans the cache except ``dump`
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -80,7 +83,9 @@ class BlockManager:
     def __init__(
         self, num_blocks: int, emit: Callable[[EventData], object] | None = None, sink: KvSink | None = None
     ) -> None:
-        """Events go to ``sink`` if given, else to ``emit`` as EventData (one of the two is required)."""
+        """Events go to ``sink`` if given (no metadata, no dumps), else to ``emit`` as EventData."""
+        # Every cached full block: sequence hash -> (parent hash | None, tokens hash); None with a sink.
+        self._meta: dict[int, tuple[int | None, int]] | None = {} if sink is None else None
         if sink is None:
             if emit is None:
                 raise ValueError("BlockManager needs an emit callback or a sink")
@@ -88,8 +93,6 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.active: dict[int, int] = {}  # block key -> refcount
         self.inactive = LRUEvictor()  # full blocks only
-        # Every cached full block: sequence hash -> (parent hash | None, tokens hash).
-        self._meta: dict[int, tuple[int | None, int]] = {}
         self._next_partial = -1
         self._stored = sink.stored
         self._removed = sink.removed
@@ -129,7 +132,7 @@ class BlockManager:
 
     def cached_hashes(self) -> set[int]:
         """Sequence hashes of every cached full block (active or inactive)."""
-        return set(self._meta)
+        return {h for h in self.active if h >= 0} | set(self.inactive)
 
     # ------------------------------------------------------------------------------------------- moves
 
@@ -167,14 +170,16 @@ class BlockManager:
         meta = self._meta
         if n_evict > 0:
             evicted = [inactive.popitem(last=False)[0] for _ in range(n_evict)]  # LRU first
-            for h in evicted:
-                del meta[h]
+            if meta is not None:
+                for h in evicted:
+                    del meta[h]
             self._removed(evicted)
         for a, b in runs:  # bulk inserts: this is the hot path of every prefill
             blocks, tokens = hashes[a:b], local_hashes[a:b]
             parent = hashes[a - 1] if a else None
             active.update(dict.fromkeys(blocks, 1))
-            meta.update(zip(blocks, zip([parent, *blocks[:-1]], tokens, strict=True), strict=True))
+            if meta is not None:
+                meta.update(zip(blocks, zip([parent, *blocks[:-1]], tokens, strict=True), strict=True))
             self._stored(parent, blocks, tokens)
 
     def _take_existing(self, hashes: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]]:
@@ -220,7 +225,8 @@ class BlockManager:
             self.active[block_hash] = 1
         else:
             self.active[block_hash] = 1
-            self._meta[block_hash] = (parent, tokens_hash)
+            if self._meta is not None:
+                self._meta[block_hash] = (parent, tokens_hash)
             self._stored(parent, (block_hash,), (tokens_hash,))
 
     def deref(self, keys: Sequence[int]) -> None:
@@ -231,6 +237,12 @@ class BlockManager:
         prefix, which keeps every cached block's parent cached as long as the block itself.
         """
         active, inactive = self.active, self.inactive
+        if keys and max(map(active.__getitem__, keys)) == 1:
+            # The usual release: nobody else holds any of them; the same moves at C speed (partial last).
+            full = keys if keys[-1] >= 0 else keys[:-1]
+            deque(map(active.__delitem__, keys), 0)
+            inactive.update(dict.fromkeys(reversed(full)))
+            return
         for key in reversed(keys):
             rc = active[key] - 1
             if rc:
@@ -254,7 +266,8 @@ class BlockManager:
             else:
                 del active[key]
                 if key >= 0:
-                    del self._meta[key]
+                    if self._meta is not None:
+                        del self._meta[key]
                     removed.append(key)
         if removed:
             self._removed(removed)
@@ -265,8 +278,9 @@ class BlockManager:
         Emits AllCleared (the subscriber drops this engine's whole index) followed by the Stored
         events of the surviving active blocks, so an index that applies the stream stays exact.
         """
+        meta = self._require_meta("clear")
         for h in self.inactive:
-            del self._meta[h]
+            del meta[h]
         self.inactive.clear()
         self._cleared()
         for event in self.dump():
@@ -274,7 +288,7 @@ class BlockManager:
 
     def dump(self) -> list[BlocksStored]:
         """The cached set as Stored events, parents before children (one event per unbranched chain)."""
-        meta = self._meta
+        meta = self._require_meta("dump")
         children: dict[int, list[int]] = {}
         roots: list[int] = []
         for h, (parent, _) in meta.items():
@@ -296,6 +310,11 @@ class BlockManager:
 
     # ----------------------------------------------------------------------------------------- helpers
 
+    def _require_meta(self, what: str) -> dict[int, tuple[int | None, int]]:
+        if self._meta is None:
+            raise RuntimeError(f"{what} needs block metadata, which a block manager with a KvSink does not keep")
+        return self._meta
+
     def _take_slot(self, evicted: list[int]) -> None:
         """Make room for one more active block, evicting the LRU inactive block if the cache is full."""
         if len(self.active) + len(self.inactive) < self.num_blocks:
@@ -303,5 +322,6 @@ class BlockManager:
         if not self.inactive:
             raise NoFreeBlocks(f"all {self.num_blocks} blocks are active")
         h = self.inactive.evict()
-        del self._meta[h]
+        if self._meta is not None:
+            del self._meta[h]
         evicted.append(h)

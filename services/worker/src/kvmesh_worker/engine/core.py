@@ -14,7 +14,8 @@ thread-safe: one driver (an event loop or a replay) owns it.
 An in-process consumer of the KV events (the offline replay, which applies them to its router index)
 can pass a :class:`~.block_manager.KvSink` instead: the block manager then reports each change as
 plain hashes to that sink, no ``KvEvent`` is built or journalled, and ``StepOutput.kv_events`` stays
-empty (the sink gets the same changes at the same moments, in the same order).
+empty (the sink gets the same changes at the same moments, in the same order). The sink's owner holds
+the cached set, so such an engine keeps no block metadata: ``dump_cache`` and ``clear_cache`` raise.
 
 Cost: a pass is O(running requests) plus O(blocks that change). A replay that only needs timing
 (``emit_token_ids=False``) can also skip the dominant case, runs of decode passes in which nothing
