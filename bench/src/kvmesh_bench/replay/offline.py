@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvmesh.hashing import block_hashes
+from kvmesh.hashing import block_hashes, local_block_hashes, sequence_hashes
 from kvmesh_router.admission import Admission, BusyThresholds, Decision, EngineSpec, RouteRequest
 from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
@@ -143,6 +143,46 @@ class _PassChanges:
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
 
 
+class _PromptHasher:
+    """``block_hashes(prompt, block_size)`` of trace prompts, memoized per trace block and its prefix.
+
+    A prompt is its trace ids' token blocks laid end to end (see ``workload``), so when the engine block
+    size divides the trace block, the engine blocks of a full trace block depend only on that id and on
+    the sequence hash before it: ``(parent sequence hash, id) -> (tokens hashes, sequence hashes)`` of its
+    engine blocks is the same in every prompt that reaches it. Multi-turn traces repeat their prefixes,
+    so most trace blocks are hashed once per replay. The result equals ``block_hashes`` exactly.
+    """
+
+    def __init__(self, mapper: TokenMapper, block_size: int) -> None:
+        self._bs = block_size
+        self._bt = mapper.block_tokens
+        self._usable = mapper.block_tokens % block_size == 0
+        self._memo: dict[tuple[int | None, int], tuple[list[int], list[int]]] = {}
+
+    def __call__(self, hash_ids: Sequence[int], tokens: np.ndarray) -> tuple[list[int], list[int]]:
+        if not self._usable:
+            return block_hashes(tokens, self._bs)
+        bs, bt, memo = self._bs, self._bt, self._memo
+        local: list[int] = []
+        seq: list[int] = []
+        parent: int | None = None
+        full = len(tokens) // bt  # trace blocks whose every token is in the prompt
+        for j in range(full):
+            key = (parent, hash_ids[j])
+            hit = memo.get(key)
+            if hit is None:
+                lo = local_block_hashes(tokens[j * bt : (j + 1) * bt], bs)
+                hit = memo[key] = (lo, sequence_hashes(lo, parent=parent))
+            local += hit[0]
+            seq += hit[1]
+            parent = seq[-1]
+        tail = local_block_hashes(tokens[full * bt :], bs)
+        if tail:
+            local += tail
+            seq += sequence_hashes(tail, parent=parent)
+        return local, seq
+
+
 class SimRouter:
     """The router daemon's routing core without its transport (see ``kvmesh_router.state.RouterState``)."""
 
@@ -175,6 +215,7 @@ def run_offline(
     admission, index = router.admission, router.index
     store_chain, remove_blocks, clear_engine = index.store_chain, index.remove, index.clear
     bs = econf.block_size
+    prompt_hashes = _PromptHasher(mapper, bs)
 
     n = len(requests)
     arrival = np.array([r.arrival_ms for r in requests], dtype=float)
@@ -260,7 +301,7 @@ def run_offline(
         req = requests[i]
         i += 1
         tokens = req.prompt(mapper)
-        local_hashes, hashes = block_hashes(tokens, bs)
+        local_hashes, hashes = prompt_hashes(req.hash_ids, tokens)
         decision = admission.decide(
             RouteRequest(req.request_id, hashes, int(tokens.size), req.max_tokens), now=ta / 1000.0
         )
