@@ -376,12 +376,6 @@ class KvIndexer:
 
     def store(self, engine_id: int, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> ApplyError | None:
         """``engine_id`` cached ``blocks`` (a chain) after ``parent_hash``; dropped whole if the parent is unknown."""
-        return self.store_chain(engine_id, parent_hash, [b.block_hash for b in blocks], [b.tokens_hash for b in blocks])
-
-    def store_chain(
-        self, engine_id: int, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
-    ) -> ApplyError | None:
-        """:meth:`store` with the chain as two parallel hash sequences (no StoredBlock objects)."""
         slot = self._slot(engine_id)
         bit = 1 << slot
         holders = self._holders
@@ -390,39 +384,73 @@ class KvIndexer:
             self.counters.stores_dropped += 1
             return ApplyError.PARENT_NOT_FOUND
         meta = self._meta
+        tracking = self._size >= self._track_from
+        prev = parent_hash
         added = 0
         error: ApplyError | None = None
-        n = len(block_hashes)
-        if holders.keys().isdisjoint(block_hashes) and len(set(block_hashes)) == n and parent_hash not in block_hashes:
-            # The usual store: a chain of blocks no engine holds yet (no repeats, so no invalid link),
-            # appended whole (most recent), at C speed. Meta rows as in the loop below.
-            holders.update(dict.fromkeys(block_hashes, bit))
-            if n:
-                first = 0 if parent_hash is None else (parent_hash + 1) << 64
-                rows = [(p + 1) << 64 | t for p, t in zip(block_hashes[:-1], tokens_hashes[1:], strict=True)]
-                meta[block_hashes[0]] = first | tokens_hashes[0]
-                meta.update(zip(block_hashes[1:], rows, strict=True))
-            added = n
-        else:
-            tracking = self._size >= self._track_from
-            prev = parent_hash
-            for h, tokens_hash in zip(block_hashes, tokens_hashes, strict=True):
-                if h == prev:
-                    self.counters.invalid_sequences += 1
-                    error = ApplyError.INVALID_SEQUENCE
-                    break
-                mask = get(h)
-                if mask is None:  # a block no engine holds yet: appended, i.e. most recent
-                    holders[h] = bit
-                    meta[h] = tokens_hash if prev is None else (prev + 1) << 64 | tokens_hash
+        for block in blocks:
+            h = block.block_hash
+            if h == prev:
+                self.counters.invalid_sequences += 1
+                error = ApplyError.INVALID_SEQUENCE
+                break
+            mask = get(h)
+            if mask is None:  # a block no engine holds yet: appended, i.e. most recent
+                holders[h] = bit
+                meta[h] = block.tokens_hash if prev is None else (prev + 1) << 64 | block.tokens_hash
+                added += 1
+            else:
+                if not mask & bit:
+                    holders[h] = mask | bit
                     added += 1
-                else:
-                    if not mask & bit:
-                        holders[h] = mask | bit
-                        added += 1
-                    if tracking:  # stored again (here or elsewhere): most recent
-                        meta[h] = meta.pop(h)
-                prev = h
+                if tracking:  # stored again (here or elsewhere): most recent
+                    meta[h] = meta.pop(h)
+            prev = h
+        self._size += added
+        self._counts[slot] += added
+        self.counters.blocks_stored += added
+        if self._capped and self._size > self.max_entries:  # type: ignore[operator]
+            self._evict(self._low_water)
+        return error
+
+    def store_chain(
+        self, engine_id: int, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
+    ) -> ApplyError | None:
+        """:meth:`store` with the chain as two parallel hash sequences (no StoredBlock objects to build).
+
+        The same loop as ``store``, kept separate because each is a hot path (the daemon's events, the
+        offline replay's changes) and a shared helper would cost one of them a conversion per block
+        (measured: bulk ``dict.update`` inserts are no faster than this loop on a large index).
+        """
+        slot = self._slot(engine_id)
+        bit = 1 << slot
+        holders = self._holders
+        get = holders.get
+        if parent_hash is not None and not get(parent_hash, 0) & bit:
+            self.counters.stores_dropped += 1
+            return ApplyError.PARENT_NOT_FOUND
+        meta = self._meta
+        tracking = self._size >= self._track_from
+        prev = parent_hash
+        added = 0
+        error: ApplyError | None = None
+        for h, tokens_hash in zip(block_hashes, tokens_hashes, strict=True):
+            if h == prev:
+                self.counters.invalid_sequences += 1
+                error = ApplyError.INVALID_SEQUENCE
+                break
+            mask = get(h)
+            if mask is None:  # a block no engine holds yet: appended, i.e. most recent
+                holders[h] = bit
+                meta[h] = tokens_hash if prev is None else (prev + 1) << 64 | tokens_hash
+                added += 1
+            else:
+                if not mask & bit:
+                    holders[h] = mask | bit
+                    added += 1
+                if tracking:  # stored again (here or elsewhere): most recent
+                    meta[h] = meta.pop(h)
+            prev = h
         self._size += added
         self._counts[slot] += added
         self.counters.blocks_stored += added
