@@ -135,7 +135,7 @@ def run_side_by_side(
             for res in results:
                 out_json = Path(tmp) / f"kvmesh-{res.mode}-{rep}.json"
                 kv_cmd = [*_kvmesh_cmd(), "bench", "replay", str(trace), "--offline", "--router-mode", res.mode]
-                kv_cmd += [*kvmesh_args, "--json", str(out_json), "--plot", str(Path(tmp) / "p.png")]
+                kv_cmd += [*kvmesh_args, "--json", str(out_json), "--no-plot"]  # Dynamo's replay plots nothing
                 dyn_cmd = [dynamo, "-c", _DYNAMO_SCRIPT, str(trace), MODES[res.mode], repr(arrival_speedup)]
                 dyn_cmd += [str(engines), str(block_size), str(num_gpu_blocks)]
                 order = ("kvmesh", "dynamo") if rep % 2 == 0 else ("dynamo", "kvmesh")

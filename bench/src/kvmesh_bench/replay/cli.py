@@ -111,6 +111,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=_positive_int, default=DEFAULT_VOCAB_SIZE, help="token ids drawn below it")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON (and the plots next to it)")
     p.add_argument("--plot", metavar="PATH", help="write the PNG plots here (default: next to --json)")
+    p.add_argument("--no-plot", action="store_true", help="no PNG plots (not even next to --json)")
     p.add_argument("--no-progress", action="store_true", help="live: no progress bar")
 
 
@@ -205,6 +206,8 @@ def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequ
 def _outputs(args: argparse.Namespace, stem_suffix: str = "") -> tuple[Path | None, Path | None]:
     json_path = Path(args.json) if args.json else None
     plot_path = Path(args.plot) if args.plot else None
+    if getattr(args, "no_plot", False):
+        return json_path, None
     if plot_path is None and json_path is not None:
         plot_path = json_path.with_name(json_path.stem + stem_suffix + ".png")
     return json_path, plot_path
