@@ -187,7 +187,8 @@ class SimRouter:
     """The router daemon's routing core without its transport (see ``kvmesh_router.state.RouterState``)."""
 
     def __init__(self, policy: RouterPolicyConfig, seed: int, booking_ttl_s: float = DEFAULT_EXPIRY_S) -> None:
-        self.index = KvIndexer(max_entries=None)  # RouterSettings.index_max_blocks defaults to unbounded
+        # RouterSettings.index_max_blocks defaults to unbounded; a simulation never dumps its index.
+        self.index = KvIndexer(max_entries=None, dumps=False)
         self.slots = SlotTracker(_ROUTER_DEFAULT_BLOCK_SIZE, expiry_s=booking_ttl_s)
         self.admission = Admission(
             self.index, self.slots, config=policy, thresholds=BusyThresholds(), rng=random.Random(seed)

@@ -292,6 +292,7 @@ class KvIndexer:
     __slots__ = (
         "_capped",
         "_counts",
+        "_dumps",
         "_holders",
         "_low_water",
         "_meta",
@@ -307,7 +308,13 @@ class KvIndexer:
         max_entries: int | None = DEFAULT_MAX_ENTRIES,
         low_water_ratio: float = 0.9,
         track_ratio: float = 0.5,
+        dumps: bool = True,
     ) -> None:
+        """``dumps=False``: keep no per-block (parent, tokens hash) rows, so no dumps (they raise) and no cap;
+        for a simulation that only routes (the offline replay): a stored block costs one dict row, not two.
+        """
+        if not dumps and max_entries is not None:
+            raise ValueError("an index without dump metadata cannot be capped (its recency order lives there)")
         if max_entries is not None and max_entries <= 0:
             raise ValueError(f"max_entries must be positive or None, got {max_entries}")
         if not 0.0 < low_water_ratio <= 1.0:
@@ -322,7 +329,8 @@ class KvIndexer:
         self._holders: dict[int, int] = {}  # seq hash -> engine bitmask (never 0)
         # seq hash -> packed (parent hash, tokens hash), see _pack. Its insertion order is the recency order
         # (oldest first): a touch re-inserts the key (a plain dict is half the memory of an OrderedDict).
-        self._meta: dict[int, int] = {}
+        self._meta: dict[int, int] = {}  # stays empty with dumps=False
+        self._dumps = dumps
         self._slots = EngineSlots()
         self._counts: list[int] = []  # slot -> blocks held by that engine
         self._size = 0
@@ -376,6 +384,10 @@ class KvIndexer:
 
     def store(self, engine_id: int, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> ApplyError | None:
         """``engine_id`` cached ``blocks`` (a chain) after ``parent_hash``; dropped whole if the parent is unknown."""
+        if not self._dumps:
+            return self.store_chain(
+                engine_id, parent_hash, [b.block_hash for b in blocks], [b.tokens_hash for b in blocks]
+            )
         slot = self._slot(engine_id)
         bit = 1 << slot
         holders = self._holders
@@ -430,6 +442,7 @@ class KvIndexer:
             self.counters.stores_dropped += 1
             return ApplyError.PARENT_NOT_FOUND
         meta = self._meta
+        dumps = self._dumps
         tracking = self._size >= self._track_from
         prev = parent_hash
         added = 0
@@ -442,7 +455,8 @@ class KvIndexer:
             mask = get(h)
             if mask is None:  # a block no engine holds yet: appended, i.e. most recent
                 holders[h] = bit
-                meta[h] = tokens_hash if prev is None else (prev + 1) << 64 | tokens_hash
+                if dumps:
+                    meta[h] = tokens_hash if prev is None else (prev + 1) << 64 | tokens_hash
                 added += 1
             else:
                 if not mask & bit:
@@ -475,7 +489,8 @@ class KvIndexer:
                 if masks.count(bit) == n and len(set(block_hashes)) == n:
                     # The usual removal: blocks only this engine held, each once; the same moves at C speed.
                     deque(map(holders.__delitem__, block_hashes), 0)
-                    deque(map(meta.__delitem__, block_hashes), 0)
+                    if self._dumps:
+                        deque(map(meta.__delitem__, block_hashes), 0)
                     self._size -= n
                     self._counts[slot] -= n
                     self.counters.blocks_removed += n
@@ -490,7 +505,8 @@ class KvIndexer:
                     holders[h] = mask
                 else:
                     del holders[h]
-                    del meta[h]
+                    if self._dumps:
+                        del meta[h]
                 removed += 1
             self._size -= removed
             self._counts[slot] -= removed
@@ -517,7 +533,8 @@ class KvIndexer:
                 holders[h] = mask
             else:
                 del holders[h]
-                del meta[h]
+                if self._dumps:
+                    del meta[h]
         self._size -= self._counts[slot]
         self._counts[slot] = 0
 
@@ -618,6 +635,8 @@ class KvIndexer:
         return self._dump_set(self.blocks_of(engine_id))
 
     def _dump_set(self, own: Set[int]) -> list[BlocksStored]:
+        if not self._dumps:
+            raise RuntimeError("this index keeps no dump metadata (dumps=False)")
         meta = self._meta
         roots: list[int] = []
         children: dict[int, list[int]] = {}
