@@ -10,6 +10,13 @@ Examples::
 ``power_of_two``. Live, a mode other than plain ``kv`` is sent per request as ``kvmesh.router_mode``
 and a policy name as ``kvmesh.router_policy``; policy knobs (``+KEY=VALUE``) are offline only.
 
+``--baseline dynamo`` (offline) runs this replay and Dynamo 1.6.1's ``run_trace_replay`` side by side on
+the same rows, kv and round robin, as separate processes taken in turns, and prints their whole-process
+CPU time and figures as ratios (Dynamo's interpreter: ``--dynamo-python`` or ``$KVMESH_DYNAMO_PYTHON``;
+without it the comparison is skipped with a note)::
+
+    kvmesh bench replay conversation_trace.jsonl --offline --max-requests 4000 --baseline dynamo --repeats 3
+
 Exit status: 0 done (even with failed requests: they are reported), 2 bad input (a malformed trace line
 names its line, an empty trace, an unreachable frontend, bad flags).
 """
@@ -130,6 +137,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=positive_int, default=DEFAULT_VOCAB_SIZE, help="token ids drawn below it")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON (and the plots next to it)")
     p.add_argument("--plot", metavar="PATH", help="write the PNG plots here (default: next to --json)")
+    p.add_argument("--no-plot", action="store_true", help="no PNG plots (not even next to --json)")
     p.add_argument("--no-progress", action="store_true", help="live: no progress bar")
     # Disaggregated fleet (offline; docs/disaggregation.md): P prefill + D decode engines instead of --engines.
     p.add_argument("--prefill-engines", type=int, default=0, help="offline: prefill engines (P/D fleet)")
@@ -240,6 +248,8 @@ def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequ
 def _outputs(args: argparse.Namespace, stem_suffix: str = "") -> tuple[Path | None, Path | None]:
     json_path = Path(args.json) if args.json else None
     plot_path = Path(args.plot) if args.plot else None
+    if getattr(args, "no_plot", False):
+        return json_path, None
     if plot_path is None and json_path is not None:
         plot_path = json_path.with_name(json_path.stem + stem_suffix + ".png")
     return json_path, plot_path
@@ -250,7 +260,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=raw)
     add_common_args(parser)
     parser.add_argument("--router-mode", default="kv", help="kv[:POLICY[+KEY=VALUE...]], round_robin, random, ...")
+    parser.add_argument(
+        "--baseline", choices=["dynamo"], help="offline: compare with Dynamo's replay (kv, round robin)"
+    )
+    parser.add_argument("--dynamo-python", help="--baseline: Dynamo's venv interpreter (default $KVMESH_DYNAMO_PYTHON)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="--baseline: runs per side and mode")
     args = parser.parse_args(argv)
+    if args.baseline:
+        return _baseline(args)
     try:
         spec = parse_mode(args.router_mode)
         check_live_args(args)
@@ -274,6 +291,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     if plot_path is not None:
         plot_run(run, plot_path)
         print(f"wrote {plot_path}")
+    return 0
+
+
+def _baseline(args: argparse.Namespace) -> int:
+    from kvmesh_bench.replay.baseline import dynamo_python, format_side_by_side, run_side_by_side
+
+    if not args.offline:
+        print(f"{PROG}: error: --baseline compares offline replays: add --offline", file=sys.stderr)
+        return 2
+    try:
+        rows = load_trace(args.trace, args.max_requests)
+    except TraceError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    python, note = dynamo_python(args.dynamo_python)
+    print(note)
+    if python is None:
+        return 0
+    kvmesh_args = [
+        "--engines", str(args.engines), "--block-size", str(args.block_size),
+        "--num-gpu-blocks", str(args.num_gpu_blocks), "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--arrival-speedup", repr(args.arrival_speedup),
+        "--seed", str(args.seed), "--no-progress",
+    ]  # fmt: skip
+    results = run_side_by_side(
+        rows,
+        dynamo=python,
+        kvmesh_args=kvmesh_args,
+        arrival_speedup=args.arrival_speedup,
+        engines=args.engines,
+        block_size=args.block_size,
+        num_gpu_blocks=args.num_gpu_blocks,
+        repeats=args.repeats,
+    )
+    print(f"{PROG}: {len(rows)} rows of {args.trace}, arrivals x{args.arrival_speedup:g}, kvmesh vs Dynamo 1.6.1")
+    print(format_side_by_side(results))
+    if args.json:
+        write_json(args.json, {"trace": str(args.trace), "rows": len(rows), "runs": [r.as_dict() for r in results]})
+        print(f"wrote {args.json}")
     return 0
 
 

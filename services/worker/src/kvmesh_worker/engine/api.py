@@ -60,6 +60,10 @@ class EngineRequest:
     kv_source: KvSource = KvSource.COMPUTE
     # Disaggregation: after finishing, keep the prompt's blocks for a transfer (engines that move KV).
     hold_kv: bool = False
+    # (tokens hashes, sequence hashes) of the prompt's full blocks, when the caller already has them (the
+    # offline replay's router hashed the prompt in the engine's block size): trusted, not recomputed.
+    # Ignored with a cache_salt (the engine hashes salted prompts itself).
+    prompt_hashes: tuple[Sequence[int], Sequence[int]] | None = None
 
 
 @dataclass(slots=True)

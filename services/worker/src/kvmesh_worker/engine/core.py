@@ -11,6 +11,12 @@ Nobody needs to poll: an engine with ``has_unfinished() == False`` has nothing t
 ``add_request``, and a step on it returns at once with no outputs and no events. An engine is not
 thread-safe: one driver (an event loop or a replay) owns it.
 
+An in-process consumer of the KV events (the offline replay, which applies them to its router index)
+can pass a :class:`~.block_manager.KvSink` instead: the block manager then reports each change as
+plain hashes to that sink, no ``KvEvent`` is built or journalled, and ``StepOutput.kv_events`` stays
+empty (the sink gets the same changes at the same moments, in the same order). The sink's owner holds
+the cached set, so such an engine keeps no block metadata: ``dump_cache`` and ``clear_cache`` raise.
+
 Cost: a pass is O(running requests) plus O(blocks that change). A replay that only needs timing
 (``emit_token_ids=False``) can also skip the dominant case, runs of decode passes in which nothing
 but counters change, with ``fast_forward`` (exactly equivalent to stepping through them).
@@ -51,7 +57,7 @@ from .api import (
     QueueFull,
     StepOutput,
 )
-from .block_manager import BlockManager
+from .block_manager import BlockManager, KvSink
 from .config import EngineConfig, EngineMode
 from .perf_model import PerfModel, PolynomialPerfModel
 from .scheduler import Request, Scheduler
@@ -60,14 +66,17 @@ from .scheduler import Request, Scheduler
 class EngineCore:
     """One simulated engine (defaults: Dynamo's mocker config and polynomial perf model)."""
 
-    def __init__(self, config: EngineConfig | None = None, perf_model: PerfModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, perf_model: PerfModel | None = None, kv_sink: KvSink | None = None
+    ) -> None:
+        """``kv_sink``: report cache changes there instead of journalling KvEvents (see the module docstring)."""
         self.config = config = config or EngineConfig()
         if config.mode is not EngineMode.AGGREGATED:
             raise NotImplementedError(f"engine mode {config.mode.value!r} is not implemented yet (see core.py)")
         self.perf_model = perf_model or PolynomialPerfModel()
         self.journal = EventJournal(config.event_journal_size)
         self._events: list[KvEvent] = []  # events of the step (or call) in progress
-        self.block_manager = BlockManager(config.num_gpu_blocks, self._record)
+        self.block_manager = BlockManager(config.num_gpu_blocks, self._record, kv_sink)
         self.scheduler = Scheduler(config, self.block_manager)
         self._block_size = config.block_size
         self._total_kv_tokens = config.num_gpu_blocks * config.block_size
@@ -184,13 +193,20 @@ class EngineCore:
         num_decode = len(sched.running)
         context = sum(r.num_computed for r in sched.running) + num_decode  # of the first skipped pass
         passes, total = 0, 0.0
-        while passes < limit:
-            duration = self.perf_model.decode_ms(active_kv, self._total_kv_tokens, context / num_decode)
-            if total + duration > max_ms:
-                break
-            total += duration
-            passes += 1
-            context += num_decode
+        decode_ms = self.perf_model.decode_ms
+        if getattr(self.perf_model, "decode_uses_context", True):
+            while passes < limit:
+                duration = decode_ms(active_kv, self._total_kv_tokens, context / num_decode)
+                if total + duration > max_ms:
+                    break
+                total += duration
+                passes += 1
+                context += num_decode
+        else:  # every pass of the run takes the same time; summed pass by pass all the same (same floats)
+            duration = decode_ms(active_kv, self._total_kv_tokens, context / num_decode)
+            while passes < limit and total + duration <= max_ms:
+                total += duration
+                passes += 1
         sched.skip(passes)
         return passes, total
 
