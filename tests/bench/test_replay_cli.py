@@ -90,3 +90,18 @@ def test_parse_mode():
     spec = cli.parse_mode("kv:affinity+backlog_weight=0.05")
     assert (spec.mode, spec.policy, spec.params) == ("kv", "affinity", {"backlog_weight": 0.05})
     assert cli.parse_mode("round_robin").label == "round_robin"
+
+
+def test_dynamo_baseline_is_skipped_with_a_note_when_dynamo_is_absent(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("KVMESH_DYNAMO_PYTHON", raising=False)
+    trace = small_trace(tmp_path)
+    assert cli.main([str(trace), "--offline", "--baseline", "dynamo"]) == 0
+    assert "Dynamo baseline skipped" in capsys.readouterr().out
+    missing = str(tmp_path / "no-such-python")
+    assert cli.main([str(trace), "--offline", "--baseline", "dynamo", "--dynamo-python", missing]) == 0
+    assert "cannot import dynamo.replay" in capsys.readouterr().out
+
+
+def test_dynamo_baseline_needs_offline(tmp_path, capsys):
+    assert cli.main([str(small_trace(tmp_path)), "--baseline", "dynamo"]) == 2
+    assert "--offline" in capsys.readouterr().err

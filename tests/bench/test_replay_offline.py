@@ -111,3 +111,16 @@ def test_weighted_percentile():
     assert weighted_percentile(v, w, 5) == 1.0
     assert weighted_percentile(v, w, 99) == 3.0
     assert math.isnan(weighted_percentile(np.array([]), np.array([]), 50))
+
+
+def test_the_memoized_prompt_hasher_equals_block_hashes():
+    from kvmesh.hashing import block_hashes
+    from kvmesh_bench.replay.offline import _PromptHasher
+    from kvmesh_bench.replay.workload import TokenMapper
+
+    mapper = TokenMapper(block_tokens=32, vocab_size=100, seed=3)
+    for bs in (8, 32, 12):  # 12 does not divide the trace block: no memo, same result
+        hasher = _PromptHasher(mapper, bs)
+        for ids, length in (((1, 2, 3), 96), ((1, 2, 4), 90), ((1, 2), 64), ((1, 2, 3, 5), 100), ((7,), 5)):
+            tokens = mapper.tokens(ids, length)
+            assert hasher(ids, tokens) == block_hashes(tokens, bs)

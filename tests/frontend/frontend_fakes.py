@@ -24,6 +24,7 @@ from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import Added, Removed, Snapshot, instance_key, model_key
+from kvmesh.grpc_options import FRONTEND_SERVER_OPTIONS
 from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh_frontend.generation import Generator
 from kvmesh_frontend.metrics import FrontendMetrics
@@ -336,7 +337,7 @@ class FrontendHarness:
         self.address = ""
 
     async def start(self) -> None:
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=FRONTEND_SERVER_OPTIONS)
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.frontend, "test"), self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()

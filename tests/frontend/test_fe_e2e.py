@@ -21,7 +21,7 @@ from kvmesh.discovery import model_prefix, open_discovery
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh_frontend.tensors import output_values
 
-from tests.frontend.frontend_fakes import bytes_input, ids_input, llm_request
+from tests.frontend.frontend_fakes import bool_input, bytes_input, ids_input, llm_request
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
 from tests.support.generate import generate, tokens_of
@@ -87,7 +87,7 @@ async def test_frontend_relays_the_engines_tokens_exactly(deployment) -> None:
         await wait_ready(stub)
         prompt = list(range(100, 164))
         request = llm_request(None, model=MODEL, sampling={"max_tokens": 24, "seed": 42, "ignore_eos": True},
-                              extra=[ids_input(prompt)])  # fmt: skip
+                              extra=[ids_input(prompt), bool_input("return_output_ids", True)])  # fmt: skip
         request.outputs.add(name="output_ids")
         via_frontend = output_values(await stub.ModelInfer(request), "output_ids")
     card = await dep.card()
@@ -105,7 +105,8 @@ async def test_chat_request_with_the_models_own_template(deployment) -> None:
         await wait_ready(stub)
         messages = [{"role": "user", "content": "Héllo — 日本"}]
         request = llm_request(None, model=MODEL, sampling={"max_tokens": 8, "ignore_eos": True},
-                              extra=[bytes_input("messages", json.dumps(messages))])  # fmt: skip
+                              extra=[bytes_input("messages", json.dumps(messages)),
+                                     bool_input("return_num_output_tokens", True)])  # fmt: skip
         request.outputs.add(name="num_output_tokens")
         response = await stub.ModelInfer(request)
         assert output_values(response, "num_output_tokens") == [8]

@@ -9,7 +9,7 @@ import pytest
 from inference import grpc_service_pb2 as pb
 from kvmesh.v1 import router_pb2
 from kvmesh_frontend.errors import FrontendError
-from kvmesh_frontend.llm_request import parse_llm_request
+from kvmesh_frontend.llm_request import OUTPUT_FLAGS, OUTPUTS, parse_llm_request
 
 from tests.frontend.frontend_fakes import bool_input, bytes_input, ids_input, llm_request, to_raw
 
@@ -93,7 +93,35 @@ def test_requested_outputs_and_flags() -> None:
     assert req.wants("text_output") and req.wants("finish_reason") and not req.wants("num_output_tokens")
     request.outputs.add(name="num_output_tokens")
     req = parse_llm_request(request)
-    assert req.wants("num_output_tokens") and not req.wants("text_output")
+    # Triton's vLLM backend: named outputs filter what the flags enable; they enable nothing
+    assert not req.wants("num_output_tokens") and not req.wants("text_output") and not req.wants("finish_reason")
+    request.outputs.add(name="finish_reason")
+    assert parse_llm_request(request).wants("finish_reason")
+
+
+def test_every_output_named_gives_only_the_flagged_ones() -> None:
+    """perf_analyzer names every output of the metadata: the response still carries text_output only."""
+    request = llm_request("x")
+    for name in OUTPUTS:
+        request.outputs.add(name=name)
+    req = parse_llm_request(request)
+    assert [name for name in OUTPUTS if req.wants(name)] == ["text_output"]
+    flagged = llm_request("x", extra=[bool_input(flag, True) for flag in OUTPUT_FLAGS.values()])
+    assert all(parse_llm_request(flagged).wants(name) for name in OUTPUTS)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(16, 16), ("16", 16), (16.0, 16), (16.9, 16), (" 7 ", 7)])
+def test_max_tokens_as_vllm_backend_reads_it(value: object, expected: int) -> None:
+    """The vLLM backend applies int() to max_tokens: strings and floats (truncated) are accepted."""
+    request = llm_request("x", extra=[bytes_input("sampling_parameters", json.dumps({"max_tokens": value}))])
+    assert parse_llm_request(request).sampling.max_tokens == expected
+
+
+def test_logprob_flags_and_key() -> None:
+    sampling = bytes_input("sampling_parameters", json.dumps({"logprobs": 2}))
+    flags = [bool_input("return_logprobs", True), bool_input("return_cumulative_logprob", True)]
+    req = parse_llm_request(llm_request("x", extra=[sampling, *flags]))
+    assert req.sampling.logprobs == 2 and req.wants("logprobs") and req.wants("cumulative_logprob")
 
 
 def messages_input(doc: object) -> pb.ModelInferRequest.InferInputTensor:
@@ -170,6 +198,8 @@ BAD = [
      "input 'messages': message #0 'content' must be a string, a list of text parts or null"),
     ("messages part", llm_request(None, extra=[messages_input([{"role": "user", "content": [{"type": "image"}]}])]),
      "input 'messages': message #0 content part #0 is not a {\"type\": \"text\", \"text\": ...} part"),
+    ("logprobs", llm_request("x", extra=[bytes_input("sampling_parameters", '{"logprobs": -1}')]),
+     "input 'sampling_parameters': 'logprobs' must be >= 0, got -1"),
     ("unknown output", pb.ModelInferRequest(model_name="m", inputs=[bytes_input("text_input", "x")],
                                             outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="logits")]),
      "output 'logits' is not an output of this model"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,11 +33,19 @@ def discovery_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
 @pytest.fixture(scope="module")
 def mesh(discovery_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    """One worker process with two engines, one router, one frontend (shared by a test module)."""
+    """One worker process with two engines, one router, one frontend (shared by a test module).
+
+    ``KVMESH_TEST_DISAGG=1`` makes it disaggregated: the two engines decode, and a prefill worker (one
+    engine) computes every prompt, so the same unchanged tests check the disaggregated path.
+    """
     _require_daemons()
     deployment = Mesh(tmp_path_factory.mktemp("logs"), discovery_url, f"kc{uuid.uuid4().hex[:8]}")
     try:
-        deployment.worker(engines=2)
+        if os.environ.get("KVMESH_TEST_DISAGG"):
+            deployment.worker("--role", "decode", engines=2)
+            deployment.worker("--role", "prefill")
+        else:
+            deployment.worker(engines=2)
         deployment.router()
         deployment.start_frontend()
         deployment.wait_model(MODEL)

@@ -184,7 +184,7 @@ def absorb(outcome: Outcome, result: grpcclient.InferResult) -> None:
     if count is not None:
         outcome.num_tokens += int(count[0])
     reason = result.as_numpy("finish_reason")
-    if reason is not None and reason[0]:
+    if reason is not None and reason[0] not in (b"", b"None"):  # "None": not finished yet (vLLM backend)
         outcome.finish_reason = reason[0].decode()
     if is_final(result):
         outcome.final = result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import socket
 import time
 
@@ -12,6 +11,7 @@ import pytest
 from kvmesh.discovery import (
     Discovery,
     DiscoveryUnavailable,
+    Removed,
     Snapshot,
     instance_key,
     instance_prefix,
@@ -28,74 +28,42 @@ pytestmark = pytest.mark.etcd
 TTL = 2.0
 
 
-async def test_etcd_outage_lease_lost_then_regranted_without_restart(etcd_server: EtcdServer, ns: str, tracker):
-    """etcd down for 2xTTL, restarted on the same data dir: lost while down, new lease after, watchers converge."""
+async def test_etcd_outage_keeps_the_registration_and_publishes_writes_when_back(
+    etcd_server: EtcdServer, ns: str, tracker
+):
+    """Issue 14 item 1: etcd down for 3xTTL. The lease is never declared lost by the daemon's own clock
+    (it only stops being ``proven``); writes made meanwhile fail loudly, stay remembered and land once
+    etcd is back; the record keeps its key, so watchers see the same instance."""
     daemon = await open_discovery(etcd_server.url, ttl=TTL)
     observer = await open_discovery(etcd_server.url, ttl=TTL)
     lost_at: list[float] = []
-    renewed: list[tuple[float, int]] = []
-    samples: list[tuple[float, bool]] = []
-
-    async def on_renewed(new_id: int) -> None:
-        renewed.append((time.monotonic(), new_id))
-
-    async def sample() -> None:
-        while True:
-            samples.append((time.monotonic(), lease.alive))
-            await asyncio.sleep(0.02)
-
-    sampler = None
     try:
-        lease = await daemon.grant_lease(on_lost=lambda: lost_at.append(time.monotonic()), on_renewed=on_renewed)
-        old_id = lease.id
-        key = instance_key(ns, "worker", "generate", old_id)
+        lease = await daemon.grant_lease(on_lost=lambda: lost_at.append(time.monotonic()))
+        key = instance_key(ns, "worker", "generate", lease.id)
         await lease.put(key, b"v1")
         watch = await tracker(observer, instance_prefix(ns))
-        sampler = asyncio.get_running_loop().create_task(sample())
-        await asyncio.sleep(0.1)
-        down = time.monotonic()
+        await watch.wait_for(lambda s: key in s, 2, "record")
         etcd_server.stop()
-
-        # Before the deadline the lease is still trusted, but a write fails loudly and stays remembered.
-        early = instance_key(ns, "worker", "early", old_id)
+        early = instance_key(ns, "worker", "early", lease.id)
         with pytest.raises(DiscoveryUnavailable):
             await lease.put(early, b"written while etcd was down")
-
-        await asyncio.sleep(2 * TTL)
-        assert lease.losses == 1 and len(lost_at) == 1 and not lease.alive
-        assert lost_at[0] - down <= TTL, f"loss reported {lost_at[0] - down:.2f}s after etcd went down"
-        # While lost, writes are only remembered and published by the re-grant.
-        late = instance_key(ns, "worker", "late", old_id)
-        await lease.put(late, b"written while lost")
-
+        await asyncio.sleep(3 * TTL)
+        assert not lease.proven, "no keepalive can have succeeded"
+        assert not lost_at and lease.alive, "the daemon's clock alone must never drop the registration"
+        assert watch.state.get(key) == b"v1", "watchers keep the membership they last saw"
         up = time.monotonic()
         etcd_server.start()
-        deadline = time.monotonic() + 10
-        while not renewed:
-            assert time.monotonic() < deadline, "no re-grant after etcd came back"
-            await asyncio.sleep(0.02)
-        sampler.cancel()
-        t_renewed, new_id = renewed[0]
-        assert new_id == lease.id != old_id and lease.alive
-        assert t_renewed - up < 3.0, f"re-grant took {t_renewed - up:.2f}s after etcd was back"
-
-        # The daemon-side flag was False for the whole outage window, from loss to re-grant.
-        outage = [alive for t, alive in samples if lost_at[0] <= t < up]
-        assert outage and not any(outage)
-        assert not any(alive for t, alive in samples if t >= lost_at[0] and t < t_renewed - 0.05)
-        flips = [a for (_, a), (_, b) in itertools.pairwise(samples) if a != b]
-        assert flips == [True, False][: len(flips)] and len(flips) <= 2
-
-        # Watchers converge on the new lease's records; the old lease was revoked by the keeper.
-        want = {key: b"v1", early: b"written while etcd was down", late: b"written while lost"}
-        await watch.wait_for(lambda s: s == want, 5, "records re-published")
-        assert watch.snapshots >= 2, "the watcher must re-list after the reconnect"
-        info = await observer._conn.client.get_lease_info(old_id)
-        assert info.TTL == -1, "the old lease must be revoked, not left to expire"
+        want = {key: b"v1", early: b"written while etcd was down"}
+        await watch.wait_for(lambda s: s == want, 10, "records back, with the write made during the outage")
+        deadline = time.monotonic() + 5
+        while not lease.proven:
+            assert time.monotonic() < deadline, "keepalive did not resume after etcd came back"
+            await asyncio.sleep(0.05)
+        assert time.monotonic() - up < 8
+        # etcd restores leases on restart, so here the same lease simply goes on; had it expired, the
+        # keeper would re-register the same keys (test_lease_revoked_behind_the_keepers_back_is_regranted)
         assert await observer.get_prefix(instance_prefix(ns)) == want
     finally:
-        if sampler is not None:
-            sampler.cancel()
         await daemon.close()
         await observer.close()
 
@@ -107,7 +75,7 @@ async def test_watch_resyncs_after_compaction(etcd_server: EtcdServer, ns: str):
     prefix = instance_prefix(ns)
     try:
         await raw.put(f"{prefix}a".encode(), b"1")
-        events = disc.list_and_watch(prefix)
+        events = disc._watch(prefix)  # the backend's own stream: it is lazy, list_and_watch reads ahead
         first = await events.__anext__()
         assert first == Snapshot({f"{prefix}a": b"1"})
         # The generator is parked after the Snapshot: no watch exists yet. Change things, then compact.
@@ -207,27 +175,64 @@ async def test_silent_etcd_times_out_within_connect_timeout():
         assert "\n" not in str(err.value)
 
 
-async def test_frozen_etcd_counts_as_lost(etcd_server: EtcdServer, ns: str):
-    """SIGSTOPped etcd (no errors, just silence): calls time out and the lease is declared lost in time."""
+async def test_frozen_etcd_is_survived_and_the_record_comes_back_under_its_key(etcd_server: EtcdServer, ns: str):
+    """SIGSTOPped etcd for 2xTTL (no errors, just silence): beats time out, the lease is not proven but the
+    daemon keeps its registration; after SIGCONT it is registered again under the same key within a few
+    seconds, whether etcd kept the lease or expired it (then the keeper re-grants)."""
     disc: Discovery = await open_discovery(etcd_server.url, ttl=TTL, connect_timeout=1.0)
-    lost_at: list[float] = []
     try:
-        lease = await disc.grant_lease(on_lost=lambda: lost_at.append(time.monotonic()))
-        await lease.put(instance_key(ns, "worker", "generate", lease.id), b"v")
-        frozen = time.monotonic()
+        lease = await disc.grant_lease()
+        key = instance_key(ns, "worker", "generate", lease.id)
+        await lease.put(key, b"v")
         etcd_server.freeze()
         try:
-            while not lost_at and time.monotonic() - frozen < TTL + 1:
-                await asyncio.sleep(0.02)
-            assert lost_at and lost_at[0] - frozen <= TTL, "loss not detected while etcd was frozen"
+            await asyncio.sleep(2 * TTL)
+            assert not lease.proven
         finally:
             etcd_server.thaw()
-        deadline = time.monotonic() + 5
-        while not lease.alive:
-            assert time.monotonic() < deadline, "no re-grant after etcd thawed"
-            await asyncio.sleep(0.02)
+        deadline = time.monotonic() + 8
+        while not (lease.proven and (await _get_or_none(disc, instance_prefix(ns))) == {key: b"v"}):
+            assert time.monotonic() < deadline, f"not registered again after etcd thawed: {lease!r}"
+            await asyncio.sleep(0.05)
+        assert lease.losses <= 1
     finally:
         await disc.close()
+
+
+async def test_mass_expiry_after_a_frozen_etcd_is_invisible_to_watchers(etcd_server: EtcdServer, ns: str, tracker):
+    """A SIGSTOPped etcd expires every lease at once when it resumes; the owners, all alive, re-register
+    within a second. A watcher that lost contact meanwhile holds those removals for ``removal_grace``:
+    it never sees the key vanish. A removal while etcd is reachable (an owner's revoke) passes at once."""
+    daemon = await open_discovery(etcd_server.url, ttl=TTL, connect_timeout=1.0)
+    observer = await open_discovery(etcd_server.url, ttl=TTL, connect_timeout=1.0)
+    try:
+        lease = await daemon.grant_lease()
+        await observer.grant_lease()  # every daemon holds one: it is how a watcher notices the outage
+        key = instance_key(ns, "worker", "generate", lease.id)
+        await lease.put(key, b"v")
+        watch = await tracker(observer, instance_prefix(ns))
+        await watch.wait_for(lambda s: key in s, 2, "record")
+        etcd_server.freeze()
+        try:
+            await asyncio.sleep(2 * TTL)
+        finally:
+            etcd_server.thaw()
+        deadline = time.monotonic() + 8
+        while not lease.proven:
+            assert time.monotonic() < deadline, f"owner not registered again: {lease!r}"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(observer.removal_grace + 0.5)
+        assert not [ev for _, ev in watch.log if isinstance(ev, Removed)], "watchers saw the live owner vanish"
+        assert watch.state == {key: b"v"}
+        # reachable again for longer than TTL + grace: a real departure is seen at once
+        await asyncio.sleep(TTL + observer.removal_grace)
+        revoked = time.monotonic()
+        await lease.revoke()
+        gone = await watch.wait_for(lambda s: key not in s, 2, "record gone after revoke")
+        assert gone - revoked < observer.removal_grace
+    finally:
+        await daemon.close()
+        await observer.close()
 
 
 async def test_short_blip_keeps_the_lease_and_retries_failed_writes(etcd_server: EtcdServer, ns: str):

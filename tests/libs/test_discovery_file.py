@@ -58,7 +58,8 @@ async def test_gc_removes_files_of_dead_owners_only(tmp_path: Path, ns: str):
         live_key = instance_key(ns, "worker", "generate", live.id)
         await dead.put(dead_key, b"d")
         await live.put(live_key, b"l")
-        dead._task.cancel()  # the owner "crashed": nobody beats its lease any more
+        dead._task.cancel()  # the owner "crashed": nobody beats its lease any more,
+        dead._heart_stop.set()  # not even its heartbeat thread
         stale_tmp = tmp_path / "kv" / ".left-over.tmp"
         stale_tmp.write_bytes(b"x")
         os.utime(stale_tmp, (time.time() - 120, time.time() - 120))

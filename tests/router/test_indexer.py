@@ -328,3 +328,52 @@ def test_the_index_stays_invisible_to_the_cyclic_gc():
         idx.apply(e, stored("A", "B", "C"))
     idx.apply(1, BlocksRemoved(tuple(seq("A", "B", "C")[2:])))
     assert not gc.is_tracked(idx._holders) and not gc.is_tracked(idx._meta)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_store_chain_is_store_with_parallel_hashes(seed):
+    rng = random.Random(seed)
+    by_store, by_chain = KvIndexer(max_entries=64), KvIndexer(max_entries=64)  # a cap: recency paths too
+    prompts = [[rng.randrange(6) for _ in range(rng.randrange(1, 7))] for _ in range(30)]
+    for _ in range(300):
+        engine = rng.randrange(3)
+        hashes = sequence_hashes(prompts[rng.randrange(len(prompts))])
+        if rng.random() < 0.7:
+            k = rng.randrange(len(hashes))
+            parent = hashes[k - 1] if k else None
+            blocks = tuple(StoredBlock(h, h ^ 7) for h in hashes[k:])
+            a = by_store.store(engine, parent, blocks)
+            b = by_chain.store_chain(engine, parent, [x.block_hash for x in blocks], [x.tokens_hash for x in blocks])
+        else:
+            a = by_store.remove(engine, hashes[-2:])
+            b = by_chain.remove(engine, list(hashes[-2:]))
+        assert a == b
+    assert by_store.canonical() == by_chain.canonical()
+    assert by_store.dump_all() == by_chain.dump_all()
+
+
+@pytest.mark.parametrize("seed", [6, 7])
+def test_an_index_without_dump_metadata_routes_the_same_and_refuses_dumps_and_caps(seed):
+    rng = random.Random(seed)
+    full, lean = KvIndexer(max_entries=None), KvIndexer(max_entries=None, dumps=False)
+    prompts = [[rng.randrange(6) for _ in range(rng.randrange(1, 7))] for _ in range(30)]
+    for step in range(300):
+        engine = rng.randrange(3)
+        hashes = sequence_hashes(prompts[rng.randrange(len(prompts))])
+        if step == 150:
+            full.clear(engine)
+            lean.clear(engine)
+        elif rng.random() < 0.7:
+            k = rng.randrange(len(hashes))
+            parent = hashes[k - 1] if k else None
+            blocks = tuple(StoredBlock(h, h ^ 7) for h in hashes[k:])
+            assert full.store(engine, parent, blocks) == lean.store(engine, parent, blocks)
+        else:
+            assert full.remove(engine, hashes[-2:]) == lean.remove(engine, list(hashes[-2:]))
+        assert full.find_matches(hashes) == lean.find_matches(hashes)
+    assert full.canonical() == lean.canonical()
+    assert len(lean._meta) == 0
+    with pytest.raises(RuntimeError, match="dump metadata"):
+        lean.dump_all()
+    with pytest.raises(ValueError, match="capped"):
+        KvIndexer(max_entries=100, dumps=False)

@@ -72,7 +72,7 @@ def run_decision_scenario(mesh: Mesh, *router_flags: str) -> None:
         metrics = router.metrics()
         assert metrics["kvmesh_router_decisions_total{mode=direct,outcome=routed}"] == 3
         assert metrics["kvmesh_router_decisions_total{mode=kv,outcome=routed}"] == 2
-        assert metrics["kvmesh_router_decision_quality_count"] == 4  # the first seed had no overlap anywhere
+        assert metrics["kvmesh_router_decision_quality_ratio_count"] == 4  # the first seed had no overlap anywhere
     finally:
         session.close()
 

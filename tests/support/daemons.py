@@ -61,7 +61,7 @@ class Daemon:
                 return None
         return reply.status
 
-    def wait_serving(self, timeout: float = 20.0) -> Daemon:
+    def wait_serving(self, timeout: float = 60.0) -> Daemon:  # a Python daemon starting on a busy 2-core box
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

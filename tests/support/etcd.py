@@ -37,14 +37,19 @@ def etcd_available() -> bool:
     return shutil.which(ETCD_BIN) is not None
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM etcd if the test process dies (a hard-killed test must not leave etcd behind)."""
-    try:
-        import ctypes
+def dies_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run so that it gets SIGTERM if the test process dies (a hard-killed test must not leave
+    etcd behind), through util-linux's ``setpriv --pdeathsig``.
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    Not a ``preexec_fn``: that forces a plain fork(), whose child runs gRPC's fork handlers while other
+    threads of the test process are inside gRPC, and such a child was seen to abort (SIGABRT, "epoll_wait
+    error: Bad file descriptor") before it could exec etcd. Without ``preexec_fn`` Python spawns with
+    vfork/posix_spawn, which runs no fork handlers.
+    """
+    setpriv = shutil.which("setpriv")
+    if sys.platform != "linux" or setpriv is None:
+        return argv
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv]
 
 
 def free_port() -> int:
@@ -111,7 +116,7 @@ class EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
         self.proc = subprocess.Popen(
-            [
+            dies_with_parent([
                 ETCD_BIN,
                 "--name", self.name,
                 "--data-dir", str(self.data_dir),
@@ -125,11 +130,10 @@ class EtcdServer:
                 "--election-timeout", "100",
                 "--logger", "zap",
                 "--log-level", "warn",
-            ],
+            ]),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
 
     def _wait_healthy(self, timeout: float) -> None:

@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 from kvmesh.discovery import (
     Added,
-    Lease,
+    Discovery,
     Snapshot,
     instance_key,
     instance_prefix,
@@ -76,7 +76,7 @@ class KvFaultProxy:
         self._channel: grpc.aio.Channel | None = None
         self._republishers: list[asyncio.Task[None]] = []
         self._open: asyncio.Event | None = None
-        self._leases: list[Any] = []
+        self._discoveries: list[Discovery] = []
 
     # ------------------------------------------------------------------ control (any thread)
 
@@ -146,9 +146,10 @@ class KvFaultProxy:
     async def _stop(self) -> None:
         for task in self._republishers:
             task.cancel()
-        for lease in self._leases:
+        await asyncio.gather(*self._republishers, return_exceptions=True)
+        for discovery in self._discoveries:  # revokes its lease and stops its backend's tasks (file GC)
             with contextlib.suppress(Exception):
-                await lease.revoke()
+                await discovery.close()
         if self._server is not None:
             await self._server.stop(grace=None)
         if self._channel is not None:
@@ -235,8 +236,8 @@ class KvFaultProxy:
 
     async def _republish(self, url: str, source: str, target: str) -> None:
         discovery = await open_discovery(url, ttl=2.0)
-        lease: Lease = await discovery.grant_lease()
-        self._leases.append(lease)
+        self._discoveries.append(discovery)
+        lease = await discovery.grant_lease()
         ready = asyncio.Event()
         remaining = {"records", "cards"}
 

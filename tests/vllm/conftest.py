@@ -113,7 +113,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmMesh]:
             env={"KVMESH_TEST_VLLM_DROP_SEQS": DROPPED_SEQS},
             timeout=180,
         )
-        deployment.router = deployment.start("kvmesh-router", ["--router-mode", "kv"])
+        # --busy-kv-usage none: the eviction test floods 12 x 11 blocks into 48 at once on purpose (vLLM
+        # queues them); main's router would otherwise refuse them at 95 % KV usage (its admission default).
+        deployment.router = deployment.start("kvmesh-router", ["--router-mode", "kv", "--busy-kv-usage", "none"])
         deployment.frontend = deployment.start("kvmesh-frontend", [])
         yield deployment
     finally:

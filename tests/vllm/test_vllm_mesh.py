@@ -87,13 +87,24 @@ def test_tritonclient_streams_exactly_max_tokens_and_the_second_request_hits_vll
 
 
 def test_logprobs_are_vllms_own(mesh: VllmMesh) -> None:
+    """main's contract (SamplingOptions.logprobs -> TokenLogprobs), filled from vLLM's own Logprob dicts."""
     flags = {"return_logprobs": True, "return_cumulative_logprob": True}
-    spec = {"request_id": "lp", "ids": unique_ids(40, random.Random(5)), "max_tokens": 6, "flags": flags}
+    spec = {
+        "request_id": "lp",
+        "ids": unique_ids(40, random.Random(5)),
+        "max_tokens": 6,
+        "sampling": {"logprobs": 2},
+        "flags": flags,
+    }
     report = triton(mesh, [spec])["lp"]
     steps = report["logprobs"]
     assert isinstance(steps, list) and len(steps) == 6
+    for step in steps:  # {token: {logprob, rank, decoded_token}}: the sampled token first, then the top 2
+        ranks = sorted(entry["rank"] for entry in step.values())
+        assert 2 <= len(step) <= 3 and ranks[:2] == [1, 2], step
+        assert all(entry["logprob"] <= 0 for entry in step.values())
     values = [next(iter(step.values()))["logprob"] for step in steps]
-    assert all(v <= 0 for v in values)
+    # Not the mocker's stand-ins (those lie in (-4, 0] with rank 1 and no alternatives).
     assert report["cumulative_logprob"] == pytest.approx(sum(values), rel=1e-4, abs=1e-4)
 
 
@@ -258,7 +269,9 @@ def _engine_core_pids(worker_pid: int) -> list[int]:
     return pids
 
 
-def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(mesh: VllmMesh) -> None:
+def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(
+    mesh: VllmMesh, worker: worker_pb2_grpc.WorkerServiceStub
+) -> None:
     assert mesh.worker is not None and mesh.frontend is not None
     # A prefix vLLM holds, so that the KV router sends the long request there and not to the mocker.
     prefix = unique_ids(10 * BLOCK_SIZE, random.Random(7))
@@ -277,7 +290,13 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(m
     client.stdin.write(json.dumps([{"request_id": "long", "ids": [*prefix, 11, 12, 13, 14], "max_tokens": 1000}]))
     client.stdin.close()
     assert client.stdout.readline().strip() == "sent"
-    time.sleep(0.3)  # the request reaches vLLM (1000 tokens take it over a second)
+    # Kill only once the request runs on vLLM (a fixed sleep raced on a loaded machine: killed before it was
+    # routed, the request went straight to the mocker, with no migration to show).
+    watch = worker.WatchLoad(worker_pb2.WatchLoadRequest(forward_pass_metrics=True), timeout=60)
+    for message in watch:
+        if any(load.running >= 1 for load in message.loads):
+            break
+    watch.cancel()
     cores = _engine_core_pids(mesh.worker.proc.pid)
     assert cores, "no EngineCore child process found"
     for pid in cores:

@@ -25,7 +25,7 @@ def _absorb_logprobs(outcome: mesh.Outcome, result: Any) -> None:
     extra = EXTRAS.setdefault(result.get_response().id, {"logprobs": []})
     steps = result.as_numpy("logprobs")
     if steps is not None:
-        extra["logprobs"].extend(json.loads(steps[0]))
+        extra["logprobs"].extend(json.loads(steps[0]) or [])  # "null" without sampling_parameters.logprobs
     cumulative = result.as_numpy("cumulative_logprob")
     if cumulative is not None:
         extra["cumulative_logprob"] = float(cumulative[0])

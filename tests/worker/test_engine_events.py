@@ -155,3 +155,84 @@ def test_clear_cache_keeps_blocks_in_use_and_says_so():
         for e in core.step().kv_events:
             index.apply(e.data)
     assert index.blocks == core.block_manager.cached_hashes()
+
+
+class RecordingSink:
+    """A KvSink that records the changes as tuples (what the offline replay does)."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple] = []
+
+    def stored(self, parent_hash, block_hashes, tokens_hashes) -> None:
+        self.changes.append(("stored", parent_hash, tuple(block_hashes), tuple(tokens_hashes)))
+
+    def removed(self, block_hashes) -> None:
+        self.changes.append(("removed", tuple(block_hashes)))
+
+    def cleared(self) -> None:
+        self.changes.append(("cleared",))
+
+
+def _as_changes(data) -> tuple:
+    if isinstance(data, BlocksStored):
+        return (
+            "stored",
+            data.parent_hash,
+            tuple(b.block_hash for b in data.blocks),
+            tuple(b.tokens_hash for b in data.blocks),
+        )
+    if isinstance(data, BlocksRemoved):
+        return ("removed", tuple(data.block_hashes))
+    return ("cleared",)
+
+
+def test_a_kv_sink_gets_exactly_the_journal_changes_and_the_outputs_stay_the_same():
+    def drive(core: EngineCore) -> tuple[list, list]:
+        rng = random.Random(3)
+        prefixes = [[rng.randrange(500) for _ in range(rng.randrange(4, 24))] for _ in range(4)]
+        outs, journal = [], []
+        for i in range(60):
+            prompt = rng.choice(prefixes) + [rng.randrange(500) for _ in range(rng.randrange(1, 16))]
+            core.add_request(EngineRequest(f"r{i}", prompt, max_tokens=rng.randrange(1, 12), ignore_eos=True))
+            for _ in range(rng.randrange(1, 4)):
+                outs.append(core.step())
+                journal += [_as_changes(e.data) for e in outs[-1].kv_events]
+        while core.has_unfinished():
+            outs.append(core.step())
+            journal += [_as_changes(e.data) for e in outs[-1].kv_events]
+        return outs, journal
+
+    cfg = EngineConfig(num_gpu_blocks=40, block_size=4, max_num_batched_tokens=48, watermark=0.0, vocab_size=500)
+    sink = RecordingSink()
+    a, journal = drive(EngineCore(cfg))
+    b, nothing = drive(EngineCore(cfg, kv_sink=sink))
+    assert [(o.outputs, o.metrics) for o in a] == [(o.outputs, o.metrics) for o in b]
+    assert nothing == []
+    assert len(journal) > 10 and any(c[0] == "removed" for c in journal)
+    assert sink.changes == journal
+
+
+def test_an_engine_with_a_kv_sink_keeps_no_metadata_so_it_cannot_dump_or_clear():
+    cfg = EngineConfig(num_gpu_blocks=40, block_size=4, max_num_batched_tokens=48, watermark=0.0, vocab_size=500)
+    core = EngineCore(cfg, kv_sink=RecordingSink())
+    core.add_request(EngineRequest("a", list(range(10)), max_tokens=3, ignore_eos=True))
+    while core.has_unfinished():
+        core.step()
+    assert len(core.block_manager.cached_hashes()) == 3
+    with pytest.raises(RuntimeError, match="metadata"):
+        core.dump_cache()
+    with pytest.raises(RuntimeError, match="metadata"):
+        core.clear_cache()
+
+
+def test_prompt_hashes_given_by_the_caller_are_used_as_computed():
+    from kvmesh.hashing import block_hashes
+
+    cfg = EngineConfig(num_gpu_blocks=40, block_size=4, max_num_batched_tokens=48, watermark=0.0, vocab_size=500)
+    prompt = list(range(30))
+    plain, given = EngineCore(cfg), EngineCore(cfg)
+    plain.add_request(EngineRequest("a", prompt, max_tokens=5, ignore_eos=True))
+    given.add_request(EngineRequest("a", prompt, max_tokens=5, ignore_eos=True, prompt_hashes=block_hashes(prompt, 4)))
+    while plain.has_unfinished():
+        assert plain.step() == given.step()
+    assert plain.block_manager.cached_hashes() == given.block_manager.cached_hashes()

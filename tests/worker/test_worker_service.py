@@ -138,6 +138,18 @@ async def slow_channel(slow_worker):
         yield channel
 
 
+@pytest.fixture
+async def stream(channel):
+    """(the worker's engine ids, a GenerateStream client on it), closed after the test."""
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engines = await engine_ids(stub)
+    client = StreamClient(stub)
+    try:
+        yield engines, client
+    finally:
+        await client.close()
+
+
 def scrape(daemon: Daemon) -> dict[tuple[str, str], float]:
     """(sample name, engine label) -> value of every kvmesh_engine_* sample."""
     with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5) as response:
@@ -463,60 +475,48 @@ async def test_waiting_queue_beyond_its_bound_is_resource_exhausted(slow_channel
 
 
 # -- GenerateStream: many requests on one call ------------------------------------------------------
-async def test_generate_stream_serves_many_requests_with_exactly_their_max_tokens(channel):
-    stub = worker_pb2_grpc.WorkerServiceStub(channel)
-    engines = await engine_ids(stub)
-    client = StreamClient(stub)
-    try:
-        wanted = {}
-        for _ in range(2):
-            requests = [
-                request(engines[i % 2], range(3 + i, 40 + i), 1 + (i * 7) % 30, ignore_eos=True) for i in range(16)
-            ]
-            wanted.update({r.request_id: (r.sampling.max_tokens, len(r.token_ids)) for r in requests})
-            await client.send(requests)
-        await client.wait_final(*wanted)
-        for rid, (max_tokens, prompt) in wanted.items():
-            outputs = client.outputs[rid]
-            assert len(client.tokens(rid)) == max_tokens
-            assert [o.response.finish_reason for o in outputs].count(worker_pb2.FINISH_REASON_LENGTH) == 1
-            assert outputs[0].response.num_prompt_tokens == prompt and not any(o.error_code for o in outputs)
-        # several requests share each message: fewer messages than request outputs
-        assert client.messages < sum(len(o) for o in client.outputs.values())
-    finally:
-        await client.close()
+async def test_generate_stream_serves_many_requests_with_exactly_their_max_tokens(stream):
+    engines, client = stream
+    wanted = {}
+    for _ in range(2):
+        requests = [request(engines[i % 2], range(3 + i, 40 + i), 1 + (i * 7) % 30, ignore_eos=True) for i in range(16)]
+        wanted.update({r.request_id: (r.sampling.max_tokens, len(r.token_ids)) for r in requests})
+        await client.send(requests)
+    await client.wait_final(*wanted)
+    for rid, (max_tokens, prompt) in wanted.items():
+        outputs = client.outputs[rid]
+        assert len(client.tokens(rid)) == max_tokens
+        assert [o.response.finish_reason for o in outputs].count(worker_pb2.FINISH_REASON_LENGTH) == 1
+        assert outputs[0].response.num_prompt_tokens == prompt and not any(o.error_code for o in outputs)
+    # several requests share each message: fewer messages than request outputs
+    assert client.messages < sum(len(o) for o in client.outputs.values())
 
 
-async def test_generate_stream_failures_are_in_band_and_end_only_their_request(channel):
-    stub = worker_pb2_grpc.WorkerServiceStub(channel)
-    engines = await engine_ids(stub)
-    client = StreamClient(stub)
-    try:
-        good = request(engines[0], range(3, 20), 5, ignore_eos=True)
-        unknown = request(0xBAD, range(3, 20), 5)
-        too_long = request(engines[1], range(3, 3 + MAX_MODEL_LEN), 5)
-        no_id = request(engines[0], range(3, 20), 5)
-        no_id.request_id = ""
-        long_running = request(engines[1], range(3, 20), 200, ignore_eos=True)
-        duplicate = worker_pb2.GenerateRequest()
-        duplicate.CopyFrom(long_running)
-        await client.send([long_running, good, unknown, too_long, no_id, duplicate])
-        finals = await client.wait_final(good.request_id, unknown.request_id, too_long.request_id, "")
-        assert len(client.tokens(good.request_id)) == 5 and not finals[0].error_code
-        assert finals[1].error_code == grpc.StatusCode.NOT_FOUND.value[0]
-        assert "engine bad is not hosted by this worker" in finals[1].error_message
-        assert finals[2].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-        assert str(MAX_MODEL_LEN) in finals[2].error_message
-        assert finals[3].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-        assert "request_id is required" in finals[3].error_message
-        async with asyncio.timeout(10):  # the duplicate's error is not the original's end
-            while not any(o.response.finish_reason for o in client.outputs.get(long_running.request_id, [])):
-                await asyncio.sleep(0.005)
-        errors = [o for o in client.outputs[long_running.request_id] if o.error_code]
-        assert [e.error_message for e in errors] == [f"request id {long_running.request_id!r} is already active"]
-        assert len(client.tokens(long_running.request_id)) == 200  # the original went on undisturbed
-    finally:
-        await client.close()
+async def test_generate_stream_failures_are_in_band_and_end_only_their_request(stream):
+    engines, client = stream
+    good = request(engines[0], range(3, 20), 5, ignore_eos=True)
+    unknown = request(0xBAD, range(3, 20), 5)
+    too_long = request(engines[1], range(3, 3 + MAX_MODEL_LEN), 5)
+    no_id = request(engines[0], range(3, 20), 5)
+    no_id.request_id = ""
+    long_running = request(engines[1], range(3, 20), 200, ignore_eos=True)
+    duplicate = worker_pb2.GenerateRequest()
+    duplicate.CopyFrom(long_running)
+    await client.send([long_running, good, unknown, too_long, no_id, duplicate])
+    finals = await client.wait_final(good.request_id, unknown.request_id, too_long.request_id, "")
+    assert len(client.tokens(good.request_id)) == 5 and not finals[0].error_code
+    assert finals[1].error_code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert "engine bad is not hosted by this worker" in finals[1].error_message
+    assert finals[2].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert str(MAX_MODEL_LEN) in finals[2].error_message
+    assert finals[3].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "request_id is required" in finals[3].error_message
+    async with asyncio.timeout(10):  # the duplicate's error is not the original's end
+        while not any(o.response.finish_reason for o in client.outputs.get(long_running.request_id, [])):
+            await asyncio.sleep(0.005)
+    errors = [o for o in client.outputs[long_running.request_id] if o.error_code]
+    assert [e.error_message for e in errors] == [f"request id {long_running.request_id!r} is already active"]
+    assert len(client.tokens(long_running.request_id)) == 200  # the original went on undisturbed
 
 
 async def test_generate_stream_cancel_and_hang_up_free_blocks_within_one_second(slow_worker, slow_channel):

@@ -15,7 +15,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "indexer": ("kvmesh_bench.indexer_microbench", "indexer alone: events/s and find_matches latency"),
     "frontend": ("kvmesh_bench.frontend_bench", "latency the frontend + router add, streams/s"),
     "replay": ("kvmesh_bench.replay.cli", "replay a Mooncake trace offline (simulated) or live (KServe)"),
+    "kv-transfer": ("kvmesh_bench.kv_transfer_bench", "NIXL READ between two processes vs memcpy, per KV block size"),
+    "disagg-sweep": ("kvmesh_bench.replay.disagg_sweep", "offline: aggregated N engines vs every P+D split of N"),
     "compare": ("kvmesh_bench.replay.compare", "the same replay per router mode, with ratios to round_robin"),
+    "chaos": ("kvmesh_bench.chaos", "fault suite: kill workers/routers, stop or freeze etcd, overload, cancel, soak"),
     "vllm-overhead": ("kvmesh_bench.vllm_overhead", "vLLM behind kvmesh against the same vLLM driven directly"),
 }
 

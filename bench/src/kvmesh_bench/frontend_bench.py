@@ -52,7 +52,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import grpc
 import numpy as np
@@ -63,7 +63,8 @@ from kvmesh.discovery import model_prefix, open_discovery
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from tokenizers import Tokenizer
 
-_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc.aio exports EOF at runtime; types-grpcio omits it
+from kvmesh_bench.streams import drain, read_message
+from kvmesh_bench.tables import write_json
 
 NAMESPACE = "bench-frontend"
 WORDS = [
@@ -319,11 +320,7 @@ class FrontendClient:
         first = 0.0
         await self.call.write(request)
         while True:
-            read = await self.call.read()
-            if read is _EOF:
-                raise RuntimeError("the frontend closed the stream")
-            # types-grpcio types read() as object | response (its EOF type is object), so `is` cannot narrow it
-            message = cast(kserve.ModelStreamInferResponse, read)
+            message = await read_message(self.call, kserve.ModelStreamInferResponse, "the frontend")
             if message.error_message:
                 raise RuntimeError(message.error_message)
             self.responses += 1
@@ -336,8 +333,7 @@ class FrontendClient:
     async def close(self) -> None:
         await self.call.done_writing()
         with contextlib.suppress(grpc.aio.AioRpcError):
-            while await self.call.read() is not _EOF:
-                pass
+            await drain(self.call)
 
 
 class DirectClient:
@@ -671,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print(_table(result))
     if args.json is not None:
-        args.json.write_text(json.dumps(asdict(result), indent=2))
+        write_json(args.json, asdict(result))
     return 0
 
 
@@ -698,7 +694,7 @@ def _run_paired(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     print(_paired_table(out, args))
     if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=2))
+        write_json(args.json, out)
     return 0
 
 

@@ -23,6 +23,13 @@ The harness's own objects (trace, recorded events) are frozen out of the cyclic 
 that collections cost what they would cost the indexer in a daemon. Timer overhead is included (a
 ``perf_counter_ns`` pair per timed call).
 
+**Baseline** (``--baseline dynamo``): the same op stream (events in Dynamo's serde JSON, prepared before
+timing; queries as the blocks' tokens hashes, which Dynamo's tree walks) is replayed, with the same timing
+method, into Dynamo 1.6.1's ``RadixTree`` in a process of Dynamo's own venv (``--dynamo-python`` or
+``$KVMESH_DYNAMO_PYTHON``; absent: skipped with a note). kvmesh and Dynamo are each timed twice, in
+turns, each keeping its best, so both see the machine in the same state; the ratio columns are
+kvmesh / Dynamo. Dynamo's ``apply_event`` parses the JSON it is given (that is its API), kvmesh's gets decoded events.
+
 Run: ``python -m kvmesh_bench.indexer_microbench --engines 8,128 --max-requests 4000 --json out.json``.
 """
 
@@ -31,9 +38,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import pickle
 import random
+import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections import OrderedDict, deque
@@ -49,8 +59,9 @@ from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
 from kvmesh_router.slot_tracker import SlotTracker
 
+from kvmesh_bench.argtypes import fleet_sizes
 from kvmesh_bench.stats import percentile
-from kvmesh_bench.tables import format_table
+from kvmesh_bench.tables import format_table, write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[3].parent / "shared/data/mooncake/conversation_trace.jsonl"
@@ -267,7 +278,13 @@ def bytes_per_entry(ops: list[Op]) -> tuple[float, int]:
     return (used / len(index) if len(index) else 0.0), used
 
 
-def run_one(requests: list[tuple[float, int, list[int]]], n_engines: int, args: argparse.Namespace) -> Result:
+def run_one(
+    requests: list[tuple[float, int, list[int]]],
+    n_engines: int,
+    args: argparse.Namespace,
+    dynamo: str | None = None,
+    baseline_out: list[dict[str, float]] | None = None,
+) -> Result:
     gc.collect()
     gc.freeze()  # the trace and everything built so far: not the indexer's garbage to scan
     try:
@@ -290,6 +307,21 @@ def run_one(requests: list[tuple[float, int, list[int]]], n_engines: int, args: 
         gc.collect()
         gc.freeze()  # the recorded op stream too
         figures = replay_indexer(work.ops, repeat=args.repeat)
+        if dynamo is not None and baseline_out is not None:
+            # Taken in turns (kvmesh, Dynamo, kvmesh, Dynamo), each side keeping its best: load on a shared
+            # machine comes and goes, and this way both sides get the same chances at a quiet moment.
+            base = dynamo_baseline(work.ops, dynamo, args.repeat)
+            rerun = replay_indexer(work.ops, repeat=args.repeat)
+            base2 = dynamo_baseline(work.ops, dynamo, args.repeat)
+            for key in ("events_per_s", "find_matches_per_s", "indexer_ops_per_s"):
+                figures[key] = max(figures[key], rerun[key])
+            for key in ("find_p50_us", "find_p99_us"):
+                figures[key] = min(figures[key], rerun[key])
+            for key in ("events_per_s", "find_matches_per_s"):
+                base[key] = max(base[key], base2[key])
+            for key in ("find_p50_us", "find_p99_us"):
+                base[key] = min(base[key], base2[key])
+            baseline_out.append(base)
     finally:
         gc.unfreeze()
     index: KvIndexer = figures.pop("index")
@@ -334,17 +366,134 @@ def format_results(results: Sequence[Result]) -> str:
     return format_table([asdict(r) for r in results], _COLUMNS)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="indexer_microbench", description=__doc__.split("\n\n")[0])
+_DYNAMO_SCRIPT = r"""
+import json, sys, time
+from dynamo.llm import RadixTree
+ops = []
+for line in open(sys.argv[1], "rb"):
+    kind, a, b = json.loads(line)
+    ops.append((None, b) if kind == "q" else (a, b.encode()))
+repeat = int(sys.argv[2])
+runs = []
+for op in ops:
+    q = op[0] is None
+    if runs and runs[-1][0] == q:
+        runs[-1][1].append(op)
+    else:
+        runs.append((q, [op]))
+clock = time.perf_counter_ns
+best_apply = best_find = None
+for _ in range(repeat):
+    t = RadixTree()
+    apply_ns = find_ns = errors = 0
+    for q, run in runs:
+        if q:
+            f = t.find_matches
+            t0 = clock()
+            for _, payload in run:
+                f(payload, early_exit=False)
+            find_ns += clock() - t0
+        else:
+            a = t.apply_event
+            t0 = clock()
+            for w, payload in run:
+                try:
+                    a(w, payload)
+                except Exception:
+                    errors += 1
+            apply_ns += clock() - t0
+    best_apply = apply_ns if best_apply is None else min(best_apply, apply_ns)
+    best_find = find_ns if best_find is None else min(best_find, find_ns)
+times = None
+for _ in range(repeat):
+    t = RadixTree()
+    cur = []
+    for w, payload in ops:
+        if w is None:
+            t0 = clock()
+            t.find_matches(payload, early_exit=False)
+            cur.append(clock() - t0)
+        else:
+            try:
+                t.apply_event(w, payload)
+            except Exception:
+                pass
+    times = cur if times is None else list(map(min, times, cur))
+times.sort()
+n_ev = sum(1 for w, _ in ops if w is not None)
+pick = lambda q: times[min(len(times) - 1, max(0, -(-q * len(times) // 100) - 1))] / 1000.0 if times else 0.0
+print("KVMESH-BASELINE " + json.dumps({
+    "events_per_s": n_ev / (best_apply / 1e9) if best_apply else 0.0,
+    "find_matches_per_s": len(times) / (best_find / 1e9) if best_find else 0.0,
+    "find_p50_us": pick(50), "find_p99_us": pick(99), "events_refused": errors}))
+"""
+
+_BASELINE_FIGURES = ("events_per_s", "find_matches_per_s", "find_p50_us", "find_p99_us")
+
+
+def write_dynamo_ops(ops: list[Op], path: Path) -> None:
+    """The op stream as Dynamo consumes it: serde-JSON events (ids per engine) and tokens-hash queries."""
+    next_id: dict[int, int] = {}
+    with open(path, "w", encoding="utf-8") as out:
+        for engine, payload in ops:
+            if engine is None:
+                assert isinstance(payload, list)
+                out.write(json.dumps(["q", None, [h ^ _HASH_SALT for h in payload]]) + "\n")
+                continue
+            event_id = next_id.get(engine, 0)
+            next_id[engine] = event_id + 1
+            if type(payload) is BlocksStored:
+                blocks = [{"block_hash": b.block_hash, "tokens_hash": b.tokens_hash} for b in payload.blocks]
+                data: dict[str, Any] = {"stored": {"parent_hash": payload.parent_hash, "blocks": blocks}}
+            elif type(payload) is BlocksRemoved:
+                data = {"removed": {"block_hashes": list(payload.block_hashes)}}
+            else:
+                data = {"cleared": None}
+            out.write(json.dumps(["e", engine, json.dumps({"event_id": event_id, "data": data})]) + "\n")
+
+
+def dynamo_baseline(ops: list[Op], python: str, repeat: int) -> dict[str, float]:
+    """Dynamo's RadixTree figures on ``ops`` (see the module docstring), from a process of its venv."""
+    with tempfile.TemporaryDirectory(prefix="kvmesh-indexer-") as tmp:
+        path = Path(tmp) / "ops.jsonl"
+        write_dynamo_ops(ops, path)
+        proc = subprocess.run(
+            [python, "-c", _DYNAMO_SCRIPT, str(path), str(max(1, repeat))],
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}, "RUST_LOG": "error"},
+        )
+    if proc.returncode:
+        raise RuntimeError(f"Dynamo baseline failed: {proc.stderr.strip().splitlines()[-1:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("KVMESH-BASELINE "))
+    figures: dict[str, float] = json.loads(line.split(" ", 1)[1])
+    return figures
+
+
+def format_baseline(rows: Sequence[tuple[Result, dict[str, float]]]) -> str:
+    """kvmesh vs Dynamo per fleet size: both figures and the kvmesh / Dynamo ratio."""
+    out = [
+        f"{'engines':>7} {'events/s kvmesh':>15} {'Dynamo':>9} {'ratio':>6} {'find/s kvmesh':>13} {'Dynamo':>9} "
+        f"{'ratio':>6} {'find p99 µs':>11} {'Dynamo':>7}"
+    ]
+    for r, d in rows:
+        out.append(
+            f"{r.engines:>7} {r.events_per_s:>15,.0f} {d['events_per_s']:>9,.0f} "
+            f"{r.events_per_s / d['events_per_s']:>5.2f}x {r.find_matches_per_s:>13,.0f} "
+            f"{d['find_matches_per_s']:>9,.0f} {r.find_matches_per_s / d['find_matches_per_s']:>5.2f}x "
+            f"{r.find_p99_us:>11.1f} {d['find_p99_us']:>7.1f}"
+        )
+    out.append("(ratios kvmesh / Dynamo 1.6.1 RadixTree, same op stream, same process-local timing, best of --repeat)")
+    refused = ", ".join(f"{r.engines}: {int(d.get('events_refused', 0))}" for r, d in rows)
+    out.append(f"events Dynamo refused (raised; kvmesh applies them all) per fleet size: {refused}")
+    return "\n".join(out)
+
+
+def add_replay_args(p: argparse.ArgumentParser) -> None:
+    """The trace, fleets and live-replay knobs of :func:`live_replay` (shared with ``kvmesh bench router``)."""
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace (default: %(default)s)")
     p.add_argument("--engines", default="8,128,1000", help="comma-separated fleet sizes (default: %(default)s)")
-    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
-    p.add_argument(
-        "--policy",
-        default="kv",
-        choices=["kv", "round_robin", "random", "power_of_two"],
-        help="routing mode for the live replay (default: %(default)s)",
-    )
     p.add_argument(
         "--engine-capacity-blocks",
         type=int,
@@ -354,36 +503,56 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=64, help="active (booked) requests (default: %(default)s)")
     p.add_argument("--prefill-lag", type=int, default=8, help="requests until prefill completes (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per hash id (default: 512)")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="indexer_microbench", description=__doc__.split("\n\n")[0])
+    add_replay_args(p)
+    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument(
+        "--policy",
+        default="kv",
+        choices=["kv", "round_robin", "random", "power_of_two"],
+        help="routing mode for the live replay (default: %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3, help="replays per figure, fastest kept (default: %(default)s)")
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the tracemalloc memory pass")
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
+    p.add_argument("--baseline", choices=["dynamo"], help="also replay the op stream into Dynamo's RadixTree")
+    p.add_argument("--dynamo-python", help="--baseline: Dynamo's venv interpreter (default $KVMESH_DYNAMO_PYTHON)")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        fleet_sizes = [int(x) for x in args.engines.split(",") if x.strip()]
-    except ValueError:
-        print(f"--engines: expected comma-separated integers, got {args.engines!r}", file=sys.stderr)
-        return 2
-    if not fleet_sizes or min(fleet_sizes) <= 0:
-        print("--engines: need at least one positive fleet size", file=sys.stderr)
+        sizes = fleet_sizes(args.engines)
+    except argparse.ArgumentTypeError as exc:
+        print(f"--engines: {exc}", file=sys.stderr)
         return 2
     requests = trace_requests(args.trace, args.max_requests, args.block_size)
     if not requests:
         print(f"{args.trace}: no requests", file=sys.stderr)
         return 1
+    dynamo: str | None = None
+    if args.baseline:
+        from kvmesh_bench.replay.baseline import dynamo_python
+
+        dynamo, note = dynamo_python(args.dynamo_python)
+        print(note)
+    baselines: list[dict[str, float]] = []
     results = []
-    for n in fleet_sizes:
-        results.append(run_one(requests, n, args))
+    for n in sizes:
+        results.append(run_one(requests, n, args, dynamo, baselines))
         print(f"... {n} engines done", file=sys.stderr, flush=True)
     print(
         f"trace {args.trace.name}: {len(requests)} requests, policy {args.policy}, "
         f"engine cache {args.engine_capacity_blocks or 'unbounded'} blocks, concurrency {args.concurrency}"
     )
     print(format_results(results))
+    if baselines:
+        print(format_baseline(list(zip(results, baselines, strict=True))))
     if args.json is not None:
         payload = {
             "benchmark": "indexer_microbench",
@@ -400,9 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "repeat": args.repeat,
             },
             "results": [asdict(r) for r in results],
+            "dynamo_baseline": baselines,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import gc
 import importlib.metadata
-import json
 import math
 import os
 import platform
@@ -49,7 +48,9 @@ from kvmesh_worker.engine import (
 )
 from kvmesh_worker.engine_runner import EngineRunner
 
+from kvmesh_bench.argtypes import fleet_sizes
 from kvmesh_bench.stats import percentile
+from kvmesh_bench.tables import write_json
 
 
 class _Discard:
@@ -358,11 +359,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
     args = p.parse_args(argv)
     try:
-        args.engine_counts = [int(x) for x in args.engines.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--engines: expected comma-separated integers, got {args.engines!r}")
-    if not args.engine_counts or min(args.engine_counts) < 1:
-        p.error("--engines: every count must be >= 1")
+        args.engine_counts = fleet_sizes(args.engines)
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"--engines: {exc}")
     if args.speedup <= 0:
         p.error("--speedup must be > 0 (drift is measured against modelled time ÷ speedup)")
     if args.duration <= args.warmup:
@@ -400,8 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "goal": {"engines": GOAL_ENGINES, "drift_p99_pct": 100 * GOAL_DRIFT_P99},
             "results": [asdict(r) for r in results],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

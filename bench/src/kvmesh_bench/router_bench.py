@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import multiprocessing
 import os
 import random
@@ -55,8 +54,9 @@ from kvmesh_router.settings import RouterSettings
 from kvmesh_router.state import RouterState
 
 from kvmesh_bench import indexer_microbench as mb
+from kvmesh_bench.argtypes import fleet_sizes
 from kvmesh_bench.stats import percentile
-from kvmesh_bench.tables import format_table
+from kvmesh_bench.tables import format_table, write_json
 
 DEFAULT_TRACE = mb.DEFAULT_TRACE
 MODEL = "mooncake"
@@ -324,6 +324,8 @@ async def _client(conn: Any, worker: _FakeWorker, warm: list[Request], measured:
     import grpc
     from kvmesh.grpc_options import CLIENT_OPTIONS
 
+    from kvmesh_bench.streams import drain, read_message
+
     loop = asyncio.get_running_loop()
     port = await loop.run_in_executor(None, conn.recv)
     finished = router_pb2.LIFECYCLE_STAGE_FINISHED
@@ -349,7 +351,7 @@ async def _client(conn: Any, worker: _FakeWorker, warm: list[Request], measured:
                 message = query(tag, i, request, model)
                 t0 = clock()
                 await call.write(message)
-                response = await call.read()
+                response = await read_message(call, router_pb2.SessionResponse)
                 rtts.append((clock() - t0) * 1e6)
                 decision = response.decision
                 if decision.outcome == router_pb2.DECISION_OUTCOME_ROUTED:
@@ -359,8 +361,7 @@ async def _client(conn: Any, worker: _FakeWorker, warm: list[Request], measured:
                     name = router_pb2.DecisionOutcome.Name(decision.outcome)
                     outcomes[name] = outcomes.get(name, 0) + 1
             await call.done_writing()
-            while await call.read() is not grpc.aio.EOF:
-                pass
+            await drain(call)
             return rtts
 
         await sequential("w", warm)
@@ -381,7 +382,7 @@ async def _client(conn: Any, worker: _FakeWorker, warm: list[Request], measured:
 
         async def reader() -> None:
             for _ in measured:
-                response = await call.read()
+                response = await read_message(call, router_pb2.SessionResponse)
                 decision = response.decision
                 worker.publish(decision.engine_id, by_id[decision.request_id])
                 outgoing.put_nowait(lifecycle(decision.request_id))
@@ -397,8 +398,7 @@ async def _client(conn: Any, worker: _FakeWorker, warm: list[Request], measured:
         elapsed = clock() - t0
         outgoing.put_nowait(None)
         await tasks[1]
-        while await call.read() is not grpc.aio.EOF:
-            pass
+        await drain(call)
     return {"rtts": rtts, "floor": floor, "pipelined_per_s": len(measured) / elapsed, "outcomes": outcomes}
 
 
@@ -408,7 +408,8 @@ async def _grpc_client_side(
     import grpc
 
     ids = engine_ids(args.grpc_engines)
-    worker = _FakeWorker(SimFleet(ids, args.engine_capacity_blocks))
+    # the base's defaults answer UNIMPLEMENTED for the RPCs the router never calls here
+    worker = _FakeWorker(SimFleet(ids, args.engine_capacity_blocks))  # type: ignore[abstract]
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -492,13 +493,8 @@ _FLEET_COLUMNS = [
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvmesh bench router", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace (default: %(default)s)")
-    p.add_argument("--engines", default="8,128,1000", help="fleet sizes, comma-separated (default: %(default)s)")
+    mb.add_replay_args(p)
     p.add_argument("--max-requests", type=int, default=4000, help="trace requests replayed per fleet (0 = all)")
-    p.add_argument("--engine-capacity-blocks", type=int, default=4096, help="LRU prefix cache per engine, blocks")
-    p.add_argument("--concurrency", type=int, default=64, help="booked requests at once in the in-process replay")
-    p.add_argument("--prefill-lag", type=int, default=8, help="requests until a booking's prefill completes")
-    p.add_argument("--block-size", type=int, default=mb.DEFAULT_BLOCK_SIZE, help="tokens per hash id (512)")
     p.add_argument("--grpc-engines", type=int, default=8, help="fleet size of the gRPC measurement (0 = skip it)")
     p.add_argument("--grpc-requests", type=int, default=2000, help="queries measured through the Session stream")
     p.add_argument("--grpc-warm-requests", type=int, default=2000, help="requests that warm the server's index")
@@ -518,12 +514,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no C-core info lines (GOAWAY at teardown) in the report
     try:
-        sizes = [int(x) for x in args.engines.split(",") if x.strip()]
-    except ValueError:
-        print(f"--engines: expected comma-separated integers, got {args.engines!r}", file=sys.stderr)
-        return 2
-    if any(n <= 0 for n in sizes):
-        print("--engines: fleet sizes must be positive", file=sys.stderr)
+        sizes = fleet_sizes(args.engines)
+    except argparse.ArgumentTypeError as exc:
+        print(f"--engines: {exc}", file=sys.stderr)
         return 2
     requests = mb.trace_requests(args.trace, args.max_requests or None, args.block_size)
     if not requests:
@@ -574,8 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "grpc": asdict(grpc_result) if grpc_result is not None else None,
             "goals": goals,
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

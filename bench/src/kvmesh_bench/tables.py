@@ -1,8 +1,11 @@
-"""The plain-text result table every benchmark prints (right-aligned columns, a rule under the header)."""
+"""What every benchmark outputs: a plain-text result table (right-aligned columns, a rule under the
+header) and, with ``--json PATH``, its figures as JSON."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 Column = tuple[str, str, str]  # (key in the row, title, format spec)
@@ -15,3 +18,10 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column]) -
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def write_json(path: str | Path, payload: Any, default: Callable[[Any], Any] | None = None) -> None:
+    """Indented JSON with a final newline; missing parent folders are created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=default) + "\n", encoding="utf-8")

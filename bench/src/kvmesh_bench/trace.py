@@ -159,9 +159,11 @@ def load_trace(path: str | Path, max_requests: int | None = None) -> list[TraceR
                 if not text.strip():
                     continue
                 try:
-                    value = json.loads(text)
+                    # without its line break: a line cut short ends the document there, so the error
+                    # names that column (with the break, json reports "line 2 column 1")
+                    value = json.loads(text.rstrip("\r\n"))
                 except json.JSONDecodeError as exc:
-                    raise TraceError(path, f"invalid JSON: {exc.msg} (column {exc.colno})", lineno) from None
+                    raise TraceError(path, f"invalid JSON: {exc.msg} (column {exc.pos + 1})", lineno) from None
                 try:
                     requests.append(parse_row(value))
                 except ValueError as exc:

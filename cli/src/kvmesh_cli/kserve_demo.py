@@ -16,8 +16,15 @@ from inference import grpc_service_pb2_grpc as kserve_grpc
 DEMO_PROMPT = "Tell me about KV caches"
 
 
-def server_ready(address: str, timeout: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _channel(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.Channel:
+    """Plaintext, or TLS (the frontend's KServe port under ``kvmesh up --tls``)."""
+    if credentials is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, credentials)
+
+
+def server_ready(address: str, timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    with _channel(address, credentials) as channel:
         try:
             return (
                 kserve_grpc.GRPCInferenceServiceStub(channel)
@@ -33,7 +40,13 @@ def _bytes_tensor(name: str, value: bytes) -> tuple[kserve.ModelInferRequest.Inf
     return tensor, struct.pack("<I", len(value)) + value
 
 
-def demo_request(address: str, model: str, prompt: str = DEMO_PROMPT, max_tokens: int = 16) -> str:
+def demo_request(
+    address: str,
+    model: str,
+    prompt: str = DEMO_PROMPT,
+    max_tokens: int = 16,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> str:
     """Stream one request and describe what came back (text, timing, routing parameters)."""
     request = kserve.ModelInferRequest(model_name=model, id="kvmesh-up-demo")
     raw: list[bytes] = []
@@ -51,7 +64,7 @@ def demo_request(address: str, model: str, prompt: str = DEMO_PROMPT, max_tokens
     params: dict[str, object] = {}
     started = time.perf_counter()
     first = None
-    with grpc.insecure_channel(address) as channel:
+    with _channel(address, credentials) as channel:
         stub = kserve_grpc.GRPCInferenceServiceStub(channel)
         for reply in stub.ModelStreamInfer(iter([request]), timeout=60):
             if reply.error_message:
@@ -65,8 +78,9 @@ def demo_request(address: str, model: str, prompt: str = DEMO_PROMPT, max_tokens
                     pieces.append(output.contents.bytes_contents[0].decode(errors="replace"))
             if first is None and pieces:
                 first = time.perf_counter() - started
-            for key, value in response.parameters.items():
-                params[key] = getattr(value, value.WhichOneof("parameter_choice"))
+            for key, param in response.parameters.items():
+                if (choice := param.WhichOneof("parameter_choice")) is not None:
+                    params[key] = getattr(param, choice)
             if (
                 response.parameters.get("triton_final_response")
                 and response.parameters["triton_final_response"].bool_param

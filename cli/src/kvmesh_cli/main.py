@@ -1,4 +1,4 @@
-"""``kvmesh up | bench ... | datagen ...``.
+"""``kvmesh up | model files ... | bench ... | datagen ...``.
 
 Each command lives in its own module and registers its own sub-parser, so this file only wires
 them together; importing a command's heavy dependencies happens when it runs, not at start-up.
@@ -10,10 +10,14 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # (module, attribute): each exposes register(subparsers) adding one command with func=...
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("kvmesh_cli.up", "register"),
+    ("kvmesh_cli.model_files", "register"),
+    ("kvmesh_cli.certs", "register"),
+    ("kvmesh_cli.ops", "register"),
     ("kvmesh_bench.cli", "register"),
     ("kvmesh_bench.datagen.cli", "register"),
     ("kvmesh_bench.profile", "register"),
@@ -21,7 +25,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
 

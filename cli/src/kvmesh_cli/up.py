@@ -1,16 +1,20 @@
 """``kvmesh up``: the whole mesh on one machine — a frontend, a router and a worker process.
 
 It runs exactly what production runs (the three console scripts, as systemd would), wired through
-the embedded file discovery so no server is needed, waits until the frontend reports ServerReady,
-sends one streamed demo request so you see the mesh work, and stops everything on Ctrl-C.
+the embedded file discovery so no server is needed, waits until the frontend reports ServerReady
+and a request gets routed, sends one streamed demo request so you see the mesh work, and stops
+everything on Ctrl-C (or when the terminal closes).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,12 +22,14 @@ import time
 import typing
 from pathlib import Path
 
+import grpc
 from kvmesh.settings import DaemonSettings, default_discovery_url, is_setting_variable
 from kvmesh_frontend.settings import Settings as FrontendSettings
 from kvmesh_router.settings import Settings as RouterSettings
 from kvmesh_worker.settings import Settings as WorkerSettings
 
 from kvmesh_cli.kserve_demo import demo_request, server_ready
+from kvmesh_cli.up_tls import add_tls_argument, daemon_tls_args, kserve_credentials, prepare_tls
 
 EXAMPLE = """\
 import tritonclient.grpc as grpcclient, numpy as np
@@ -73,7 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--router-mode",
         choices=typing.get_args(RouterSettings.model_fields["mode"].annotation),
-        help=f"routing mode (default: the router's, {_default(RouterSettings, 'mode')})",
+        help="how the router picks an engine: kv = most prompt blocks already cached, least load (KV-aware); "
+        "round_robin, random, power_of_two = least loaded of two random engines "
+        f"(default: the router's, {_default(RouterSettings, 'mode')})",
     )
     p.add_argument(
         "--block-size",
@@ -86,34 +94,101 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"mocker speed, 0 = no sleeping (default: the worker's, {_default(WorkerSettings, 'speedup_ratio')})",
     )
     p.add_argument("--config", metavar="FILE", help="TOML file given to every daemon ([common], [worker], ...)")
+    # Disaggregated prefill/decode (docs/disaggregation.md): instead of the aggregated worker, P prefill and
+    # D decode worker processes of one engine each.
+    p.add_argument("--prefill-workers", type=int, default=0, help="prefill worker processes (default: 0)")
+    p.add_argument("--decode-workers", type=int, default=0, help="decode worker processes (default: 0 = aggregated)")
     p.add_argument("--model-path", default=None, help="HF-style model dir (default: built-in kvmesh-mock)")
     p.add_argument("--discovery", default=None, help="discovery URL (default: the per-user file backend)")
     p.add_argument("--namespace", default="kvmesh-local", help="discovery namespace (default: kvmesh-local)")
-    p.add_argument("--log-dir", default=None, help="where daemon logs go (default: a temp dir)")
+    p.add_argument(
+        "--log-dir", default=None, help="where daemon logs go (default: a temp dir, removed after a clean stop)"
+    )
+    p.add_argument(
+        "--otel-exporter",
+        choices=typing.get_args(DaemonSettings.model_fields["otel_exporter"].annotation),
+        help="OpenTelemetry traces of every daemon: console (to each daemon's log), otlp, none "
+        f"(default: the daemons', {_default(DaemonSettings, 'otel_exporter')})",
+    )
+    p.add_argument(
+        "--metrics-port-base",
+        type=int,
+        metavar="PORT",
+        help="Prometheus /metrics on PORT (worker), PORT+1 (router), PORT+2 (frontend) (default: none)",
+    )
     p.add_argument("--no-demo", action="store_true", help="do not send the demo request")
+    add_tls_argument(p)
     p.add_argument(
         "--ready-timeout", type=float, default=None, help="seconds to wait for ServerReady (default: 60, vLLM 240)"
     )
     p.set_defaults(func=run)
 
 
-def _spawn(name: str, args: list[str], log_dir: Path) -> subprocess.Popen[bytes]:
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when ``kvmesh up`` dies, however it dies (even kill -9)."""
+    # not Linux (no prctl): up's SIGHUP/SIGTERM handling still stops the children
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _port_taken(port: int) -> bool:
+    """Whether something already accepts connections on ``port`` (then our frontend could not bind)."""
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+_LOGS: dict[int, Path] = {}
+"""Each spawned daemon's log file, by pid (P/D workers log to one file each)."""
+
+
+def _why(proc: subprocess.Popen[bytes], log_dir: Path) -> str:
+    """A dead daemon's own last word: its ``error:`` line, else the last line of its log."""
+    argv = typing.cast(list[str], proc.args)  # _spawn always passes an argv list of str
+    name = Path(argv[0]).name
+    try:
+        log_path = _LOGS.get(proc.pid, log_dir / f"{name}.log")
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        lines = []
+    said = next((line for line in reversed(lines) if f"{name}: error:" in line), lines[-1] if lines else "")
+    return f"{name} exited with {proc.returncode}" + (f": {said.strip()}" if said else "")
+
+
+def _routable(address: str, model: str, credentials: grpc.ChannelCredentials | None) -> bool:
+    """Whether a request gets routed yet (ServerReady says only that an engine is live: the router
+    may still be registering). "kvmesh is up" must mean a client's first request works."""
+    try:
+        outcome = demo_request(address, model, max_tokens=1, credentials=credentials)
+        return not outcome.startswith("demo request failed: UNAVAILABLE")
+    except grpc.RpcError:
+        return False
+
+
+def _spawn(name: str, args: list[str], log_dir: Path, log_name: str | None = None) -> subprocess.Popen[bytes]:
     """Start daemon ``name``; it gets the ``KVMESH_*`` variables it declares, not the other daemons'."""
     exe = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
     if exe is None:
         raise FileNotFoundError(f"{name} is not installed (run `make setup`)")
     own = DAEMONS[name].variables()
-    log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child for its lifetime
-    return subprocess.Popen(
+    log_path = log_dir / f"{log_name or name}.log"
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    proc = subprocess.Popen(
         [exe, *args],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_die_with_parent,  # only prctl before exec: safe in a forked child
         env={
             **{var: value for var, value in os.environ.items() if not is_setting_variable(var) or var in own},
             "PYTHONUNBUFFERED": "1",
         },
     )
+    _LOGS[proc.pid] = log_path
+    return proc
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -135,20 +210,39 @@ def run(args: argparse.Namespace) -> int:
     if stray:  # meant for a daemon, known to none: a typo must not be silently dropped
         print(f"kvmesh up: error: {stray[0]}: unknown setting (environment)", file=sys.stderr)
         return 2
+    if _port_taken(args.grpc_port):  # before anything starts: the demo must never reach another server
+        print(
+            f"kvmesh up: error: --grpc-port {args.grpc_port}: the port is already in use by another process "
+            "(stop it, or pick a free port with --grpc-port)",
+            file=sys.stderr,
+        )
+        return 2
+    temporary = args.log_dir is None
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvmesh-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     common = ["--discovery", args.discovery or default_discovery_url(), "--namespace", args.namespace]
+    common += ["--bind-host", "127.0.0.1"]  # a local mesh is reachable from this machine only
+    tls_dir = prepare_tls(args, log_dir)
+    credentials = kserve_credentials(tls_dir)
     if args.config:
         common += ["--config", args.config]
     vllm = args.engine == "vllm"
     if vllm and not args.model_path:
         print("kvmesh up: error: --engine vllm needs --model-path DIR", file=sys.stderr)
         return 2
+    if vllm and (args.prefill_workers or args.decode_workers):
+        print("kvmesh up: error: --engine vllm is aggregated only (no --prefill/--decode-workers)", file=sys.stderr)
+        return 2
     if args.num_engines is None:
         args.num_engines = 1 if vllm else 2
     if args.ready_timeout is None:
         args.ready_timeout = 240.0 if vllm else 60.0  # vLLM starts in 13-50 s on 2 cores
-    worker_args = [*common, "--engine", args.engine, "--num-engines", str(args.num_engines)]
+    if args.otel_exporter:
+        common += ["--otel-exporter", args.otel_exporter]
+    metrics = {}
+    if args.metrics_port_base is not None:
+        metrics = {name: args.metrics_port_base + i for i, name in enumerate(DAEMONS)}
+    worker_args = [*common, "--engine", args.engine]
     if args.vllm_engine_args:
         worker_args += ["--vllm-engine-args", args.vllm_engine_args]
     if args.block_size is not None:
@@ -158,48 +252,110 @@ def run(args: argparse.Namespace) -> int:
     router_args = [*common] + (["--router-mode", args.router_mode] if args.router_mode else [])
     if args.model_path:
         worker_args += ["--model-path", args.model_path]
+    frontend_args = [*common, "--grpc-port", str(args.grpc_port)]
+    if "kvmesh-router" in metrics:
+        router_args += ["--metrics-port", str(metrics["kvmesh-router"])]
+    if "kvmesh-frontend" in metrics:
+        frontend_args += ["--metrics-port", str(metrics["kvmesh-frontend"])]
+    # Worker processes: the first gets the worker's port of the base; further P/D workers the ports after
+    # the three daemons' (base+3, base+4, ...), so that no two processes clash.
+    worker_ports = iter(
+        [metrics["kvmesh-worker"], *range(args.metrics_port_base + len(DAEMONS), 65536)]
+        if args.metrics_port_base is not None
+        else []
+    )
+
+    def worker(extra: list[str]) -> list[str]:
+        port = next(worker_ports, None)
+        return [*worker_args, *extra, *(["--metrics-port", str(port)] if port is not None else [])]
+
     procs: list[subprocess.Popen[bytes]] = []
     stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    # SIGHUP: the terminal closed. Stop the mesh like Ctrl-C instead of orphaning live daemons.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda *_: stop.update(now=True))
+    if args.prefill_workers and not args.decode_workers:
+        print("kvmesh up: error: --prefill-workers needs --decode-workers", file=sys.stderr)
+        return 2
+    clean = False
     try:
-        procs.append(_spawn("kvmesh-worker", worker_args, log_dir))
+        worker_args += daemon_tls_args(tls_dir, "worker")
+        router_args += daemon_tls_args(tls_dir, "router")
+        frontend_args += daemon_tls_args(tls_dir, "frontend")
+        if args.decode_workers:
+            for role, count in (("decode", args.decode_workers), ("prefill", args.prefill_workers)):
+                for i in range(count):
+                    role_args = worker(["--num-engines", "1", "--role", role])
+                    procs.append(_spawn("kvmesh-worker", role_args, log_dir, f"kvmesh-worker-{role}-{i}"))
+        else:
+            procs.append(_spawn("kvmesh-worker", worker(["--num-engines", str(args.num_engines)]), log_dir))
         procs.append(_spawn("kvmesh-router", router_args, log_dir))
-        procs.append(_spawn("kvmesh-frontend", [*common, "--grpc-port", str(args.grpc_port)], log_dir))
+        procs.append(_spawn("kvmesh-frontend", frontend_args, log_dir))
         address = f"127.0.0.1:{args.grpc_port}"
-        deadline = time.monotonic() + args.ready_timeout
-        while not server_ready(address):
-            dead = [p for p in procs if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                why = f"{Path(dead[0].args[0]).name} exited with {dead[0].returncode}" if dead else "timed out"
-                print(f"kvmesh up: error: mesh not ready ({why}); logs in {log_dir}", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
         model = "kvmesh-mock" if not args.model_path else Path(args.model_path).name
+        deadline = time.monotonic() + args.ready_timeout
+        while True:
+            # Our own children first: a ServerReady from the port proves nothing if ours is dead.
+            dead = [p for p in procs if p.poll() is not None]
+            if dead or stop["now"] or time.monotonic() > deadline:
+                if stop["now"]:
+                    clean = True
+                    return 0
+                why = _why(dead[0], log_dir) if dead else f"not ready within {args.ready_timeout:g}s"
+                print(f"kvmesh up: error: mesh not ready ({why}); logs in {log_dir}", file=sys.stderr)
+                return 2 if dead and dead[0].returncode == 2 else 1
+            if (
+                server_ready(address, credentials=credentials)
+                and all(p.poll() is None for p in procs)
+                and _routable(address, model, credentials)
+            ):
+                break
+            time.sleep(0.2)
         print(
             f"kvmesh is up: KServe gRPC on localhost:{args.grpc_port}, model {model!r}, "
-            f"{args.num_engines} {args.engine} engine(s); logs in {log_dir}; "
+            + (
+                f"{args.prefill_workers} prefill + {args.decode_workers} decode worker(s)"
+                if args.decode_workers
+                else f"{args.num_engines} {args.engine} engine(s)"
+            )
+            + f"; logs in {log_dir}; "
             f"Ctrl-C stops it.",
             flush=True,
         )
-        print("\nTry it with tritonclient:\n" + EXAMPLE.format(port=args.grpc_port, model=model) + "\n", flush=True)
+        if metrics:
+            where = ", ".join(f"{n.removeprefix('kvmesh-')} http://localhost:{p}/metrics" for n, p in metrics.items())
+            print(f"Prometheus metrics: {where}", flush=True)
+        example = EXAMPLE.format(port=args.grpc_port, model=model)
+        if tls_dir is not None:  # stock tritonclient over TLS: the mesh CA verifies the frontend
+            example = example.replace(
+                ")\ninputs", f", ssl=True, root_certificates={str(tls_dir / 'ca.crt')!r})\ninputs", 1
+            )
+        print("\nTry it with tritonclient:\n" + example + "\n", flush=True)
+        where = "" if args.namespace == "kvmesh-local" else f" --namespace {args.namespace}"
+        where += f" --discovery {args.discovery}" if args.discovery else ""
+        print(
+            f"Benchmark it (make perf-tools): kvmesh model files {model} --out ./tok{where} && genai-perf "
+            f"profile -m {model} --endpoint-type kserve --backend vllm --streaming -u localhost:{args.grpc_port} "
+            "--tokenizer ./tok\n",
+            flush=True,
+        )
         if not args.no_demo:
             # ServerReady means an engine is live; the router may still be warming up for a moment.
-            outcome = demo_request(address, model)
+            outcome = demo_request(address, model, credentials=credentials)
             while outcome.startswith("demo request failed: UNAVAILABLE") and time.monotonic() < deadline + 30:
                 time.sleep(0.5)
-                outcome = demo_request(address, model)
+                outcome = demo_request(address, model, credentials=credentials)
             print(outcome, flush=True)
         while not stop["now"] and all(p.poll() is None for p in procs):
             time.sleep(0.2)
         dead = [p for p in procs if p.poll() is not None]
         if dead and not stop["now"]:
-            print(
-                f"kvmesh up: {Path(dead[0].args[0]).name} exited with {dead[0].returncode}; logs in {log_dir}",
-                file=sys.stderr,
-            )
+            print(f"kvmesh up: {_why(dead[0], log_dir)}; logs in {log_dir}", file=sys.stderr)
             return 1
+        clean = True
         return 0
     except KeyboardInterrupt:
+        clean = True
         return 0
     except FileNotFoundError as exc:
         print(f"kvmesh up: error: {exc}", file=sys.stderr)
@@ -207,3 +363,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print("kvmesh up: stopping...", file=sys.stderr, flush=True)
         _stop(procs)
+        if temporary and clean:  # a failed run keeps its logs: the error message points at them
+            shutil.rmtree(log_dir, ignore_errors=True)

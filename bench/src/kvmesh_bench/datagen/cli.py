@@ -3,50 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
+from kvmesh_bench.argtypes import non_negative_int, positive_float, positive_int
+from kvmesh_bench.tables import write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace, write_trace
 
 __all__ = ["main", "register"]
 
 EXIT_OK = 0
 EXIT_ERROR = 2
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -74,10 +44,6 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
     return run
 
 
-def _write_json(path: str, data: Any) -> None:
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-
-
 def _analyze(args: argparse.Namespace) -> int:
     from kvmesh_bench.datagen.analyze import analyze, compare, format_analysis, format_comparison
 
@@ -86,14 +52,14 @@ def _analyze(args: argparse.Namespace) -> int:
     if args.compare is None:
         print(format_analysis(report, title=args.trace))
         if args.json:
-            _write_json(args.json, report)
+            write_json(args.json, report)
         return EXIT_OK
     source = load_trace(args.compare, max_requests=args.max_requests)
     source_report = analyze(source, block_size=args.block_size)
     rows = compare(report, source_report)
     print(format_comparison(rows, trace_name=args.trace, source_name=args.compare))
     if args.json:
-        _write_json(args.json, {"trace": report, "source": source_report, "comparison": rows})
+        write_json(args.json, {"trace": report, "source": source_report, "comparison": rows})
     return EXIT_OK
 
 
@@ -118,15 +84,32 @@ def _synthesize(args: argparse.Namespace) -> int:
     )
     synthesizer = Synthesizer(source, config)
     requests = synthesizer.generate(args.num_requests)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)  # as --json does
     write_trace(args.output, requests)
     tree = synthesizer.tree
-    core_blocks = sum(length for _, length in tree.graph.nodes(data="length"))
+    core_blocks = sum(data["length"] for _, data in tree.graph.nodes(data=True))
     print(
         f"wrote {len(requests):,} requests to {args.output} (learned from {len(source):,} requests: core radix "
         f"tree {tree.graph.number_of_nodes() - 1:,} nodes / {core_blocks:,} blocks, {len(tree.leaf_lengths):,} "
         f"unique leaves) in {time.perf_counter() - started:.2f} s"
     )
     return EXIT_OK
+
+
+def _trace_block_size(parser: argparse.ArgumentParser) -> None:
+    """``--trace-block-size``: tokens per hash id, the trace's unit (not an engine's KV block size).
+
+    ``--block-size`` still works, but is hidden: ``kvmesh bench`` used it for the engine's block.
+    """
+    parser.add_argument(
+        "--trace-block-size",
+        "--block-size",
+        dest="block_size",
+        metavar="TOKENS",
+        type=positive_int,
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"tokens per hash id of the trace (default: {DEFAULT_BLOCK_SIZE}, the Mooncake traces')",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -147,15 +130,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     analyze_parser.add_argument("trace", help="Mooncake JSONL trace")
     analyze_parser.add_argument("--compare", metavar="SOURCE", help="compare against this trace")
     analyze_parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    _trace_block_size(analyze_parser)
     analyze_parser.add_argument(
-        "--block-size",
-        metavar="TOKENS",
-        type=_positive_int,
-        default=DEFAULT_BLOCK_SIZE,
-        help="tokens per hash id (default: 512)",
-    )
-    analyze_parser.add_argument(
-        "--max-requests", metavar="N", type=_positive_int, help="read only the first N requests (of each trace)"
+        "--max-requests", metavar="N", type=positive_int, help="read only the first N requests (of each trace)"
     )
     analyze_parser.set_defaults(func=_guarded(_analyze))
 
@@ -170,49 +147,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument(
         "--num-requests",
         metavar="N",
-        type=_positive_int,
+        type=positive_int,
         help="requests to synthesize (default: as many as the source)",
     )
     synth.add_argument(
         "--prefix-len-multiplier",
         metavar="X",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="stretch shared-prefix nodes (default: 1)",
     )
     synth.add_argument(
         "--prefix-root-multiplier",
         metavar="K",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="k disjoint copies of the prefix tree, one picked at random per request (default: 1)",
     )
     synth.add_argument(
         "--prompt-len-multiplier",
         metavar="X",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="scale unique-prompt lengths (default: 1)",
     )
     synth.add_argument(
-        "--osl-multiplier", metavar="X", type=_positive_float, default=1.0, help="scale output lengths (default: 1)"
+        "--osl-multiplier", metavar="X", type=positive_float, default=1.0, help="scale output lengths (default: 1)"
     )
     synth.add_argument(
         "--speedup-ratio",
         metavar="X",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="divide inter-arrival gaps by this (default: 1)",
     )
-    synth.add_argument("--min-isl", metavar="TOKENS", type=_non_negative_int, help="drop requests with a shorter input")
-    synth.add_argument("--max-isl", metavar="TOKENS", type=_non_negative_int, help="drop requests with a longer input")
-    synth.add_argument(
-        "--block-size",
-        metavar="TOKENS",
-        type=_positive_int,
-        default=DEFAULT_BLOCK_SIZE,
-        help="tokens per hash id (default: 512)",
-    )
+    synth.add_argument("--min-isl", metavar="TOKENS", type=non_negative_int, help="drop requests with a shorter input")
+    synth.add_argument("--max-isl", metavar="TOKENS", type=non_negative_int, help="drop requests with a longer input")
+    _trace_block_size(synth)
     synth.add_argument("--seed", metavar="SEED", type=int, default=0, help="random seed (default: 0)")
     synth.add_argument(
         "--sampling",
@@ -222,7 +193,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "a shuffled deck of the source's values, reshuffled when used up; iid: independent draws",
     )
     synth.add_argument(
-        "--max-requests", metavar="N", type=_positive_int, help="learn from the first N source requests only"
+        "--max-requests", metavar="N", type=positive_int, help="learn from the first N source requests only"
     )
     synth.set_defaults(func=_guarded(_synthesize))
 

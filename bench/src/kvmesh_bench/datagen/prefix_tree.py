@@ -89,7 +89,7 @@ def build_block_graph(requests: Sequence[TraceRequest]) -> nx.DiGraph:
             weights[edge] += 1
             parent = block
         ends[parent] += 1
-    graph = nx.DiGraph()
+    graph: nx.DiGraph[Hashable] = nx.DiGraph()
     graph.add_node(ROOT, visits=len(requests), end=ends[ROOT])
     graph.add_nodes_from((block, {"visits": count, "end": ends[block]}) for block, count in visits.items())
     graph.add_edges_from(
@@ -125,7 +125,7 @@ def merge_chains(graph: nx.DiGraph) -> nx.DiGraph:
     The merged node keeps the key of its first block; ``blocks`` lists the original hash ids in order.
     Needs :func:`mark_leaves` to have run. Children keep their first-appearance order.
     """
-    merged = nx.DiGraph()
+    merged: nx.DiGraph[Hashable] = nx.DiGraph()
     root = graph.nodes[ROOT]
     merged.add_node(ROOT, length=0, visits=root["visits"], end=root["end"], leaf=False, blocks=())
     stack: list[tuple[Hashable, Hashable]] = [(ROOT, child) for child in reversed(list(graph.successors(ROOT)))]

@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import networkx as nx
 
@@ -163,7 +163,7 @@ class Synthesizer:
         rng = random.Random(config.seed)
         stratified = config.sampling == "stratified"
 
-        def sampler(values: Sequence[int]) -> _Sampler:
+        def sampler(values: Sequence[_V]) -> _Sampler[_V]:
             return _Sampler(values, rng, stratified)
 
         group_sizes = sampler(self.requests_per_timestamp)
@@ -172,7 +172,7 @@ class Synthesizer:
         residuals = sampler(self.residuals)
         output_lengths = sampler(self.output_lengths)
         copy_offsets = sampler([copy * self.core_ids for copy in range(config.prefix_root_multiplier)])
-        transitions: dict[int, _Sampler] = {}
+        transitions: dict[int, _Sampler[int]] = {}
 
         copies = config.prefix_root_multiplier
         block_size = config.block_size
@@ -222,18 +222,21 @@ class Synthesizer:
         return out
 
 
-class _Sampler:
+_V = TypeVar("_V", int, float)
+
+
+class _Sampler(Generic[_V]):
     """Draws from an empirical distribution: a shuffled deck of the values (stratified) or independent picks."""
 
     __slots__ = ("_deck", "_rng", "_stratified", "_values")
 
-    def __init__(self, values: Sequence[int], rng: random.Random, stratified: bool) -> None:
-        self._values = values
+    def __init__(self, values: Sequence[_V], rng: random.Random, stratified: bool) -> None:
+        self._values: Sequence[_V] = values
         self._rng = rng
         self._stratified = stratified
-        self._deck: list[int] = []
+        self._deck: list[_V] = []
 
-    def draw(self) -> int:
+    def draw(self) -> _V:
         if not self._stratified:
             return self._values[self._rng.randrange(len(self._values))]
         if not self._deck:

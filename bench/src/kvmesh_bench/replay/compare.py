@@ -55,7 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if len(set(labels)) != len(labels):
             raise ReplayError(f"--modes repeats a mode: {args.modes}")
         check_live_args(args)
-        if args.seeds < 1 or (args.seeds > 1 and not args.offline):
+        if args.seeds < 1:
+            raise ReplayError(f"--seeds must be >= 1, got {args.seeds}")
+        if args.seeds > 1 and not args.offline:
             raise ReplayError("--seeds N > 1 is for --offline runs")
         args.send_mode = True
         requests = load_requests(args)
@@ -65,8 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_mode = []
         for i, spec in enumerate(specs):
             trials = []
-            for s in range(args.seeds):
-                seed = args.seed + s if args.offline else args.seed + 1000 * i
+            for k in range(args.seeds):
+                seed = args.seed + k if args.offline else args.seed + 1000 * i
                 trials.append(run_mode(args, spec, requests, seed))
             trials.sort(key=lambda r: summarize(r).ttft_p50_ms)
             runs.append(trials[len(trials) // 2])  # the run with the median TTFT p50 (plotted)

@@ -18,6 +18,11 @@ Virtual time follows the worker's real-time loop (``kvmesh_worker.engine_runner`
 - an arrival is routed (``Admission.decide``) and queued on the chosen engine at its trace time
   (timestamp / ``arrival_speedup``).
 
+The engines report their KV changes through a :class:`~kvmesh_worker.engine.block_manager.KvSink` (plain
+hashes, the same changes in the same order as their ``KvEvent`` journal) that the replay holds back until
+the pass ends and then applies with the index's ``store_chain`` / ``remove``: the same index updates as
+``apply_event``, without building an event object per pass and a StoredBlock per block.
+
 Runs of *quiet* decode passes (no output, no event, nothing a router can see) are skipped with
 ``EngineCore.fast_forward``, bounded by the next arrival, which is exactly equivalent to stepping
 through them. That, plus ``emit_token_ids=False``, is what makes the whole conversation trace with
@@ -42,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvmesh.hashing import block_hashes
+from kvmesh.hashing import block_hashes, local_block_hashes, sequence_hashes
 from kvmesh_router.admission import Admission, BusyThresholds, Decision, EngineSpec, RouteRequest
 from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
@@ -113,11 +118,77 @@ class OfflineConfig:
         )
 
 
+class _PassChanges:
+    """One engine's KV changes since the last pass started (a KvSink): ``(stored?, parent, hashes, tokens)``."""
+
+    __slots__ = ("items",)
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, int | None, Sequence[int], Sequence[int]]] = []
+
+    def stored(self, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]) -> None:
+        self.items.append((_STORED, parent_hash, block_hashes, tokens_hashes))
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        self.items.append((_REMOVED, None, block_hashes, ()))
+
+    def cleared(self) -> None:
+        self.items.append((_CLEARED, None, (), ()))
+
+    def take(self) -> list[tuple[int, int | None, Sequence[int], Sequence[int]]]:
+        items, self.items = self.items, []
+        return items
+
+
+_STORED, _REMOVED, _CLEARED = 0, 1, 2
+
+
+class _PromptHasher:
+    """``block_hashes(prompt, block_size)`` of trace prompts, memoized per trace block and its prefix.
+
+    A prompt is its trace ids' token blocks laid end to end (see ``workload``), so when the engine block
+    size divides the trace block, the engine blocks of a full trace block depend only on that id and on
+    the sequence hash before it: ``(parent sequence hash, id) -> (tokens hashes, sequence hashes)`` of its
+    engine blocks is the same in every prompt that reaches it. Multi-turn traces repeat their prefixes,
+    so most trace blocks are hashed once per replay. The result equals ``block_hashes`` exactly.
+    """
+
+    def __init__(self, mapper: TokenMapper, block_size: int) -> None:
+        self._bs = block_size
+        self._bt = mapper.block_tokens
+        self._usable = mapper.block_tokens % block_size == 0
+        self._memo: dict[tuple[int | None, int], tuple[list[int], list[int]]] = {}
+
+    def __call__(self, hash_ids: Sequence[int], tokens: np.ndarray) -> tuple[list[int], list[int]]:
+        if not self._usable:
+            return block_hashes(tokens, self._bs)
+        bs, bt, memo = self._bs, self._bt, self._memo
+        local: list[int] = []
+        seq: list[int] = []
+        parent: int | None = None
+        full = len(tokens) // bt  # trace blocks whose every token is in the prompt
+        for j in range(full):
+            key = (parent, hash_ids[j])
+            hit = memo.get(key)
+            if hit is None:
+                lo = local_block_hashes(tokens[j * bt : (j + 1) * bt], bs)
+                hit = memo[key] = (lo, sequence_hashes(lo, parent=parent))
+            local += hit[0]
+            seq += hit[1]
+            parent = seq[-1]
+        tail = local_block_hashes(tokens[full * bt :], bs)
+        if tail:
+            local += tail
+            seq += sequence_hashes(tail, parent=parent)
+        return local, seq
+
+
 class SimRouter:
     """The router daemon's routing core without its transport (see ``kvmesh_router.state.RouterState``)."""
 
     def __init__(self, policy: RouterPolicyConfig, seed: int, booking_ttl_s: float = DEFAULT_EXPIRY_S) -> None:
-        self.index = KvIndexer(max_entries=None)  # RouterSettings.index_max_blocks defaults to unbounded
+        # RouterSettings.index_max_blocks defaults to unbounded; a simulation never dumps its index.
+        self.index = KvIndexer(max_entries=None, dumps=False)
         self.slots = SlotTracker(_ROUTER_DEFAULT_BLOCK_SIZE, expiry_s=booking_ttl_s)
         self.admission = Admission(
             self.index, self.slots, config=policy, thresholds=BusyThresholds(), rng=random.Random(seed)
@@ -137,13 +208,15 @@ def run_offline(
     cpu0, wall0 = time.process_time(), time.perf_counter()
     mapper = mapper or TokenMapper(vocab_size=config.vocab_size, seed=config.seed)
     econf = config.engine_config()
-    cores = [EngineCore(econf, load_perf_model(config.perf_model)) for _ in range(config.engines)]
+    sinks = [_PassChanges() for _ in range(config.engines)]
+    cores = [EngineCore(econf, load_perf_model(config.perf_model), sink) for sink in sinks]
     router = SimRouter(config.policy(), config.seed)
     for e in range(config.engines):
         router.add_engine(e, econf)
     admission, index = router.admission, router.index
-    apply_event = index.apply_event
+    store_chain, remove_blocks, clear_engine = index.store_chain, index.remove, index.clear
     bs = econf.block_size
+    prompt_hashes = _PromptHasher(mapper, bs)
 
     n = len(requests)
     arrival = np.array([r.arrival_ms for r in requests], dtype=float)
@@ -163,7 +236,7 @@ def run_offline(
     next_sample = [0.0] * config.engines
     samples: list[tuple[float, int, int, int, int, int]] = []
 
-    pending: list = [None] * config.engines  # the StepOutput of each engine's pass in flight
+    pending: list = [None] * config.engines  # the StepOutput and KV changes of each engine's pass in flight
     busy = [False] * config.engines
     heap: list[tuple[float, int, int]] = []  # (pass end, seq, engine)
     seq = 0
@@ -173,7 +246,7 @@ def run_offline(
     def start_pass(e: int, now: float) -> None:
         nonlocal seq, passes
         out = cores[e].step()
-        pending[e] = out
+        pending[e] = (out, sinks[e].take())
         passes += 1
         seq += 1
         heapq.heappush(heap, (now + out.metrics.duration_ms, seq, e))
@@ -183,10 +256,15 @@ def run_offline(
         ta = arrival[i] if i < n else inf
         if heap and heap[0][0] <= ta:
             t, _, e = heapq.heappop(heap)
-            out = pending[e]
+            out, changes = pending[e]
             pending[e] = None
-            for ev in out.kv_events:
-                apply_event(e, ev)
+            for kind, parent, hashes, tokens in changes:
+                if kind == _STORED:
+                    store_chain(e, parent, hashes, tokens)
+                elif kind == _REMOVED:
+                    remove_blocks(e, hashes)
+                else:
+                    clear_engine(e)
             for o in out.outputs:
                 k = slot_of[o.request_id]
                 if math.isnan(first[k]):
@@ -224,7 +302,7 @@ def run_offline(
         req = requests[i]
         i += 1
         tokens = req.prompt(mapper)
-        hashes = block_hashes(tokens, bs)[1]
+        local_hashes, hashes = prompt_hashes(req.hash_ids, tokens)
         decision = admission.decide(
             RouteRequest(req.request_id, hashes, int(tokens.size), req.max_tokens), now=ta / 1000.0
         )
@@ -237,7 +315,11 @@ def run_offline(
         predicted[k] = decision.overlap_blocks * bs
         best[k] = decision.best_overlap_blocks * bs
         try:
-            cores[e].add_request(EngineRequest(req.request_id, tokens, req.max_tokens, ignore_eos=True))
+            cores[e].add_request(
+                EngineRequest(
+                    req.request_id, tokens, req.max_tokens, ignore_eos=True, prompt_hashes=(local_hashes, hashes)
+                )
+            )
         except EngineError as exc:
             admission.free(req.request_id)
             errors.append(f"{req.request_id}: engine {e} rejected it: {exc}")

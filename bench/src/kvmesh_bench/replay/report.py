@@ -19,7 +19,6 @@ latency over time and per-engine load.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kvmesh_bench import tables
 from kvmesh_bench.stats import percentile, weighted_percentile
 
 __all__ = [
@@ -221,8 +221,7 @@ def run_json(run: RunData) -> dict[str, Any]:
 
 
 def write_json(path: str | Path, payload: Mapping[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(payload, indent=2, default=_json_default) + "\n", encoding="utf-8")
+    tables.write_json(path, payload, default=_json_default)  # numpy scalars and arrays, NaN as null
 
 
 def _json_default(value: Any) -> Any:

@@ -4,13 +4,18 @@ One HTTP/2 connection per peer instance, shared by every call to it: opening a c
 request would cost a TCP + HTTP/2 handshake on the hot path. A peer that re-appears at another
 address gets a fresh channel; a peer that disappears from discovery is dropped.
 Deadlines are per call (``timeout=`` on the stub method), never per channel.
+
+Security: with the process's mesh identity configured (``kvmesh.tls.configure_client``, done by
+``DaemonRuntime`` under ``--tls-*``) every channel is mTLS. ``role=`` pins the peer's role: the
+server must present a mesh certificate for ``<role>.kvmesh`` (a worker's, a router's), whatever
+address discovery advertised for it.
 """
 
 from __future__ import annotations
 
 import grpc
 
-from kvmesh import telemetry
+from kvmesh import telemetry, tls
 from kvmesh.grpc_options import CLIENT_OPTIONS
 
 
@@ -19,13 +24,12 @@ class ChannelPool:
         self._channels: dict[int | str, tuple[str, grpc.aio.Channel]] = {}
         self._stale: list[grpc.aio.Channel] = []  # replaced while calls may still use them
 
-    def get(self, instance_id: int | str, address: str) -> grpc.aio.Channel:
+    def get(self, instance_id: int | str, address: str, *, role: str | None = None) -> grpc.aio.Channel:
+        """The channel to ``instance_id`` at ``address``; ``role`` (e.g. "worker") pins the peer's certificate role."""
         entry = self._channels.get(instance_id)
         if entry is not None and entry[0] == address:
             return entry[1]
-        channel = grpc.aio.insecure_channel(
-            address, options=CLIENT_OPTIONS, interceptors=telemetry.client_interceptors() or None
-        )
+        channel = open_channel(address, role=role)
         if entry is not None:
             self._stale.append(entry[1])
         self._channels[instance_id] = (address, channel)
@@ -48,3 +52,15 @@ class ChannelPool:
 
     def __len__(self) -> int:
         return len(self._channels)
+
+
+def open_channel(address: str, *, role: str | None = None) -> grpc.aio.Channel:
+    """One channel with the mesh options: mTLS when this process has an identity, else plaintext."""
+    interceptors = telemetry.client_interceptors() or None
+    material = tls.client_material()
+    if material is None:
+        return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS, interceptors=interceptors)
+    options: list[tuple[str, int | str]] = [*CLIENT_OPTIONS, *tls.target_options(role)]
+    return grpc.aio.secure_channel(
+        address, tls.channel_credentials(material), options=options, interceptors=interceptors
+    )

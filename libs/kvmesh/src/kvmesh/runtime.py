@@ -1,11 +1,14 @@
 """The lifecycle every kvmesh daemon shares: lease, gRPC server, health, reflection, drain.
 
 Invariants (the reasons this module exists):
-- **No zombie.** A daemon serves only while its discovery lease is alive. The moment the lease
-  keeper cannot prove the lease, health flips to NOT_SERVING and new calls (other than health and
-  reflection) are refused with UNAVAILABLE; when discovery is back the keeper re-registers under a
-  new lease and serving resumes, without a restart. Instance ids stay stable across re-grants
-  (they are minted from the first lease), so caches and in-flight streams keyed by them survive.
+- **Serving never depends on discovery being reachable.** Health and the serving gate follow only
+  the process's own state (warm-up, drain). While etcd is unreachable the daemon keeps serving on
+  the membership it last saw; whether it is dead is decided by the others (routers and frontends
+  drop an instance whose record vanished while discovery is up), never by the daemon stopping itself.
+- **No zombie.** The lease keeper never gives up: if the backend dropped the lease (this process was
+  frozen, cut off, or etcd expired it), the keeper re-registers every record under its old key
+  (same instance id) within about a second of discovery answering, without a restart. Instance
+  ids are minted from the first lease and never change, so caches and streams keyed by them survive.
 - **Graceful exit.** SIGTERM/SIGINT: new calls are refused and the lease is revoked first (every
   record vanishes at once, so nobody routes new work here) while ``on_draining`` hooks end endless
   streams; then health goes NOT_SERVING, in-flight calls get ``--drain-timeout`` seconds to finish,
@@ -21,14 +24,16 @@ Invariants (the reasons this module exists):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
@@ -36,11 +41,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvmesh import telemetry
+from kvmesh import reflection as kvmesh_reflection
+from kvmesh import sd_notify, telemetry, tls
 from kvmesh.discovery import Discovery, DiscoveryUnavailable, Lease, instance_key, open_discovery
 from kvmesh.grpc_options import SERVER_OPTIONS
+from kvmesh.identity import RoleGate
 from kvmesh.settings import DaemonSettings, fail
-from kvmesh.v1 import discovery_pb2
+from kvmesh.v1 import admin_pb2, admin_pb2_grpc, discovery_pb2
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +56,7 @@ _ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 class _ServingGate(grpc.aio.ServerInterceptor):
-    """Refuses new calls while the daemon must not serve (lease lost, draining)."""
+    """Refuses new calls while the daemon must not serve (draining)."""
 
     def __init__(self, is_serving: Callable[[], bool], reason: Callable[[], str]) -> None:
         self._is_serving = is_serving
@@ -67,12 +74,22 @@ class _ServingGate(grpc.aio.ServerInterceptor):
             return None
         reason = self._reason()
 
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
+        # Refusals set the status and return instead of ``context.abort``: an abort that reaches a
+        # streaming client before its first write makes grpc.aio's client report "INTERNAL: Internal
+        # error from Core" instead of UNAVAILABLE, and an aborted call's request stays in memory
+        # until the cyclic GC runs. A client-streaming call is refused after its first message
+        # arrives (or 1 s), so that the client's first write cannot race the trailers.
+        async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            if handler.request_streaming:
+                await _first_message(request)
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(reason)
 
-        async def refuse_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, reason)
-            yield  # pragma: no cover - makes this an async generator
+        async def refuse_stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            await refuse(request, context)
+            nothing: tuple[Any, ...] = ()
+            for item in nothing:  # a yield makes this an async generator; it yields nothing
+                yield item
 
         if handler.response_streaming:
             factory = (
@@ -95,6 +112,31 @@ class _ServingGate(grpc.aio.ServerInterceptor):
         )
 
 
+async def _first_message(requests: AsyncIterator[Any]) -> None:
+    """Wait (up to 1 s) for a refused stream's first message, or for the client to end it."""
+    with contextlib.suppress(TimeoutError, StopAsyncIteration, grpc.RpcError):
+        async with asyncio.timeout(1.0):
+            await anext(aiter(requests))
+
+
+class _Admin(admin_pb2_grpc.AdminServiceServicer):
+    """``kvmesh drain``: the SIGTERM drain by RPC; operator certificate (kvmesh.identity), or loopback without TLS."""
+
+    def __init__(self, runtime: DaemonRuntime) -> None:
+        self._runtime = runtime
+
+    async def Drain(
+        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> admin_pb2.DrainResponse:
+        runtime = self._runtime
+        if runtime.tls is None and not context.peer().startswith(("ipv4:127.", "ipv6:[::1]", "unix:")):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "without TLS, drain is accepted from loopback only")
+        started = not runtime._stop.is_set() and not runtime._draining
+        log.warning("drain requested by %s: %s", context.peer(), request.reason or "no reason given")
+        runtime._stop.set()
+        return admin_pb2.DrainResponse(instance_id=f"{runtime.instance_id:x}", started=started)
+
+
 class DaemonRuntime:
     """Owns discovery, the lease, the gRPC server and the signal handling of one daemon process.
 
@@ -109,7 +151,14 @@ class DaemonRuntime:
             await runtime.wait_for_stop()
     """
 
-    def __init__(self, name: str, settings: DaemonSettings) -> None:
+    def __init__(
+        self,
+        name: str,
+        settings: DaemonSettings,
+        *,
+        server_options: Sequence[tuple[str, Any]] = SERVER_OPTIONS,
+        interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (),
+    ) -> None:
         self.name = name
         self.settings = settings
         self.resources = AsyncExitStack()
@@ -118,15 +167,22 @@ class DaemonRuntime:
         self.address = ""
         self.metrics_address = ""
         self.server = grpc.aio.server(
-            interceptors=[_ServingGate(self.is_serving, self._refusal_reason), *telemetry.server_interceptors()],
-            options=SERVER_OPTIONS,
+            interceptors=[
+                _ServingGate(self.is_serving, self._refusal_reason),
+                *([RoleGate()] if settings.tls_enabled else []),  # security: mesh roles, see kvmesh.identity
+                *interceptors,
+                *telemetry.server_interceptors(),
+            ],
+            options=list(server_options),
         )
         self.health = health.aio.HealthServicer()
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(_Admin(self), self.server)
         self._discovery: Discovery | None = None
         self._lease: Lease | None = None
         self._service_names: list[str] = [
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
             reflection.SERVICE_NAME,
+            admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
         ]
         self._records: dict[str, discovery_pb2.InstanceRecord] = {}
         self._draining = False
@@ -135,6 +191,8 @@ class DaemonRuntime:
         self._drain_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._exit = AsyncExitStack()
         self.started_unix_ms = int(time.time() * 1000)
+        self.tls: tls.TlsMaterial | None = None
+        self._notified_ready = False
 
     @property
     def discovery(self) -> Discovery:
@@ -152,6 +210,7 @@ class DaemonRuntime:
         settings = self.settings
         async with AsyncExitStack() as stack:  # unwinds what was opened if anything here fails
             stack.callback(telemetry.shutdown_tracing)
+            self._open_tls_and_watchdog(stack)
             try:
                 self._discovery = await open_discovery(settings.discovery, ttl=settings.lease_ttl)
                 stack.push_async_callback(self._discovery.close)
@@ -161,7 +220,7 @@ class DaemonRuntime:
             except DiscoveryUnavailable as exc:
                 fail(self.name, f"--discovery {settings.discovery}: {exc}")
             self.instance_id = self._lease.id
-            port = telemetry.start_metrics_server(settings.metrics_port)
+            port = telemetry.start_metrics_server(settings.metrics_port, settings.bind_host)
             if port is not None:
                 self.metrics_address = f"{settings.host}:{port}"
             stack.push_async_callback(self.resources.aclose)
@@ -171,12 +230,31 @@ class DaemonRuntime:
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
-        return await self._exit.__aexit__(exc_type, exc, tb)
+    ) -> None:
+        # only callbacks are on the stack, so it never suppresses: None tells mypy the body's return is final
+        await self._exit.__aexit__(exc_type, exc, tb)
+
+    def _open_tls_and_watchdog(self, stack: AsyncExitStack) -> None:
+        """Load this daemon's mesh identity (client and server side) and start systemd's watchdog pings."""
+        settings = self.settings
+        if settings.tls_enabled:
+            try:
+                self.tls = tls.load(settings.tls_cert, settings.tls_key, settings.tls_ca)
+                etcd_ca = Path(settings.etcd_ca).read_bytes() if settings.etcd_ca else self.tls.ca
+            except OSError as exc:
+                fail(self.name, f"--tls-*/--etcd-ca: cannot read {exc.filename}: {exc.strerror}")
+            tls.configure_client(self.tls)
+            if settings.etcd_tls:
+                tls.configure_etcd(tls.TlsMaterial(self.tls.cert, self.tls.key, etcd_ca))
+        interval = sd_notify.watchdog_interval()
+        if interval is not None:
+            task = asyncio.get_running_loop().create_task(sd_notify.watchdog_loop(interval))
+            stack.callback(task.cancel)
 
     async def _drain(self) -> None:
         """Deregister at once (while ``on_draining`` hooks end endless streams), then drain in-flight calls."""
         self._draining = True  # before the first await: from here on new calls are refused
+        sd_notify.notify("STOPPING=1\nSTATUS=draining")
         started = [result for hook in self._drain_hooks if inspect.isawaitable(result := hook())]
         for error in await asyncio.gather(self._revoke(), *started, return_exceptions=True):
             if isinstance(error, BaseException):
@@ -194,8 +272,13 @@ class DaemonRuntime:
         add_to_server(servicer, self.server)
         self._service_names.append(full_name)
 
-    async def start(self, port: int, bind_host: str = "0.0.0.0", *, ready: bool = True) -> int:
-        """Bind and start serving; returns the bound port (``port`` 0 picks a free one).
+    async def start(
+        self, port: int, bind_host: str | None = None, *, ready: bool = True, require_client_cert: bool = True
+    ) -> int:
+        """Bind ``bind_host`` (default ``--bind-host``) and start serving; returns the bound port (0 picks one).
+
+        With TLS on the port is TLS only; ``require_client_cert=False`` is for the frontend's KServe
+        port alone (external clients), every daemon-to-daemon port requires a mesh client certificate.
 
         ``ready=False`` starts with health NOT_SERVING (a daemon that must warm up first, e.g. a
         router rebuilding its index); it turns SERVING on ``set_ready()``.
@@ -203,9 +286,14 @@ class DaemonRuntime:
         self._ready = ready
         await self._set_health(False)  # before the port opens: no probe ever sees SERVING too early
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(self._service_names, self.server)
+        kvmesh_reflection.enable_server_reflection(self._service_names, self.server)  # v1 and v1alpha
         try:
-            bound = self.server.add_insecure_port(f"{bind_host}:{port}")
+            target = f"{bind_host or self.settings.bind_host}:{port}"
+            if self.tls is not None:
+                creds = tls.server_credentials(self.tls, require_client_cert=require_client_cert)
+                bound = self.server.add_secure_port(target, creds)
+            else:
+                bound = self.server.add_insecure_port(target)
         except RuntimeError as exc:
             fail(self.name, f"--grpc-port {port}: cannot bind ({exc})")
         if bound == 0:
@@ -250,10 +338,11 @@ class DaemonRuntime:
         await self.lease.put(key, value)
 
     def is_serving(self) -> bool:
-        return not self._draining and self._lease is not None and self._lease.alive
+        """Not draining. Deliberately not "lease alive": see the module docstring."""
+        return not self._draining and self._lease is not None
 
     def refusal(self) -> str | None:
-        """Why new work is refused right now (lease lost, draining); None while serving."""
+        """Why new work is refused right now (draining); None while serving."""
         return None if self.is_serving() else self._refusal_reason()
 
     def on_draining(self, hook: Callable[[], Awaitable[None] | None]) -> None:
@@ -263,7 +352,7 @@ class DaemonRuntime:
     def _refusal_reason(self) -> str:
         if self._draining:
             return f"{self.name} is shutting down; retry on another instance"
-        return f"{self.name} lost its discovery lease and is not serving; retry on another instance"
+        return f"{self.name} is not started yet; retry on another instance"
 
     async def wait_for_stop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -273,15 +362,13 @@ class DaemonRuntime:
 
     # -- lease callbacks ------------------------------------------------------------------------
     def _on_lease_lost(self) -> None:
-        log.error("discovery lease lost: not serving until it is re-established")
-        asyncio.get_running_loop().create_task(self._set_health(False))
+        log.error("discovery dropped this instance's lease; re-registering as %x (still serving)", self.instance_id)
 
     async def _on_lease_renewed(self, new_lease_id: int) -> None:
-        log.warning("discovery lease re-established as %x: serving again", new_lease_id)
+        log.warning("instance %x re-registered under lease %x", self.instance_id, new_lease_id)
         for key, record in self._records.items():  # refresh the lease id the records carry
             record.lease_id = new_lease_id
             await self.lease.put(key, record.SerializeToString())
-        await self._set_health(True)
 
     async def _set_health(self, serving: bool) -> None:
         status = (
@@ -291,3 +378,6 @@ class DaemonRuntime:
         )
         for name in ("", *self._service_names):
             await self.health.set(name, status)
+        if status == health_pb2.HealthCheckResponse.SERVING and not self._notified_ready:
+            self._notified_ready = True  # systemd: READY=1 only once SERVING is true, and only once
+            sd_notify.notify(f"READY=1\nSTATUS=serving on {self.address}\nMAINPID={os.getpid()}")

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
 EXIT_BAD_CONFIG = 2
@@ -82,6 +82,18 @@ class DaemonSettings(BaseModel):
     """discovery lease TTL in seconds; keepalive runs every TTL/3"""
     host: str = "127.0.0.1"
     """address other daemons use to reach this one"""
+    bind_host: str = "127.0.0.1"
+    """interface the gRPC server and /metrics listen on (0.0.0.0 = every interface; say so explicitly)"""
+    tls_cert: str = ""
+    """PEM certificate of this daemon (mesh CA, SAN spiffe://kvmesh/<role>/<name>); with --tls-key and --tls-ca: mTLS"""
+    tls_key: str = ""
+    """PEM private key for --tls-cert"""
+    tls_ca: str = ""
+    """PEM mesh CA: peers (servers and clients alike) must present a certificate it issued"""
+    etcd_tls: bool = False
+    """mTLS to etcd with --tls-cert/--tls-key, trusting --etcd-ca (default --tls-ca): etcd --client-cert-auth"""
+    etcd_ca: str = ""
+    """PEM CA of etcd's server certificate, when etcd has its own CA (with --etcd-tls)"""
     metrics_port: Annotated[int, Field(ge=-1, le=65535)] = -1
     """Prometheus /metrics port (0 = any free port, -1 = disabled)"""
     otel_exporter: Literal["none", "console", "otlp"] = "none"
@@ -94,6 +106,23 @@ class DaemonSettings(BaseModel):
     """log format"""
     drain_timeout: Seconds = 30.0
     """seconds in-flight calls may take to finish after SIGTERM"""
+
+    @model_validator(mode="after")
+    def _tls_all_or_none(self) -> Self:
+        given = {"--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--tls-ca": self.tls_ca}
+        if any(given.values()) and not all(given.values()):
+            missing = ", ".join(flag for flag, value in given.items() if not value)
+            raise ValueError(f"TLS needs --tls-cert, --tls-key and --tls-ca together; missing {missing}")
+        if self.etcd_tls and not self.tls_cert:
+            raise ValueError("--etcd-tls needs --tls-cert, --tls-key and --tls-ca (the certificate shown to etcd)")
+        for flag, path in {**given, "--etcd-ca": self.etcd_ca}.items():
+            if path and not os.access(path, os.R_OK):
+                raise ValueError(f"{flag} {path}: not a readable file")
+        return self
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_cert)
 
     @classmethod
     def load(

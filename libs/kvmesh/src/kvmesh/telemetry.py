@@ -26,6 +26,17 @@ import prometheus_client
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("kvmesh_request_id", default="")
 
 _tracing_enabled = False
+# The span of the request this task is serving (frontend): requests multiplexed on one stream each get
+# their own trace, so "current span" is explicit here rather than the stream call's span.
+request_span_var: contextvars.ContextVar[Any] = contextvars.ContextVar("kvmesh_request_span", default=None)
+# Streams whose every message is a request of its own: no span for the whole call (see per-request spans).
+PER_REQUEST_STREAMS = frozenset(
+    {
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+        "/kvmesh.v1.WorkerService/GenerateStream",
+        "/kvmesh.v1.RouterService/Session",
+    }
+)
 
 
 class _RequestIdFilter(logging.Filter):
@@ -78,10 +89,21 @@ def setup_logging(daemon: str, level: str = "info", fmt: str = "text") -> None:
 
 
 def start_metrics_server(port: int, host: str = "0.0.0.0") -> int | None:
-    """Serve /metrics; ``port`` 0 picks a free port, negative disables. Returns the bound port."""
+    """Serve /metrics; ``port`` 0 picks a free port, negative disables. Returns the bound port.
+
+    A port that cannot be bound is the user's to fix: one line and exit 2 (``settings.fail``), whose
+    SystemExit unwinds the caller's lease and discovery like any other start-up refusal.
+    """
     if port < 0:
         return None
-    server, _thread = prometheus_client.start_http_server(port, addr=host)
+    try:
+        server, _thread = prometheus_client.start_http_server(port, addr=host)
+    except OSError as exc:
+        from pathlib import Path
+
+        from kvmesh.settings import fail
+
+        fail(Path(sys.argv[0]).name, f"--metrics-port {port}: cannot bind ({exc.strerror or exc})")
     return int(server.server_port)
 
 
@@ -132,8 +154,8 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Any:
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
+        if handler is None or handler_call_details.method in PER_REQUEST_STREAMS:
+            return handler  # one trace per request on these streams, not one per stream
         from opentelemetry import propagate, trace
 
         method = handler_call_details.method
@@ -183,15 +205,71 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def inject_trace_context(carrier: MutableMapping[str, str]) -> None:
-    """Write the current span's W3C trace context into ``carrier`` (a no-op when tracing is off).
+def inject_trace_context(carrier: MutableMapping[str, str], span: Any = None) -> None:
+    """Write a span's W3C trace context into ``carrier`` (a no-op when tracing is off).
 
-    For requests multiplexed on one stream, where per-call gRPC metadata cannot carry a context per request.
+    ``span``, else the request's (``request_span_var``), else the current one. For requests multiplexed
+    on one stream, where per-call gRPC metadata cannot carry a context per request.
     """
     if _tracing_enabled:
-        from opentelemetry import propagate
+        from opentelemetry import propagate, trace
 
-        propagate.inject(carrier)
+        span = span if span is not None else request_span_var.get()
+        propagate.inject(carrier, context=trace.set_span_in_context(span) if span is not None else None)
+
+
+def start_span(
+    name: str,
+    parent: Any = None,
+    *,
+    root: bool = False,
+    server: bool = False,
+    attributes: Mapping[str, Any] | None = None,
+    start_time: float | None = None,
+) -> Any:
+    """A span under ``parent`` (a span; else the request's span, else the current one); None when off.
+
+    ``root``: a new trace (one per request of a multiplexed stream). ``start_time``: epoch seconds,
+    for a phase measured before the span could be made. Never made current: end it with :func:`end_span`.
+    """
+    if not _tracing_enabled:
+        return None
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+
+    parent = parent if parent is not None else request_span_var.get()
+    if root:
+        ctx = otel_context.Context()
+    elif parent is not None:
+        ctx = trace.set_span_in_context(parent)
+    else:
+        ctx = None
+    return trace.get_tracer("kvmesh").start_span(
+        name,
+        context=ctx,
+        kind=trace.SpanKind.SERVER if server else trace.SpanKind.INTERNAL,
+        attributes=dict(attributes or {}),
+        start_time=None if start_time is None else int(start_time * 1e9),
+    )
+
+
+def end_span(
+    span: Any, error: str | None = None, attributes: Mapping[str, Any] | None = None, end_time: float | None = None
+) -> None:
+    """End a span from :func:`start_span` (accepts None); ``end_time`` in epoch seconds."""
+    if span is None:
+        return
+    if attributes:
+        span.set_attributes(dict(attributes))
+    if error is not None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, error))
+    span.end(end_time=None if end_time is None else int(end_time * 1e9))
+
+
+def tracing_enabled() -> bool:
+    return _tracing_enabled
 
 
 def start_request_span(name: str, carrier: Mapping[str, str]) -> Any:
@@ -223,6 +301,9 @@ def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
 def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     if not _tracing_enabled:
         return []
-    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 
-    return list(aio_client_interceptors())
+    # A span per long-lived stream would sit in whichever request's trace opened it: requests on these
+    # streams carry their own context in the message instead.
+    per_request = filters.any_of(*(filters.full_method_name(m) for m in PER_REQUEST_STREAMS))
+    return list(aio_client_interceptors(filter_=filters.negate(per_request)))

@@ -10,12 +10,20 @@ objects, which the generation flow iterates like a ``Generate`` call.
 Failure semantics match a unary call: an in-band error ends one request with its status code; the
 end of the stream (the worker died, drained, or the connection broke) ends every request still on
 it with UNAVAILABLE, which the flow treats as "migrate".
+
+**Dead addresses.** A stream that ends for any reason but the frontend closing it marks its worker
+*address* down for ``down_s`` seconds (default: the lease TTL + 1 s, by which discovery has dropped a
+dead worker's records): the generation flow then excludes every engine at that address, for the
+migration and for new requests, instead of finding them dead one engine at a time. A message on a
+new stream to the address, discovery retiring it, or a new engine registering there (the worker
+restarted on the same port) clears the mark.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -97,10 +105,9 @@ def _merge(items: list[worker_pb2.GenerateResponse]) -> worker_pb2.GenerateRespo
     )
     for item in items:
         merged.token_ids.extend(item.token_ids)
-        if item.logprobs:
-            merged.logprobs.extend(item.logprobs)
-        if item.HasField("cumulative_logprob"):
-            merged.cumulative_logprob = item.cumulative_logprob
+        merged.logprobs.extend(item.logprobs)  # one per token id, when asked for
+    if items[0].HasField("kv_report"):
+        merged.kv_report.CopyFrom(items[0].kv_report)
     merged.finish_reason = items[-1].finish_reason
     return merged
 
@@ -117,6 +124,9 @@ class EngineStream:
     ) -> None:
         self.address = address
         self.closed = False
+        self.reason = ""
+        self.by_frontend = False  # closed on purpose (retire, shutdown): says nothing about the worker
+        self.delivered = False  # the worker answered on this stream at least once
         self._on_closed = on_closed
         self._on_idle = on_idle
         self._loop = asyncio.get_running_loop()
@@ -170,6 +180,9 @@ class EngineStream:
         reason = "the worker ended the stream"
         try:
             async for message in self._call:
+                if not self.delivered:
+                    self.delivered = True
+                    self._on_idle(self)  # lets EngineStreams clear a down mark (no-op otherwise)
                 calls = self._calls
                 for output in message.outputs:
                     call = calls.get(output.request_id)
@@ -189,6 +202,7 @@ class EngineStream:
             reason = f"{exc.code().name}: {exc.details()}"
         except asyncio.CancelledError:
             reason = "closed by the frontend"
+            self.by_frontend = True
         except Exception as exc:  # pragma: no cover - defensive: never leave a request hanging
             reason = f"stream reader failed: {exc!r}"
         finally:
@@ -198,6 +212,7 @@ class EngineStream:
         if self.closed:
             return
         self.closed = True
+        self.reason = reason
         calls, self._calls = self._calls, {}
         if calls:
             log.warning("stream to worker %s ended with %d request(s) on it: %s", self.address, len(calls), reason)
@@ -207,6 +222,7 @@ class EngineStream:
         self._on_closed(self)
 
     async def close(self) -> None:
+        self.by_frontend = True
         self._call.cancel()
         tasks = [task for task in (self._reader, self._writer) if task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -220,30 +236,61 @@ class EngineStreams:
     frontend reconnecting to addresses that are gone.
     """
 
-    def __init__(self, pool: ChannelPool, address_live: Callable[[str], bool] = lambda _address: True) -> None:
+    def __init__(
+        self, pool: ChannelPool, address_live: Callable[[str], bool] = lambda _address: True, down_s: float = 11.0
+    ) -> None:
         self._pool = pool
         self._address_live = address_live
         self._streams: dict[str, EngineStream] = {}
         self._dropping: set[asyncio.Task[None]] = set()
+        self.down_s = down_s
+        self._down: dict[str, float] = {}  # worker address -> monotonic time its stream failed
+
+    def is_down(self, address: str) -> bool:
+        """The stream to ``address`` failed less than ``down_s`` ago (see the module docstring)."""
+        if not self._down:
+            return False
+        since = self._down.get(address)
+        if since is None:
+            return False
+        if time.monotonic() - since < self.down_s:
+            return True
+        del self._down[address]
+        return False
+
+    def revive(self, address: str) -> None:
+        """A new engine registered at ``address``: whatever failed there before is not what runs now."""
+        self._down.pop(address, None)
+
+    @property
+    def any_down(self) -> bool:
+        return bool(self._down)
 
     def start(self, address: str, request: worker_pb2.GenerateRequest) -> EngineCall:
         stream = self._streams.get(address)
         if stream is None or stream.closed:
-            channel = self._pool.get(address, address)
+            channel = self._pool.get(address, address, role="worker")
             stream = self._streams[address] = EngineStream(address, channel, self._forget, self._idle)
         return stream.start(request)
 
     def retire(self, address: str) -> None:
         """No live engine is left at ``address``: let its stream and connection go once idle."""
+        self._down.pop(address, None)
         stream = self._streams.get(address)
         if stream is None or stream.closed or stream.idle:
             self._drop(address)
 
     def _idle(self, stream: EngineStream) -> None:
-        if not self._address_live(stream.address) and self._streams.get(stream.address) is stream:
+        if stream.delivered and self._down:
+            self._down.pop(stream.address, None)  # the worker answers again
+        if stream.idle and not self._address_live(stream.address) and self._streams.get(stream.address) is stream:
             self._drop(stream.address)
 
     def _forget(self, stream: EngineStream) -> None:
+        if not stream.by_frontend:
+            if stream.address not in self._down:
+                log.warning("worker %s: stream failed (%s); excluding its engines", stream.address, stream.reason)
+            self._down[stream.address] = time.monotonic()
         if self._streams.get(stream.address) is stream:
             del self._streams[stream.address]
             if not self._address_live(stream.address):

@@ -10,7 +10,9 @@
 4. if the engine dies mid-stream (UNAVAILABLE, a broken or truncated stream, an engine that is gone),
    re-route the prompt plus the tokens generated so far to another engine (the failed ones are
    excluded) with the remaining ``max_tokens``, up to ``migration_limit`` times. The caller sees
-   one uninterrupted stream.
+   one uninterrupted stream. When the worker's whole stream failed (the process died), every engine
+   at that address is excluded at once, and so are they for new requests while the address is down
+   (:mod:`.engine_stream`): killing a 4-engine worker costs a request one migration, not four.
 
 Cleanup is structural: every attempt's engine call is cancelled and its booking freed in a
 ``finally``, so closing the generator (client cancel or disconnect, a stop string, an error) leaks
@@ -21,15 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from kvmesh import telemetry
 from kvmesh.backoff import Backoff
 from kvmesh.channels import ChannelPool
 from kvmesh.hashing import block_hashes
 from kvmesh.v1 import router_pb2, worker_pb2
 
+from kvmesh_frontend.disagg import DECODE, DisaggPolicy, Disaggregator, DisaggState
 from kvmesh_frontend.engine_stream import EngineError, EngineStreams
 from kvmesh_frontend.errors import FrontendError, exhausted, internal, invalid, unavailable
 from kvmesh_frontend.routing import RouterClient, RouterSession
@@ -71,6 +75,7 @@ class GenerationState:
     cached_tokens: int = 0  # the engine's own count (its first response); the router's overlap until then
     migrations: int = 0
     failures: list[str] = field(default_factory=list)
+    disagg: DisaggState = field(default_factory=DisaggState)
 
 
 class Generator:
@@ -85,9 +90,15 @@ class Generator:
         engine_alive: EngineAlive | None = None,
         no_engine_grace: float = 2.0,
         address_live: Callable[[str], bool] = lambda _address: True,
+        disagg_policy: DisaggPolicy | None = None,
+        model_roles: Callable[[str], set[int]] = lambda _model: set(),
+        engine_addresses: Callable[[str], Mapping[int, str]] = lambda _model: {},
+        down_s: float = 11.0,
     ) -> None:
         self._router = router
-        self.engines = EngineStreams(pool, address_live)
+        self.engines = EngineStreams(pool, address_live, down_s)
+        self._engine_addresses = engine_addresses
+        self.disagg = Disaggregator(router, self.engines, disagg_policy or DisaggPolicy(), model_roles)
         self.migration_limit = migration_limit
         self._on_migration = on_migration
         self._engine_alive = engine_alive
@@ -99,7 +110,7 @@ class Generator:
         prompt = req.token_ids
         hashes = req.block_hashes
         generated: list[int] = []
-        excluded: list[int] = []
+        excluded: list[int] = self._down_engines(req.model) if self.engines.any_down else []
         attempt = 0
         while True:
             request_id = req.request_id if attempt == 0 else f"{req.request_id}~m{attempt}"
@@ -121,7 +132,19 @@ class Generator:
                 query.overrides.policy = req.router_policy
             if req.pinned_engine_id is not None:
                 query.pinned_engine_id = req.pinned_engine_id
-            decision, session = await self._route(query, req)
+            disaggregated = self.disagg.applies(req.model)
+            if disaggregated:
+                query.overrides.role = DECODE
+            span = telemetry.start_span(
+                "route", attributes={"kvmesh.request_id": request_id, "kvmesh.attempt": attempt}
+            )
+            telemetry.inject_trace_context(query.trace_context, span)  # the router's decision span joins it
+            try:
+                decision, session = await self._route(query, req)
+            except BaseException as exc:
+                telemetry.end_span(span, type(exc).__name__)
+                raise
+            telemetry.end_span(span, None, _route_attributes(decision))
             if decision.outcome != router_pb2.DECISION_OUTCOME_ROUTED:
                 session.finished(request_id)  # harmless if nothing was booked
                 raise self._refused(req, decision, state)
@@ -135,18 +158,32 @@ class Generator:
                 sampling.CopyFrom(req.sampling)
                 sampling.max_tokens = remaining
                 sampling.min_tokens = max(0, req.sampling.min_tokens - len(generated))
+            kv = None
+            if disaggregated:
+                try:
+                    kv = await self.disagg.prefill(decision, query, tokens, sampling, state.disagg)
+                except BaseException:
+                    session.finished(request_id)
+                    raise
             call = self.engines.start(
                 decision.address,
                 worker_pb2.GenerateRequest(
-                    request_id=request_id, engine_id=decision.engine_id, token_ids=tokens, sampling=sampling
+                    request_id=request_id,
+                    engine_id=decision.engine_id,
+                    token_ids=tokens,
+                    sampling=sampling,
+                    prefill_result=kv,
                 ),
             )
             finished = False
             first = True
+            transfer_failed = False
             try:
                 async for response in call:
                     if response.num_prompt_tokens:  # the first response: the engine's real prefix-cache hit
                         state.cached_tokens = response.num_cached_tokens
+                    if first and kv is not None:
+                        self.disagg.observe(response, state.disagg)
                     if response.token_ids:
                         if first:
                             first = False
@@ -159,32 +196,42 @@ class Generator:
                         return
                 failure = "the engine ended the stream before the request finished"
             except EngineError as exc:
+                transfer_failed = self.disagg.transfer_failed(exc, kv, state.disagg)
                 if exc.code not in MIGRATABLE:
                     raise self._engine_error(req, decision, exc) from None
-                failure = f"{exc.code.name}: {exc.details}"
+                failure = f"{exc.code.name}: {exc.details}"  # for the log: may carry a peer's gRPC debug text
             finally:
                 if not finished:
                     call.cancel()
                 session.finished(request_id)
+                if kv is not None:
+                    self.disagg.release(kv)
 
             # The engine failed mid-stream (or before its first token): migrate.
             state.failures.append(f"engine {decision.engine_id:x}: {failure}")
             if len(generated) >= req.max_tokens:  # everything arrived but the final flag
                 yield worker_pb2.GenerateResponse(finish_reason=_LENGTH)
                 return
+            if req.pinned_engine_id is not None or attempt >= self.migration_limit:
+                # The client gets what happened; the engine's error text goes to the log only.
+                log.warning("request %s: engine %x failed: %s", req.request_id, decision.engine_id, failure)
             if req.pinned_engine_id is not None:
                 raise unavailable(
                     f"request {req.request_id}: pinned engine {decision.engine_id:x} failed after "
-                    f"{len(generated)} tokens ({failure}); pinned requests are not migrated"
+                    f"{len(generated)} tokens; pinned requests are not migrated"
                 )
             if attempt >= self.migration_limit:
                 raise unavailable(
                     f"request {req.request_id}: engine {decision.engine_id:x} failed after {len(generated)} tokens "
-                    f"({failure}) and the migration limit ({self.migration_limit}) is reached"
+                    f"and the migration limit ({self.migration_limit}) is reached"
                 )
             attempt += 1
             state.migrations = attempt
-            excluded.append(decision.engine_id)
+            if not transfer_failed:  # a failed KV pull is the prefill side's failure: keep the decode engine
+                excluded.append(decision.engine_id)
+                if self.engines.is_down(decision.address):  # the worker, not only this engine, failed
+                    at = self._engine_addresses(req.model)
+                    excluded.extend(e for e, a in at.items() if a == decision.address and e not in excluded)
             log.warning(
                 "request %s: engine %x failed after %d tokens (%s); migrating (%d/%d)",
                 req.request_id,
@@ -196,6 +243,12 @@ class Generator:
             )
             if self._on_migration is not None:
                 self._on_migration(req.model)
+
+    def _down_engines(self, model: str) -> list[int]:
+        """Engines of ``model`` at addresses whose stream just failed; none if that would be all of them."""
+        engines = self._engine_addresses(model)
+        down = [e for e, address in engines.items() if self.engines.is_down(address)]
+        return down if len(down) < len(engines) else []
 
     async def _route(
         self, query: router_pb2.RouteQuery, req: PreparedRequest
@@ -232,9 +285,10 @@ class Generator:
             return exhausted(f"model '{req.model}': every engine is busy, retry later (router: {why})")
         if decision.outcome == router_pb2.DECISION_OUTCOME_NO_ENGINE:
             if state.failures:
+                log.warning("request %s: no engine left to migrate to after %s", req.request_id, state.failures)
                 return unavailable(
-                    f"request {req.request_id}: no engine left to migrate to after {'; '.join(state.failures)} "
-                    f"(router: {why})"
+                    f"request {req.request_id}: no engine left to migrate to after {len(state.failures)} failed "
+                    f"engine(s) (router: {why})"
                 )
             return unavailable(f"model '{req.model}': no live engine can take the request (router: {why})")
         if decision.outcome == router_pb2.DECISION_OUTCOME_INVALID:
@@ -249,4 +303,15 @@ class Generator:
             return invalid(f"engine {decision.engine_id:x} rejected the request: {details}")
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return exhausted(f"engine {decision.engine_id:x} is full, retry later: {details}")
-        return internal(f"request {req.request_id}: engine {decision.engine_id:x} failed: {code.name}: {details}")
+        log.error("request %s: engine %x failed: %s: %s", req.request_id, decision.engine_id, code.name, details)
+        return internal(f"request {req.request_id}: engine {decision.engine_id:x} failed ({code.name})")
+
+
+def _route_attributes(decision: router_pb2.RouteDecision) -> dict[str, str | int]:
+    """What a trace shows of a decision (the router's own span adds cost and runner-up)."""
+    return {
+        "kvmesh.outcome": router_pb2.DecisionOutcome.Name(decision.outcome),
+        "kvmesh.engine_id": f"{decision.engine_id:x}",
+        "kvmesh.overlap_blocks": decision.overlap_blocks,
+        "kvmesh.best_overlap_blocks": decision.best_overlap_blocks,
+    }

@@ -1,5 +1,8 @@
 """The LLM tensor contract (Triton vLLM backend, plus what genai-perf and tokenizing clients send).
 
+(About 500 lines: the contract below and the checker of each input and sampling key it names are read
+together; split, one table would be checked in two places.)
+
 :func:`parse_llm_request` turns a ``ModelInferRequest`` into a validated :class:`LlmRequest` or
 raises INVALID_ARGUMENT naming the tensor (or parameter) and what is wrong with it. Nothing here
 knows the model: limits that depend on the model card (vocabulary, context length, chat template)
@@ -17,20 +20,29 @@ Inputs (all optional individually; exactly one of ``text_input`` / ``input_ids``
 ``return_finish_reason``    BOOL [1]      add the ``finish_reason`` output
 ``return_num_input_tokens`` BOOL [1]      add the ``num_input_tokens`` output
 ``return_num_output_tokens`` BOOL [1]     add the ``num_output_tokens`` output (delta per response)
-``return_logprobs``         BOOL [1]      add ``logprobs``: JSON ``[{"<token id>": {"logprob": x}}, ...]``
-``return_cumulative_logprob`` BOOL [1]    add ``cumulative_logprob`` (FP32 [1]); both need an engine
-                                          that computes logprobs (vLLM; the mocker refuses them)
+``return_logprobs``         BOOL [1]      add ``logprobs`` (needs ``sampling_parameters.logprobs``)
+``return_cumulative_logprob`` BOOL [1]    add ``cumulative_logprob``
+``return_output_ids``       BOOL [1]      add ``output_ids`` (kvmesh's own flag)
 ``max_tokens``              INT32/INT64   TensorRT-LLM style (genai-perf ``--backend tensorrtllm``)
 ``min_length``              INT32/INT64   TensorRT-LLM style minimum output length
 ==========================  ============  =====================================================
 
+An output is sent when its ``return_*`` flag is true (``text_output`` always), like Triton's vLLM
+backend, and, when the request names ``outputs``, only if named: perf_analyzer names every output.
+
 Sampling keys are read, lowest precedence first, from the request ``parameters`` map, the
 ``sampling_parameters`` JSON, then the ``max_tokens`` / ``min_length`` tensors. Numbers may be
 sent as strings (genai-perf sends ``{"max_tokens": "16"}``).
+
+Input limits (:func:`input_limits`) are checked before any tensor is decoded, JSON parsed or prompt
+tokenized: a prompt's bytes are bounded by the model's context length (``PROMPT_BYTES_PER_TOKEN``
+per token), ``input_ids`` by the context length itself, everything else by small fixed sizes, and
+JSON nesting by ``MAX_JSON_DEPTH``. Work on a request that cannot fit the model is never started.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,8 +51,8 @@ from typing import Any
 from inference import grpc_service_pb2 as pb
 from kvmesh.v1 import router_pb2
 
-from kvmesh_frontend.errors import invalid
-from kvmesh_frontend.tensors import Tensor, decode_inputs
+from kvmesh_frontend.errors import clip, invalid
+from kvmesh_frontend.tensors import Tensor, TensorLimit, decode_inputs
 
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")
 
@@ -58,18 +70,20 @@ INPUT_DATATYPES: dict[str, tuple[str, ...]] = {
     "return_num_output_tokens": ("BOOL",),
     "return_cumulative_logprob": ("BOOL",),
     "return_logprobs": ("BOOL",),
+    "return_output_ids": ("BOOL",),
     "max_tokens": ("INT32", "INT64"),
     "min_length": ("INT32", "INT64"),
 }
-OUTPUTS = (
-    "text_output",
-    "finish_reason",
-    "num_input_tokens",
-    "num_output_tokens",
-    "output_ids",
-    "logprobs",
-    "cumulative_logprob",
-)
+# Output -> the input flag that enables it (text_output needs none).
+OUTPUT_FLAGS: dict[str, str] = {
+    "finish_reason": "return_finish_reason",
+    "num_input_tokens": "return_num_input_tokens",
+    "num_output_tokens": "return_num_output_tokens",
+    "cumulative_logprob": "return_cumulative_logprob",
+    "logprobs": "return_logprobs",
+    "output_ids": "return_output_ids",
+}
+OUTPUTS = ("text_output", *OUTPUT_FLAGS)
 
 ROUTER_MODES: dict[str, int] = {
     "kv": router_pb2.ROUTER_MODE_KV,
@@ -78,6 +92,19 @@ ROUTER_MODES: dict[str, int] = {
     "power_of_two": router_pb2.ROUTER_MODE_POWER_OF_TWO,
     "direct": router_pb2.ROUTER_MODE_DIRECT,
 }
+
+# -- input limits (see docs/frontend.md, "Input limits") ----------------------------------------
+# A token is 3-5 bytes of UTF-8 in practice; 16 leaves room for long whitespace or digit runs, so a
+# prompt refused for its bytes could not have fit the context anyway.
+PROMPT_BYTES_PER_TOKEN = 16
+# When no model card states a context length.
+DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
+MAX_SAMPLING_JSON_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 32
+MAX_SCALAR_ELEMENTS = 16  # a scalar input must hold 1; a few more still get the precise message
+MAX_PARAMETERS = 64
+MAX_PARAMETER_STRING_BYTES = 4096
+MAX_REQUESTED_OUTPUTS = 16
 
 PARAM_WORKER_ID = "kvmesh.worker_id"
 PARAM_ROUTER_MODE = "kvmesh.router_mode"
@@ -104,6 +131,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # alternatives per token for the ``logprobs`` output (vLLM's key)
 
 
 @dataclass(slots=True)
@@ -118,11 +146,7 @@ class LlmRequest:
     stream: bool = False
     exclude_input: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    return_finish_reason: bool = False
-    return_num_input_tokens: bool = False
-    return_num_output_tokens: bool = False
-    return_logprobs: bool = False
-    return_cumulative_logprob: bool = False
+    flags: frozenset[str] = frozenset()  # the return_* inputs that are true
     requested_outputs: tuple[str, ...] = ()
     empty_final: bool = False
     pinned_engine_id: int | None = None
@@ -138,28 +162,90 @@ class LlmRequest:
         return "messages"
 
     def wants(self, output: str) -> bool:
-        """Whether a response carries this output (explicitly requested, or enabled by its flag)."""
-        if self.requested_outputs:
-            return output in self.requested_outputs
-        if output == "text_output":
-            return True
-        if output == "finish_reason":
-            return self.return_finish_reason
-        if output == "num_input_tokens":
-            return self.return_num_input_tokens
-        if output == "num_output_tokens":
-            return self.return_num_output_tokens
-        if output == "logprobs":
-            return self.return_logprobs
-        if output == "cumulative_logprob":
-            return self.return_cumulative_logprob
-        return False
+        """Whether responses carry this output: enabled by its flag, and named if ``outputs`` names any.
+
+        Triton's vLLM backend produces only ``text_output`` unless a ``return_*`` input asks for
+        more, and Triton then drops what the request's ``outputs`` do not name.
+        """
+        if self.requested_outputs and output not in self.requested_outputs:
+            return False
+        return output == "text_output" or OUTPUT_FLAGS.get(output) in self.flags
+
+
+@functools.lru_cache(maxsize=64)
+def input_limits(context_length: int = 0, model: str = "") -> Mapping[str, TensorLimit]:
+    """The most each input may hold for a model with this context length (0: not stated)."""
+    max_tokens = context_length - 1 if context_length > 1 else DEFAULT_MAX_PROMPT_TOKENS
+    prompt_bytes = max_tokens * PROMPT_BYTES_PER_TOKEN
+    if context_length > 1:
+        about = f"model '{clip(model)}' has a context length of {context_length} tokens"
+    else:
+        about = f"no context length is stated; at most {max_tokens} prompt tokens are accepted"
+    prompt_why = f"{about}; a prompt may take at most {PROMPT_BYTES_PER_TOKEN} bytes per token"
+    limits: dict[str, TensorLimit] = {}
+    for name, datatypes in INPUT_DATATYPES.items():
+        if name in ("text_input", "messages"):
+            limit = TensorLimit(MAX_SCALAR_ELEMENTS, prompt_bytes + 4 * MAX_SCALAR_ELEMENTS, prompt_why)
+        elif name == "input_ids":
+            limit = TensorLimit(max_tokens, 8 * max_tokens, about)
+        elif name == "sampling_parameters":
+            limit = TensorLimit(MAX_SCALAR_ELEMENTS, MAX_SAMPLING_JSON_BYTES, "the JSON of sampling parameters")
+        else:
+            limit = TensorLimit(MAX_SCALAR_ELEMENTS, 8 * MAX_SCALAR_ELEMENTS, f"a {datatypes[0]} [1] scalar")
+        limits[name] = limit
+    return limits
+
+
+def _load_json(name: str, text: str) -> Any:
+    """Parse a JSON input; malformed or too deeply nested JSON is INVALID_ARGUMENT.
+
+    Python's parser recurses per nesting level, so ``"[" * 100000`` raises RecursionError; what
+    parses is still held to ``MAX_JSON_DEPTH`` because later code (error messages that echo a value,
+    the chat template) walks it recursively too.
+    """
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise invalid(f"input '{name}': not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        doc = None
+        depth = MAX_JSON_DEPTH + 1
+    else:
+        depth = _json_depth(doc)
+    if depth > MAX_JSON_DEPTH:
+        raise invalid(f"input '{name}': JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return doc
+
+
+def _json_depth(doc: Any) -> int:
+    """Nesting depth of a parsed JSON value (iterative: the value may be deeper than the stack)."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            value = list(value.values())
+        elif not isinstance(value, list):
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_JSON_DEPTH:
+            return deepest
+        stack.extend((item, depth + 1) for item in value)
+    return deepest
+
+
+def _shown(value: Any) -> str:
+    """A client's value as an error message echoes it: JSON, clipped."""
+    try:
+        return clip(json.dumps(value))
+    except (TypeError, ValueError, RecursionError):
+        return clip(value)
 
 
 # -- value coercion (JSON values, parameter values, strings) -------------------------------------
 def _as_int(where: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise invalid(f"{where} must be an integer, got {json.dumps(value)}")
+        raise invalid(f"{where} must be an integer, got {_shown(value)}")
     if isinstance(value, int):
         return value
     if isinstance(value, float) and value.is_integer():
@@ -169,12 +255,12 @@ def _as_int(where: str, value: Any) -> int:
             return int(value.strip(), 0)
         except ValueError:
             pass
-    raise invalid(f"{where} must be an integer, got {json.dumps(value)}")
+    raise invalid(f"{where} must be an integer, got {_shown(value)}")
 
 
 def _as_float(where: str, value: Any) -> float:
     if isinstance(value, bool):
-        raise invalid(f"{where} must be a number, got {json.dumps(value)}")
+        raise invalid(f"{where} must be a number, got {_shown(value)}")
     if isinstance(value, int | float):
         return float(value)
     if isinstance(value, str):
@@ -182,7 +268,7 @@ def _as_float(where: str, value: Any) -> float:
             return float(value)
         except ValueError:
             pass
-    raise invalid(f"{where} must be a number, got {json.dumps(value)}")
+    raise invalid(f"{where} must be a number, got {_shown(value)}")
 
 
 def _as_bool(where: str, value: Any) -> bool:
@@ -192,12 +278,19 @@ def _as_bool(where: str, value: Any) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
         return value.strip().lower() in ("true", "1")
-    raise invalid(f"{where} must be a boolean, got {json.dumps(value)}")
+    raise invalid(f"{where} must be a boolean, got {_shown(value)}")
 
 
-def _int_at_least(minimum: int) -> Callable[[str, Any], int]:
+def _vllm_int(where: str, value: Any) -> int:
+    """An integer the way Triton's vLLM backend reads one (``int(value)``): 16, "16", 16.0, 16.9 -> 16."""
+    if isinstance(value, float) and value == value and abs(value) != float("inf"):
+        return int(value)
+    return _as_int(where, value)
+
+
+def _int_at_least(minimum: int, *, lenient: bool = False) -> Callable[[str, Any], int]:
     def parse(where: str, value: Any) -> int:
-        number = _as_int(where, value)
+        number = _vllm_int(where, value) if lenient else _as_int(where, value)
         if number < minimum:
             raise invalid(f"{where} must be >= {minimum}, got {number}")
         return number
@@ -220,7 +313,7 @@ def _top_p(where: str, value: Any) -> float:
 
 
 def _top_k(where: str, value: Any) -> int:
-    number = _as_int(where, value)
+    number = _vllm_int(where, value)
     if number < -1:
         raise invalid(f"{where} must be -1 (disabled), 0 (disabled) or a positive integer, got {number}")
     return max(number, 0)
@@ -238,7 +331,7 @@ def _stop(where: str, value: Any) -> tuple[str, ...]:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
-        raise invalid(f"{where} must be a string or a list of strings, got {json.dumps(value)}")
+        raise invalid(f"{where} must be a string or a list of strings, got {_shown(value)}")
     if any(item == "" for item in items):
         raise invalid(f"{where} must not contain an empty string")
     return tuple(items)
@@ -248,7 +341,7 @@ def _stop_token_ids(where: str, value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, list):
-        raise invalid(f"{where} must be a list of token ids, got {json.dumps(value)}")
+        raise invalid(f"{where} must be a list of token ids, got {_shown(value)}")
     ids = tuple(_as_int(f"{where}[{i}]", item) for i, item in enumerate(value))
     for i, token in enumerate(ids):
         if not 0 <= token < 2**32:
@@ -264,20 +357,20 @@ def _exactly(expected: Any, name: str) -> Callable[[str, Any], None]:
             return
         number = _as_float(where, value) if not isinstance(expected, str) else value
         if number != expected:
-            raise invalid(f"{where}={json.dumps(value)} is not supported by kvmesh ({name})")
+            raise invalid(f"{where}={_shown(value)} is not supported by kvmesh ({name})")
 
     return parse
 
 
 def _lora(where: str, value: Any) -> None:
     if value not in (None, ""):
-        raise invalid(f"{where}={json.dumps(value)}: LoRA adapters are not supported by kvmesh")
+        raise invalid(f"{where}={_shown(value)}: LoRA adapters are not supported by kvmesh")
 
 
 # key -> (parser, SamplingParams attribute or None for accepted-and-checked-only keys)
 SAMPLING_KEYS: dict[str, tuple[Callable[[str, Any], Any], str | None]] = {
-    "max_tokens": (_int_at_least(1), "max_tokens"),
-    "min_tokens": (_int_at_least(0), "min_tokens"),
+    "max_tokens": (_int_at_least(1, lenient=True), "max_tokens"),
+    "min_tokens": (_int_at_least(0, lenient=True), "min_tokens"),
     "temperature": (_temperature, "temperature"),
     "top_p": (_top_p, "top_p"),
     "top_k": (_top_k, "top_k"),
@@ -287,6 +380,7 @@ SAMPLING_KEYS: dict[str, tuple[Callable[[str, Any], Any], str | None]] = {
     "ignore_eos": (_as_bool, "ignore_eos"),
     "include_stop_str_in_output": (_as_bool, "include_stop_str_in_output"),
     "skip_special_tokens": (_as_bool, "skip_special_tokens"),
+    "logprobs": (_int_at_least(0, lenient=True), "logprobs"),
     "n": (_exactly(1, "one completion per request"), None),
     "best_of": (_exactly(1, "one completion per request"), None),
     "presence_penalty": (_exactly(0.0, "no penalties"), None),
@@ -298,7 +392,7 @@ SAMPLING_KEYS: dict[str, tuple[Callable[[str, Any], Any], str | None]] = {
 
 def _apply_sampling(sampling: SamplingParams, key: str, value: Any, where: str) -> None:
     parser, attr = SAMPLING_KEYS[key]
-    if key in ("seed", "max_tokens", "temperature", "top_p", "top_k") and value is None:
+    if key in ("seed", "max_tokens", "temperature", "top_p", "top_k", "logprobs") and value is None:
         return  # JSON null: keep the default
     parsed = parser(where, value)
     if attr is not None:
@@ -337,11 +431,7 @@ def _utf8(tensor: Tensor, value: bytes) -> str:
 
 
 def _parse_messages(tensor: Tensor) -> list[dict[str, Any]]:
-    text = _utf8(tensor, _scalar(tensor))
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise invalid(f"input 'messages': not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    doc = _load_json("messages", _utf8(tensor, _scalar(tensor)))
     if not isinstance(doc, list) or not doc:
         raise invalid('input \'messages\': expected a non-empty JSON list of {"role", "content"} objects')
     for i, message in enumerate(doc):
@@ -370,18 +460,14 @@ def _parse_sampling_json(tensor: Tensor, sampling: SamplingParams) -> None:
     text = _utf8(tensor, _scalar(tensor))
     if not text.strip():
         return
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise invalid(
-            f"input 'sampling_parameters': not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        ) from None
+    doc = _load_json("sampling_parameters", text)
     if not isinstance(doc, dict):
         raise invalid("input 'sampling_parameters': expected a JSON object")
     for key, value in doc.items():
         if key not in SAMPLING_KEYS:
             raise invalid(
-                f"input 'sampling_parameters': unknown key {key!r} (supported: {', '.join(sorted(SAMPLING_KEYS))})"
+                f"input 'sampling_parameters': unknown key {clip(key)!r} "
+                f"(supported: {', '.join(sorted(SAMPLING_KEYS))})"
             )
         _apply_sampling(sampling, key, value, f"input 'sampling_parameters': '{key}'")
 
@@ -392,19 +478,26 @@ def _worker_id(value: Any) -> int:
         try:
             number = int(value.strip(), 0)
         except ValueError:
-            raise invalid(f"{where} must be an engine id (integer, or 0x-prefixed hex), got {value!r}") from None
+            raise invalid(f"{where} must be an engine id (integer, or 0x-prefixed hex), got {clip(value)!r}") from None
     elif isinstance(value, int) and not isinstance(value, bool):
         number = value
     else:
-        raise invalid(f"{where} must be an engine id (integer), got {value!r}")
+        raise invalid(f"{where} must be an engine id (integer), got {clip(value)!r}")
     if not 0 <= number < 2**64:
         raise invalid(f"{where} must be in [0, 2**64), got {number}")
     return number
 
 
 def _apply_parameters(params: Mapping[str, pb.InferParameter], req: LlmRequest) -> None:
+    if len(params) > MAX_PARAMETERS:
+        raise invalid(f"the request has {len(params)} parameters; at most {MAX_PARAMETERS} are accepted")
     for key, param in params.items():
         value = parameter_value(param)
+        if isinstance(value, str) and len(value) > MAX_PARAMETER_STRING_BYTES and key not in _RESERVED_PARAMS:
+            raise invalid(
+                f"parameter '{clip(key)}': a string of {len(value)} characters is over the limit of "
+                f"{MAX_PARAMETER_STRING_BYTES}"
+            )
         if key == PARAM_EMPTY_FINAL:
             req.empty_final = _as_bool(f"parameter '{key}'", value)
         elif key == PARAM_WORKER_ID:
@@ -412,7 +505,7 @@ def _apply_parameters(params: Mapping[str, pb.InferParameter], req: LlmRequest) 
         elif key == PARAM_ROUTER_MODE:
             mode = ROUTER_MODES.get(str(value).strip().lower()) if isinstance(value, str) else None
             if mode is None:
-                raise invalid(f"parameter '{key}' must be one of {', '.join(ROUTER_MODES)}, got {value!r}")
+                raise invalid(f"parameter '{key}' must be one of {', '.join(ROUTER_MODES)}, got {clip(value)!r}")
             req.router_mode = mode
         elif key == PARAM_ROUTER_POLICY:
             if not isinstance(value, str) or not value.strip():
@@ -423,16 +516,19 @@ def _apply_parameters(params: Mapping[str, pb.InferParameter], req: LlmRequest) 
         # everything else (Triton's reserved keys, unknown keys) is not ours to judge
 
 
-def parse_llm_request(request: pb.ModelInferRequest, *, unary: bool = False) -> LlmRequest:
+def parse_llm_request(
+    request: pb.ModelInferRequest, *, unary: bool = False, context_length: int = 0, model: str = ""
+) -> LlmRequest:
     """Validate a ModelInferRequest against the LLM tensor contract.
 
     ``unary`` is true for ModelInfer, which answers with exactly one response and so refuses
-    ``stream=true``.
+    ``stream=true``. ``context_length`` (0: unknown) of ``model`` sets the prompt's size limits,
+    which are checked before the tensors are decoded.
     """
-    tensors = decode_inputs(request)
-    for name, tensor in tensors.items():
-        if name not in INPUT_DATATYPES:
-            raise invalid(f"input '{name}' is not an input of this model (inputs: {', '.join(INPUT_DATATYPES)})")
+    if len(request.outputs) > MAX_REQUESTED_OUTPUTS:
+        raise invalid(f"the request names {len(request.outputs)} outputs; at most {MAX_REQUESTED_OUTPUTS} are accepted")
+    tensors = decode_inputs(request, input_limits(context_length, model))
+    for tensor in tensors.values():
         _check_datatype(tensor)
     req = LlmRequest(model=request.model_name, client_id=request.id)
 
@@ -478,15 +574,7 @@ def parse_llm_request(request: pb.ModelInferRequest, *, unary: bool = False) -> 
             )
     else:
         req.exclude_input = req.stream
-    for name in (
-        "return_finish_reason",
-        "return_num_input_tokens",
-        "return_num_output_tokens",
-        "return_logprobs",
-        "return_cumulative_logprob",
-    ):
-        if name in tensors:
-            setattr(req, name, bool(_scalar(tensors[name])))
+    req.flags = frozenset(name for name in OUTPUT_FLAGS.values() if name in tensors and _scalar(tensors[name]))
 
     _apply_parameters(request.parameters, req)
     if "sampling_parameters" in tensors:
@@ -507,7 +595,9 @@ def parse_llm_request(request: pb.ModelInferRequest, *, unary: bool = False) -> 
         names = []
         for out in request.outputs:
             if out.name not in OUTPUTS:
-                raise invalid(f"output '{out.name}' is not an output of this model (outputs: {', '.join(OUTPUTS)})")
+                raise invalid(
+                    f"output '{clip(out.name)}' is not an output of this model (outputs: {', '.join(OUTPUTS)})"
+                )
             names.append(out.name)
         req.requested_outputs = tuple(names)
     return req

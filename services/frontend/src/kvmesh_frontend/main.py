@@ -13,14 +13,19 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
+from pathlib import Path
 
 import uvloop
 from inference import grpc_service_pb2, grpc_service_pb2_grpc
 from kvmesh import telemetry
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import Discovery, WatchEvent, instance_prefix, model_prefix
+from kvmesh.grpc_options import FRONTEND_SERVER_OPTIONS
+from kvmesh.identity import BearerTokenGate
 from kvmesh.runtime import VERSION, DaemonRuntime
+from kvmesh.settings import fail
 
+from kvmesh_frontend.disagg import DisaggPolicy
 from kvmesh_frontend.generation import Generator
 from kvmesh_frontend.metrics import default_metrics
 from kvmesh_frontend.models import ModelRegistry
@@ -50,8 +55,23 @@ async def _watch(discovery: Discovery, prefix: str, apply: Callable[[WatchEvent]
                 log.exception("discovery event under %s could not be applied", prefix)
 
 
+def kserve_auth(config: Settings) -> tuple[BearerTokenGate, ...]:
+    """KServe client authentication by bearer token, when --kserve-token-file is set; one line, exit 2 if unreadable."""
+    if not config.kserve_token_file:
+        return ()
+    try:
+        token = Path(config.kserve_token_file).read_text().strip()
+    except OSError as exc:
+        fail(PROG, f"--kserve-token-file {config.kserve_token_file}: {exc.strerror}")
+    if not token:
+        fail(PROG, f"--kserve-token-file {config.kserve_token_file}: empty")
+    return (BearerTokenGate(token),)
+
+
 async def serve(config: Settings) -> None:
-    async with DaemonRuntime(PROG, config) as runtime:
+    async with DaemonRuntime(
+        PROG, config, server_options=FRONTEND_SERVER_OPTIONS, interceptors=kserve_auth(config)
+    ) as runtime:
         await _serve(runtime, config)
     log.info("stopped")
 
@@ -71,10 +91,16 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         on_migration=metrics.migration,
         engine_alive=registry.engine_alive,
         address_live=registry.address_live,
+        disagg_policy=DisaggPolicy(config.disagg_min_tokens, config.disagg_busy, config.enforce_disagg),
+        model_roles=registry.roles,
+        engine_addresses=registry.engine_addresses,
+        down_s=config.lease_ttl + 1.0,  # by then discovery has dropped a dead worker
     )
+    runtime.resources.push_async_callback(generator.disagg.close)
     runtime.resources.push_async_callback(generator.engines.close)
     runtime.resources.push_async_callback(router.close)
     registry.on_address_gone = generator.engines.retire
+    registry.on_engine_joined = generator.engines.revive
     frontend = Frontend(
         registry, generator, metrics, id_prefix=f"{runtime.instance_id:x}", default_max_tokens=config.default_max_tokens
     )
@@ -84,7 +110,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
         InferenceServicer(frontend, VERSION),
     )
-    bound = await runtime.start(config.grpc_port, bind_host=config.bind_host)
+    bound = await runtime.start(config.grpc_port, require_client_cert=config.kserve_client_cert)
     watchers = [
         asyncio.create_task(_watch(runtime.discovery, model_prefix(config.namespace), registry.apply)),
         asyncio.create_task(

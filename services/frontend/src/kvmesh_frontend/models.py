@@ -25,7 +25,7 @@ from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import WatchEvent, apply_watch_event, parse_model_key
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
-from kvmesh_frontend.errors import not_found, unavailable
+from kvmesh_frontend.errors import clip, not_found, unavailable
 from kvmesh_frontend.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ class ModelRegistry:
         self._address_cards: dict[str, int] = {}  # worker address -> live cards at it
         # Called with a worker address once no live engine is left there (its connection can go).
         self.on_address_gone: Callable[[str], None] | None = None
+        # Called with a worker address when an engine new to this frontend registers there (a restart).
+        self.on_engine_joined: Callable[[str], None] | None = None
 
     # -- discovery ------------------------------------------------------------------------------
     def apply(self, event: WatchEvent) -> None:
@@ -118,6 +120,8 @@ class ModelRegistry:
         elif not entry.cards:
             log.info("model %s is back (engine %x at %s)", name, engine_id, card.address)
         replaced = entry.cards.get(engine_id) if self._keys.get(key) == (name, engine_id) else None
+        if engine_id not in entry.cards and self.on_engine_joined is not None and card.address:
+            self.on_engine_joined(card.address)
         entry.cards[engine_id] = card
         self._keys[key] = (name, engine_id)
         self._count_address(card.address, +1)
@@ -169,13 +173,19 @@ class ModelRegistry:
         if entry is None:
             if not name:
                 raise not_found("model_name is empty")
-            raise not_found(f"model '{name}' is not served here (known models: {', '.join(self.names()) or 'none'})")
+            raise not_found(f"model '{clip(name)}' is not served here (known models: {self.known_names()})")
         if not entry.cards:
             raise unavailable(f"model '{name}' has no live engine")
         return entry
 
     def names(self) -> list[str]:
         return sorted(name for name, entry in self._models.items() if entry.cards)
+
+    def known_names(self, limit: int = 16) -> str:
+        """The served models as an error message lists them: the first ``limit``, then a count."""
+        names = self.names()
+        shown = ", ".join(names[:limit]) or "none"
+        return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
     def any_ready(self) -> bool:
         return any(entry.ready for entry in self._models.values())
@@ -188,6 +198,16 @@ class ModelRegistry:
         if pinned is not None:
             return pinned in entry.cards and pinned not in excluded
         return any(engine not in excluded for engine in entry.cards)
+
+    def roles(self, name: str) -> set[int]:
+        """Worker roles (``discovery_pb2.WorkerRole``) of the model's live engines."""
+        entry = self._models.get(name)
+        return {card.role for card in entry.cards.values()} if entry else set()
+
+    def engine_addresses(self, name: str) -> dict[int, str]:
+        """``{engine id: worker address}`` of model ``name`` (to exclude every engine of a dead worker)."""
+        entry = self._models.get(name)
+        return {engine_id: card.address for engine_id, card in entry.cards.items()} if entry else {}
 
     def engines(self, name: str) -> list[int]:
         entry = self._models.get(name)
@@ -250,7 +270,7 @@ class ModelRegistry:
             assets.done = True
 
     async def _fetch(self, card: discovery_pb2.ModelCard) -> dict[str, bytes]:
-        stub = worker_pb2_grpc.WorkerServiceStub(self._pool.get(card.address, card.address))
+        stub = worker_pb2_grpc.WorkerServiceStub(self._pool.get(card.address, card.address, role="worker"))
         files: dict[str, bytes] = {}
         for name in TOKENIZER_FILES:
             if name not in card.files:

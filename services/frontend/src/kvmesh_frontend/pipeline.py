@@ -3,8 +3,11 @@
 :meth:`Frontend.infer` is what both ModelInfer and ModelStreamInfer run. It raises
 :class:`~kvmesh_frontend.errors.FrontendError` for anything a client should see and turns any
 other exception into INTERNAL naming the request id (the id also tags every log line of the
-request through ``kvmesh.telemetry.request_id_var``). Metrics and per-model statistics are
-recorded exactly once per request, whatever the outcome.
+request through ``kvmesh.telemetry.request_id_var``), with nothing of the exception's text: that
+goes to the log. Metrics and per-model statistics are recorded exactly once per request, whatever
+the outcome. A streamed request whose final response was handed to the writer counts as a success
+even if the client cancels while that response is being written: the client cancels because it has
+what it asked for.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from inference import grpc_service_pb2 as pb
+from kvmesh import telemetry
 from kvmesh.hashing import block_hashes
 from kvmesh.telemetry import request_id_var
 from kvmesh.v1 import worker_pb2
@@ -46,6 +50,11 @@ class ModelStats:
     fail_count: int = 0
     fail_ns: int = 0
     last_inference_ms: int = 0
+    # Phases of successful requests (Triton's queue / compute_* shape): perf_analyzer picks the model
+    # version whose queue count grew during its window, so without them it finds none.
+    input_ns: int = 0  # arrival -> prompt tokenized and checked
+    queue_ns: int = 0  # prompt ready -> first token (routing, engine queue, prefill)
+    infer_ns: int = 0  # first token -> last response
 
 
 class Frontend:
@@ -75,20 +84,44 @@ class Frontend:
         start = time.perf_counter()
         request_id = self.new_request_id()
         request_id_var.set(request_id)
+        # One trace per request: a new root on a stream (many requests share one call), the RPC's
+        # span for ModelInfer. Its phases: parse, tokenize, route (generation.py), first_token, finish.
+        wall = time.time()
+        span = telemetry.start_span(
+            "kvmesh.frontend/request",
+            root=not unary,
+            server=True,
+            attributes={
+                "kvmesh.request_id": request_id,
+                "kvmesh.model": request.model_name,
+                "kvmesh.client_request_id": request.id,
+                "rpc.method": "ModelInfer" if unary else "ModelStreamInfer",
+            },
+        )
+        telemetry.request_span_var.set(span)
+        phase = telemetry.start_span("parse", span)
         label = UNKNOWN_MODEL
         outcome = "success"
         model_metrics = None
         writer: ResponseWriter | None = None
+        state: GenerationState | None = None
         first_token_at = 0.0
+        prepared_at = 0.0
+        final_sent = False
         try:
             entry = self.registry.resolve(request.model_name)  # first, like Triton: unknown model beats bad tensors
             label = entry.name
             model_metrics = self.metrics.model(label)
             model_metrics.inflight.inc()
-            llm = parse_llm_request(request, unary=unary)
+            llm = parse_llm_request(request, unary=unary, context_length=entry.context_length, model=entry.name)
+            telemetry.end_span(phase)
+            phase = telemetry.start_span("tokenize", span)
             tokenizer = await self.registry.tokenizer(entry)
             prompt_ids, prompt_text = await self._prompt(llm, entry, tokenizer)
             prepared = self._prepare(request_id, llm, entry, prompt_ids)
+            prepared_at = time.perf_counter()
+            telemetry.end_span(phase, attributes={"kvmesh.prompt_tokens": len(prompt_ids)})
+            phase = telemetry.start_span("first_token", span)
             model_metrics.input_tokens.observe(len(prompt_ids))
             state = GenerationState()
             writer = ResponseWriter(
@@ -106,7 +139,11 @@ class Frontend:
                     if not first_token_at and engine_response.token_ids:
                         first_token_at = time.perf_counter()
                         model_metrics.ttft.observe(first_token_at - start)
-                    for response in writer.on_engine(engine_response):
+                        telemetry.end_span(phase, attributes={"kvmesh.engine_id": f"{state.engine_id:x}"})
+                        phase = telemetry.start_span("finish", span)
+                    responses = writer.on_engine(engine_response)
+                    for index, response in enumerate(responses):
+                        final_sent = not unary and writer.done and index == len(responses) - 1
                         yield response
                     if writer.done:
                         break
@@ -117,14 +154,32 @@ class Frontend:
             outcome = exc.code.name.lower()
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            outcome = "success" if final_sent else "cancelled"
             raise
         except Exception as exc:
             outcome = "internal"
             log.exception("request %s failed", request_id)
-            raise internal(f"request {request_id}: {type(exc).__name__}: {exc}") from exc
+            raise internal(
+                f"request {request_id}: internal error ({type(exc).__name__}; details in the frontend log)"
+            ) from exc
         finally:
             end = time.perf_counter()
+            if span is not None:
+                error = None if outcome in ("success", "cancelled") else outcome
+                telemetry.end_span(phase, error)
+                telemetry.end_span(
+                    span,
+                    error,
+                    {
+                        "kvmesh.outcome": outcome,
+                        "kvmesh.duration_s": end - start,
+                        "kvmesh.output_tokens": writer.num_output_tokens if writer is not None else 0,
+                        "kvmesh.engine_id": f"{state.engine_id:x}" if state is not None else "",
+                        "kvmesh.cached_tokens": state.cached_tokens if state is not None else 0,
+                        "kvmesh.migrations": state.migrations if state is not None else 0,
+                    },
+                    end_time=wall + (end - start),
+                )
             self.metrics.finished(label, outcome, end - start)
             if model_metrics is not None:
                 model_metrics.inflight.dec()
@@ -132,15 +187,21 @@ class Frontend:
                     model_metrics.output_tokens.observe(writer.num_output_tokens)
                     if writer.num_output_tokens > 1 and first_token_at:
                         model_metrics.itl.observe((end - first_token_at) / (writer.num_output_tokens - 1))
-                self._record(label, outcome == "success", int((end - start) * 1e9))
+                phases = (start, prepared_at or end, first_token_at or end, end)
+                self._record(label, outcome == "success", phases)
 
-    def _record(self, model: str, success: bool, ns: int) -> None:
+    def _record(self, model: str, success: bool, phases: tuple[float, float, float, float]) -> None:
+        start, prepared, first, end = phases
+        ns = int((end - start) * 1e9)
         stats = self.stats.get(model)
         if stats is None:
             stats = self.stats[model] = ModelStats()
         if success:
             stats.success_count += 1
             stats.success_ns += ns
+            stats.input_ns += int((prepared - start) * 1e9)
+            stats.queue_ns += int((max(first, prepared) - prepared) * 1e9)
+            stats.infer_ns += int((end - max(first, prepared)) * 1e9)
         else:
             stats.fail_count += 1
             stats.fail_ns += ns
@@ -215,10 +276,13 @@ class Frontend:
             top_p=1.0 if sampling.top_p is None else sampling.top_p,
             top_k=sampling.top_k or 0,
             min_tokens=min(sampling.min_tokens, max_tokens),
-            return_logprobs=llm.wants("logprobs") or llm.wants("cumulative_logprob"),
         )
         if sampling.seed is not None:
             options.seed = sampling.seed
+        if llm.wants("logprobs") and sampling.logprobs is not None:
+            options.logprobs = sampling.logprobs
+        elif llm.wants("cumulative_logprob"):
+            options.logprobs = 0  # the sum needs each token's logprob, not the alternatives
         hashes = block_hashes(prompt_ids, entry.block_size)[1] if entry.block_size else []
         return PreparedRequest(
             request_id=request_id,

@@ -30,6 +30,11 @@ FINAL_FLAG = "triton_final_response"
 PARAM_WORKER_ID = "kvmesh.worker_id"
 PARAM_CACHED_TOKENS = "kvmesh.cached_tokens"
 PARAM_MIGRATIONS = "kvmesh.migrations"
+PARAM_PREFILL_WORKER_ID = "kvmesh.prefill_worker_id"  # 0: prefilled on the decode engine
+PARAM_KV_TRANSFERRED_BLOCKS = "kvmesh.kv_transferred_blocks"
+PARAM_KV_TRANSFERRED_BYTES = "kvmesh.kv_transferred_bytes"
+PARAM_KV_PULL_EVERYTHING_BYTES = "kvmesh.kv_pull_everything_bytes"  # what pulling every held block would move
+PARAM_DISAGG = "kvmesh.disagg"  # "remote", or "local: <why>"
 
 Response = pb.ModelInferResponse | pb.ModelStreamInferResponse
 
@@ -65,10 +70,11 @@ class ResponseWriter:
         self._want_num_in = llm.wants("num_input_tokens")
         self._want_num_out = llm.wants("num_output_tokens")
         self._want_ids = llm.wants("output_ids")
-        self._want_logprobs = llm.wants("logprobs")
         self._want_cumulative = llm.wants("cumulative_logprob")
-        self._logprobs: list[tuple[int, float]] = []  # (token id, logprob) not emitted yet
-        self._cumulative = 0.0
+        self._want_logprobs = llm.wants("logprobs")
+        self._tokenizer = tokenizer
+        self.cumulative_logprob = 0.0
+        self._logprob_parts: list[dict[str, dict[str, object]]] = []
         self._detok: IncrementalDetokenizer | None = None
         if tokenizer is not None and (self._want_text or llm.sampling.stop):
             self._detok = tokenizer.detokenizer(prompt_ids, llm.sampling.skip_special_tokens)
@@ -101,10 +107,11 @@ class ResponseWriter:
             if final and not stopped:
                 text += self._stops.flush()
         self.num_output_tokens += len(ids)
-        if self._want_logprobs:
-            self._logprobs.extend(zip(ids, engine.logprobs, strict=False))
-        if engine.HasField("cumulative_logprob"):
-            self._cumulative = engine.cumulative_logprob
+        logprobs: list[dict[str, dict[str, object]]] = []
+        if engine.logprobs:
+            self.cumulative_logprob += sum(entry.logprob for entry in engine.logprobs)
+            if self._want_logprobs and self._llm.sampling.logprobs is not None:
+                logprobs = [self._logprob_entry(t, e) for t, e in zip(ids, engine.logprobs, strict=False)]
         if stopped:
             final = True
             self.finish_reason = "stop"
@@ -112,14 +119,26 @@ class ResponseWriter:
             self.finish_reason = FINISH_REASONS.get(engine.finish_reason, "stop")
         self.done = final
         if self._stream:
-            return self._emit(text, ids, len(ids), final)
+            return self._emit(text, ids, len(ids), final, logprobs)
         if text:
             self._text_parts.append(text)
         if self._want_ids:
             self._ids.extend(ids)
+        self._logprob_parts.extend(logprobs)
         if not final:
             return []
-        return self._emit("".join(self._text_parts), self._ids, self.num_output_tokens, True)
+        return self._emit("".join(self._text_parts), self._ids, self.num_output_tokens, True, self._logprob_parts)
+
+    def _logprob_entry(self, token: int, entry: worker_pb2.TokenLogprobs) -> dict[str, dict[str, object]]:
+        """One step as vLLM's backend writes it: {token_id: {logprob, rank, decoded_token}}, sampled first."""
+        step = {str(token): self._logprob_value(token, entry.logprob, entry.rank)}
+        for top in entry.top:
+            step.setdefault(str(top.token_id), self._logprob_value(top.token_id, top.logprob, top.rank))
+        return step
+
+    def _logprob_value(self, token: int, logprob: float, rank: int) -> dict[str, object]:
+        decoded = self._tokenizer.decode([token]) if self._tokenizer is not None else None
+        return {"logprob": logprob, "rank": rank, "decoded_token": decoded}
 
     def _new(self) -> tuple[Response, pb.ModelInferResponse]:
         """A response to fill: a ModelInferResponse (unary) or a ModelStreamInferResponse wrapping one."""
@@ -135,7 +154,14 @@ class ResponseWriter:
         inner.id = self._llm.client_id
         return outer, inner
 
-    def _emit(self, text: str, ids: Sequence[int], num_tokens: int, final: bool) -> list[Response]:
+    def _emit(
+        self,
+        text: str,
+        ids: Sequence[int],
+        num_tokens: int,
+        final: bool,
+        logprobs: list[dict[str, dict[str, object]]],
+    ) -> list[Response]:
         message, response = self._new()
         if self._want_text:
             add_output(response, "text_output", "BYTES", (1,), encode_one_bytes(text.encode()))
@@ -145,21 +171,22 @@ class ResponseWriter:
                 "finish_reason",
                 "BYTES",
                 (1,),
-                encode_one_bytes(self.finish_reason.encode() if final else b""),
+                # str(None), as vLLM's backend writes a request's reason before it finishes
+                encode_one_bytes(self.finish_reason.encode() if final else b"None"),
             )
         if self._want_num_in:
             add_output(response, "num_input_tokens", "UINT32", (1,), encode_numbers("UINT32", (self._num_input,)))
         if self._want_num_out:
             add_output(response, "num_output_tokens", "UINT32", (1,), encode_numbers("UINT32", (num_tokens,)))
+        if self._want_cumulative:
+            add_output(response, "cumulative_logprob", "FP32", (1,), encode_numbers("FP32", (self.cumulative_logprob,)))
+        if self._want_logprobs:
+            # "null" when sampling_parameters has no "logprobs" key (vLLM then samples none)
+            doc = json.dumps(logprobs) if self._llm.sampling.logprobs is not None else "null"
+            add_output(response, "logprobs", "BYTES", (1,), encode_one_bytes(doc.encode()))
         if self._want_ids:
             token_ids = list(ids)
             add_output(response, "output_ids", "INT32", (len(token_ids),), encode_numbers("INT32", token_ids))
-        if self._want_logprobs:
-            steps = [{str(token): {"logprob": logprob}} for token, logprob in self._logprobs]
-            self._logprobs = []
-            add_output(response, "logprobs", "BYTES", (1,), encode_one_bytes(json.dumps(steps).encode()))
-        if self._want_cumulative:
-            add_output(response, "cumulative_logprob", "FP32", (1,), encode_numbers("FP32", (self._cumulative,)))
         if self._unary:
             self._finalize(response)
             return [message]
@@ -180,3 +207,10 @@ class ResponseWriter:
         set_int_param(response, PARAM_WORKER_ID, self._state.engine_id)
         set_int_param(response, PARAM_CACHED_TOKENS, self._state.cached_tokens)
         set_int_param(response, PARAM_MIGRATIONS, self._state.migrations)
+        disagg = self._state.disagg
+        if disagg.decision:  # a disaggregated model: where the prompt was computed, and why
+            set_int_param(response, PARAM_PREFILL_WORKER_ID, disagg.prefill_engine_id)
+            set_int_param(response, PARAM_KV_TRANSFERRED_BLOCKS, disagg.transferred_blocks)
+            set_int_param(response, PARAM_KV_TRANSFERRED_BYTES, disagg.transferred_bytes)
+            set_int_param(response, PARAM_KV_PULL_EVERYTHING_BYTES, disagg.pull_everything_bytes)
+            response.parameters[PARAM_DISAGG].string_param = disagg.decision

@@ -1,10 +1,13 @@
-"""The router session client: one long-lived ``RouterService.Session`` stream, with failover.
+"""The router session client: one long-lived ``RouterService.Session`` stream per replica, with failover.
 
 Router replicas register ``InstanceRecord{component="router", endpoint="router"}``. The client keeps
-one Session stream open to one replica (picked at random, so frontends spread over replicas) and
-multiplexes every request on it: a ``RouteQuery`` goes out, the matching ``RouteDecision`` comes
-back by request id; lifecycle updates (first token, finished) go to the replica that booked the
-request, on the same ordered stream.
+a Session stream open to every live replica it uses and spreads queries over them round-robin
+(replicas share bookings through replica sync, so any of them decides as well as another); a
+replica that joins, or comes back after a restart, gets its share from the next query on (issue 14
+item 9: with one stream per frontend, a restarted replica got no decision at all). Each stream
+multiplexes requests: a ``RouteQuery`` goes out, the matching ``RouteDecision`` comes back by request
+id; lifecycle updates (first token, finished) go to the replica that booked the request, on the
+same ordered stream.
 
 Failover: when the stream breaks (the replica died, or disappeared from discovery) every query
 still waiting for a decision is re-sent on a stream to another replica; the failed replica is
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Callable
 
@@ -154,7 +156,7 @@ class RouterSession:
         self._wakeup.set()
         return future
 
-    def lifecycle(self, request_id: str, stage: int) -> None:
+    def lifecycle(self, request_id: str, stage: router_pb2.LifecycleStage.ValueType) -> None:
         """Report progress of a request this replica routed (dropped if the stream is gone).
 
         Updates are not on any request's critical path: the writer is woken one loop iteration
@@ -199,7 +201,8 @@ class RouterClient:
         self._timeout = route_timeout
         self._replicas: dict[int, str] = {}  # replica id -> address
         self._keys: dict[str, int] = {}
-        self._session: RouterSession | None = None
+        self._sessions: dict[int, RouterSession] = {}  # replica id -> its open session
+        self._turn = 0  # round-robin position
         self._suspect: dict[int, float] = {}  # replica id -> monotonic time its session broke
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -221,8 +224,8 @@ class RouterClient:
             log.info("router replica %x at %s appeared", replica_id, record.address)
         self._replicas[replica_id] = record.address
         self._keys[key] = replica_id
-        session = self._session
-        if session is not None and session.replica_id == replica_id and session.address != record.address:
+        session = self._sessions.get(replica_id)
+        if session is not None and session.address != record.address:
             self._drop_session(session)
 
     def _remove(self, key: str) -> None:
@@ -231,12 +234,13 @@ class RouterClient:
             return
         self._replicas.pop(replica_id, None)
         log.info("router replica %x left discovery", replica_id)
-        session = self._session
-        if session is not None and session.replica_id == replica_id:
+        session = self._sessions.get(replica_id)
+        if session is not None:
             self._drop_session(session)
 
     def _drop_session(self, session: RouterSession) -> None:
-        self._session = None
+        if self._sessions.get(session.replica_id) is session:
+            del self._sessions[session.replica_id]
         task = asyncio.get_running_loop().create_task(session.close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
@@ -247,31 +251,37 @@ class RouterClient:
 
     # -- sessions -------------------------------------------------------------------------------
     def _on_closed(self, session: RouterSession, reason: str) -> None:
-        if self._session is session:
-            self._session = None
+        if self._sessions.get(session.replica_id) is session:
+            del self._sessions[session.replica_id]
         if not session.closing and session.replica_id in self._replicas:
             self._suspect[session.replica_id] = time.monotonic()
             log.warning(
                 "router session to %x at %s broke (%s); failing over", session.replica_id, session.address, reason
             )
 
+    @property
+    def sessions(self) -> dict[int, RouterSession]:
+        """The open session of each replica in use."""
+        return dict(self._sessions)
+
     def _current(self, tried: set[int]) -> RouterSession:
-        session = self._session
-        if session is not None and not session.closed and session.replica_id not in tried:
-            return session
+        """The next replica's session, round-robin over live replicas not tried yet (suspects last)."""
         candidates = [rid for rid in self._replicas if rid not in tried]
         if not candidates:
             if not self._replicas:
                 raise unavailable(f"no router replica is registered in namespace '{self._namespace}'")
             raise unavailable(f"every router replica failed ({len(tried)} tried)")
         now = time.monotonic()
-        healthy = [rid for rid in candidates if now - self._suspect.get(rid, -1e9) > _SUSPECT_S]
-        replica_id = random.choice(healthy or candidates)
+        healthy = [rid for rid in candidates if now - self._suspect.get(rid, -1e9) > _SUSPECT_S] or candidates
+        healthy.sort()
+        self._turn += 1
+        replica_id = healthy[self._turn % len(healthy)]
+        session = self._sessions.get(replica_id)
+        if session is not None and not session.closed:
+            return session
         address = self._replicas[replica_id]
-        session = RouterSession(replica_id, address, self._pool.get(address, address), self._on_closed)
-        if self._session is not None and not self._session.closed:
-            self._drop_session(self._session)
-        self._session = session
+        session = RouterSession(replica_id, address, self._pool.get(address, address, role="router"), self._on_closed)
+        self._sessions[replica_id] = session
         log.info("router session opened to replica %x at %s", replica_id, address)
         return session
 
@@ -309,8 +319,7 @@ class RouterClient:
             return decision, session
 
     async def close(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        sessions, self._sessions = list(self._sessions.values()), {}
+        await asyncio.gather(*(session.close() for session in sessions), return_exceptions=True)
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)

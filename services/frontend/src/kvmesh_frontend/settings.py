@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from kvmesh.settings import DaemonSettings, Port, Seconds
 from pydantic import NonNegativeInt, PositiveInt
 
@@ -13,8 +15,10 @@ class Settings(DaemonSettings):
 
     grpc_port: Port = 8001
     """KServe v2 gRPC port (Triton's default; 0 picks a free one)"""
-    bind_host: str = "0.0.0.0"
-    """interface the gRPC server listens on"""
+    kserve_client_cert: bool = False
+    """with --tls-*: KServe clients must present a certificate from --tls-ca (mTLS, as Triton offers)"""
+    kserve_token_file: str = ""
+    """file holding a bearer token KServe clients must send as 'authorization: Bearer <token>' (use with TLS)"""
     migration_limit: NonNegativeInt = 3
     """times a request may move to another engine when its engine dies mid-stream (0 = off)"""
     route_timeout: Seconds = 30.0
@@ -23,3 +27,13 @@ class Settings(DaemonSettings):
     """max_tokens of requests that do not say"""
     model_fetch_timeout: Seconds = 30.0
     """seconds to download a model's tokenizer files from a worker"""
+
+    # -- disaggregated prefill/decode (docs/disaggregation.md) ----------------------------------------
+    disagg_min_tokens: NonNegativeInt = 0
+    """prefill remotely only when the prompt minus the decode engine's cached prefix exceeds this many
+    tokens; shorter ones are prefilled on the decode engine"""
+    disagg_busy: Literal["local", "reject"] = "local"
+    """when every prefill engine is over the router's busy thresholds: prefill on the decode engine
+    (local) or answer RESOURCE_EXHAUSTED (reject)"""
+    enforce_disagg: bool = False
+    """with no prefill engine left, answer UNAVAILABLE instead of prefilling on the decode engine"""

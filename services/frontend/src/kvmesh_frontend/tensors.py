@@ -6,6 +6,11 @@ elements are each a 4-byte little-endian length followed by the bytes). A reques
 for every input, never both. Every error names the tensor and says what is wrong, and is an
 INVALID_ARGUMENT :class:`~kvmesh_frontend.errors.FrontendError`.
 
+Sizes are checked before anything is decoded (:class:`TensorLimit`): the element count from the
+shape, the length of the typed contents and the byte length of raw data are all O(1) to read, while
+decoding 16M elements into Python objects holds the event loop (and so every other stream) for
+seconds.
+
 Outputs are always written as ``raw_output_contents`` (what Triton itself does and what
 ``tritonclient``'s ``InferResult.as_numpy`` reads for every datatype).
 """
@@ -14,14 +19,14 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from inference import grpc_service_pb2 as pb
 
-from kvmesh_frontend.errors import invalid
+from kvmesh_frontend.errors import clip, invalid
 
 # Element size in bytes of each fixed-size datatype (BYTES is variable).
 ELEMENT_SIZE: dict[str, int] = {
@@ -87,6 +92,31 @@ class Tensor:
         return len(self.values)
 
 
+@dataclass(frozen=True, slots=True)
+class TensorLimit:
+    """The most one input may hold, checked before it is decoded.
+
+    ``max_bytes`` bounds the raw data (BYTES: the elements with their 4-byte prefixes) or, for
+    typed contents, the elements' total size; ``why`` ends the error message and says what the
+    limit comes from, so the client knows what to change.
+    """
+
+    max_elements: int
+    max_bytes: int
+    why: str = ""
+
+    def check_count(self, name: str, count: int) -> None:
+        if count > self.max_elements:
+            raise invalid(f"input '{name}': {count} elements is over the limit of {self.max_elements}{self._why()}")
+
+    def check_bytes(self, name: str, size: int) -> None:
+        if size > self.max_bytes:
+            raise invalid(f"input '{name}': {size} bytes is over the limit of {self.max_bytes} bytes{self._why()}")
+
+    def _why(self) -> str:
+        return f" ({self.why})" if self.why else ""
+
+
 def element_count(name: str, shape: Sequence[int]) -> int:
     """Elements a shape holds; negative dimensions are an error (an empty shape is a scalar)."""
     for dim in shape:
@@ -95,8 +125,12 @@ def element_count(name: str, shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def decode_inputs(request: pb.ModelInferRequest) -> dict[str, Tensor]:
-    """Decode every input of a request (typed or raw), checking datatypes, shapes and sizes."""
+def decode_inputs(request: pb.ModelInferRequest, limits: Mapping[str, TensorLimit] | None = None) -> dict[str, Tensor]:
+    """Decode every input of a request (typed or raw), checking datatypes, shapes and sizes.
+
+    With ``limits``, an input whose name is not in it is refused, and every input is held to its
+    limit before its data is read.
+    """
     inputs = request.inputs
     raw = request.raw_input_contents
     if raw and len(raw) != len(inputs):
@@ -109,26 +143,39 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, Tensor]:
         name = tensor.name
         if not name:
             raise invalid(f"input #{index} has no name")
+        limit = None
+        if limits is not None:
+            limit = limits.get(name)
+            if limit is None:
+                raise invalid(f"input '{clip(name)}' is not an input of this model (inputs: {', '.join(limits)})")
         if name in out:
-            raise invalid(f"input '{name}' is given twice")
+            raise invalid(f"input '{clip(name)}' is given twice")
         datatype = tensor.datatype
         if datatype not in DATATYPES:
-            raise invalid(f"input '{name}': unknown datatype {datatype!r}")
+            raise invalid(f"input '{clip(name)}': unknown datatype {clip(datatype)!r}")
+        if len(tensor.shape) > 8:
+            raise invalid(f"input '{clip(name)}': shape has {len(tensor.shape)} dimensions; at most 8 are accepted")
         shape = tuple(tensor.shape)
         count = element_count(name, shape)
+        if limit is not None:
+            limit.check_count(name, count)
         if raw:
             if tensor.HasField("contents") and tensor.contents.ListFields():
                 raise invalid(f"input '{name}': typed contents and raw_input_contents cannot be mixed")
-            values = decode_raw(name, datatype, raw[index])
+            if limit is not None:
+                limit.check_bytes(name, len(raw[index]))
+            values = decode_raw(name, datatype, raw[index], max_elements=count)
         else:
-            values = _decode_typed(name, datatype, tensor.contents)
+            values = _decode_typed(name, datatype, tensor.contents, limit)
         if len(values) != count:
             raise invalid(f"input '{name}': shape {list(shape)} holds {count} element(s) but {len(values)} were sent")
         out[name] = Tensor(name, datatype, shape, values)
     return out
 
 
-def _decode_typed(name: str, datatype: str, contents: pb.InferTensorContents) -> list[Any]:
+def _decode_typed(
+    name: str, datatype: str, contents: pb.InferTensorContents, limit: TensorLimit | None = None
+) -> list[Any]:
     field = CONTENTS_FIELD.get(datatype)
     if field is None:
         raise invalid(f"input '{name}': datatype {datatype} must be sent in raw_input_contents")
@@ -137,13 +184,24 @@ def _decode_typed(name: str, datatype: str, contents: pb.InferTensorContents) ->
             raise invalid(
                 f"input '{name}': datatype {datatype} goes in contents.{field}, not contents.{descriptor.name}"
             )
-    return list(getattr(contents, field))
+    elements = getattr(contents, field)
+    if limit is not None:
+        limit.check_count(name, len(elements))
+        if datatype == "BYTES":
+            limit.check_bytes(name, sum(len(item) + 4 for item in elements))
+        else:
+            limit.check_bytes(name, len(elements) * ELEMENT_SIZE[datatype])
+    return list(elements)
 
 
-def decode_raw(name: str, datatype: str, data: bytes) -> list[Any]:
-    """Elements of one raw tensor (little-endian; BYTES length-prefixed with no trailing bytes)."""
+def decode_raw(name: str, datatype: str, data: bytes, max_elements: int | None = None) -> list[Any]:
+    """Elements of one raw tensor (little-endian; BYTES length-prefixed with no trailing bytes).
+
+    ``max_elements`` (the count the shape declares) stops a BYTES decode as soon as the data holds
+    more elements than that, instead of decoding millions of them to find out.
+    """
     if datatype == "BYTES":
-        return decode_bytes_raw(name, data)
+        return decode_bytes_raw(name, data, max_elements)
     size = ELEMENT_SIZE[datatype]
     if len(data) % size:
         raise invalid(
@@ -160,11 +218,15 @@ def decode_raw(name: str, datatype: str, data: bytes) -> list[Any]:
     return values
 
 
-def decode_bytes_raw(name: str, data: bytes) -> list[bytes]:
+def decode_bytes_raw(name: str, data: bytes, max_elements: int | None = None) -> list[bytes]:
     items: list[bytes] = []
     pos, end = 0, len(data)
     unpack = _LEN.unpack_from
     while pos < end:
+        if max_elements is not None and len(items) == max_elements:
+            raise invalid(
+                f"input '{name}': raw BYTES data holds more than the {max_elements} element(s) its shape declares"
+            )
         if end - pos < 4:
             raise invalid(f"input '{name}': raw BYTES element #{len(items)} is cut inside its 4-byte length prefix")
         (length,) = unpack(data, pos)

@@ -92,6 +92,10 @@ class BusyThresholds:
     active_prefill_tokens: int | None = None
     active_prefill_tokens_frac: float | None = None
     kv_usage_frac: float | None = None
+    # Prefill-role engines only: booked prompt tokens not computed yet (the prefill pool's backlog). A
+    # disaggregated frontend prefills locally (or answers RESOURCE_EXHAUSTED) when every prefill engine is
+    # over it, so the prefill pool never queues without bound.
+    prefill_backlog_tokens: int | None = None
 
     @property
     def enabled(self) -> bool:
@@ -99,6 +103,7 @@ class BusyThresholds:
             self.active_prefill_tokens is not None
             or self.active_prefill_tokens_frac is not None
             or self.kv_usage_frac is not None
+            or self.prefill_backlog_tokens is not None
         )
 
 
@@ -256,6 +261,12 @@ class Admission:
                 budget = spec.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
                 if prefill > t.active_prefill_tokens_frac * budget:
                     return True
+        if (
+            t.prefill_backlog_tokens is not None
+            and spec.role == "prefill"
+            and slots.active_prefill_tokens(e) > t.prefill_backlog_tokens
+        ):
+            return True
         if t.kv_usage_frac is not None:
             used = max(slots.active_blocks(e), self._reported_used.get(e, 0))
             if used > t.kv_usage_frac * spec.total_blocks:
@@ -316,7 +327,7 @@ class Admission:
                 best = n
 
         if self.thresholds.enabled:
-            available = [e for e in eligible if not self._busy(specs[e])]
+            available: Sequence[int] = [e for e in eligible if not self._busy(specs[e])]
             if not available:
                 return Rejection(rid, RejectReason.ALL_BUSY, tuple(eligible))
         else:

@@ -172,8 +172,9 @@ class ApproxIndexer:
         for key in self._deadline:
             held.setdefault(key & _SLOT_MASK, set()).add(key >> 32)
         names = self._slots.names
-        by_engine = {names[slot]: frozenset(hs) for slot, hs in held.items()}
-        return {e: by_engine[e] for e in sorted(by_engine)}  # type: ignore[type-var, index]
+        # a slot holding predictions is always occupied: the None filter only narrows the type
+        by_engine = {e: frozenset(hs) for slot, hs in held.items() if (e := names[slot]) is not None}
+        return {e: by_engine[e] for e in sorted(by_engine)}
 
 
 _SLOT_MASK = (1 << 32) - 1

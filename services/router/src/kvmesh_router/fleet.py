@@ -41,6 +41,7 @@ __all__ = ["Fleet", "engine_info"]
 
 log = logging.getLogger(__name__)
 
+
 def engine_info(record: discovery_pb2.InstanceRecord, card: discovery_pb2.ModelCard) -> EngineInfo:
     return EngineInfo(
         engine_id=record.instance_id,

@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 from typing import Protocol
@@ -197,6 +198,7 @@ class EngineSlots:
             out: list[int] = []
             while mask:
                 low = mask & -mask
+                # a set bit is always an occupied slot, never None
                 out.append(names[low.bit_length() - 1])  # type: ignore[arg-type]
                 mask ^= low
             return out
@@ -205,7 +207,8 @@ class EngineSlots:
             arr = self._array = np.array([-1 if n is None else n for n in names], dtype=np.int64)
         n = len(names)
         bits = np.unpackbits(np.frombuffer(mask.to_bytes((n + 7) // 8, "little"), np.uint8), bitorder="little")
-        return arr[bits[:n].view(np.bool_)].tolist()
+        ids: list[int] = arr[bits[:n].view(np.bool_)].tolist()
+        return ids
 
     def decode_cached(self, mask: int) -> list[int]:
         """:meth:`decode` through a small cache (valid until membership changes); do not mutate the result.
@@ -262,6 +265,7 @@ def match_prefix(
         if nxt != cand:
             gone = cand ^ nxt
             if not gone & (gone - 1):
+                # a set bit is always an occupied slot, never None
                 scores[names[gone.bit_length() - 1]] = depth  # type: ignore[index]
             elif gone.bit_count() <= _DENSE_DECODE_MIN_BITS or gone.bit_count() <= nxt.bit_count():
                 for e in slots.decode(gone):
@@ -275,6 +279,7 @@ def match_prefix(
             cand = nxt
         depth += 1
     if not cand & (cand - 1):
+        # a set bit is always an occupied slot, never None
         scores[names[cand.bit_length() - 1]] = depth  # type: ignore[index]
     else:
         scores.update(dict.fromkeys(slots.decode_cached(cand), depth))
@@ -291,6 +296,7 @@ class KvIndexer:
     __slots__ = (
         "_capped",
         "_counts",
+        "_dumps",
         "_holders",
         "_low_water",
         "_meta",
@@ -306,7 +312,13 @@ class KvIndexer:
         max_entries: int | None = DEFAULT_MAX_ENTRIES,
         low_water_ratio: float = 0.9,
         track_ratio: float = 0.5,
+        dumps: bool = True,
     ) -> None:
+        """``dumps=False``: keep no per-block (parent, tokens hash) rows, so no dumps (they raise) and no cap;
+        for a simulation that only routes (the offline replay): a stored block costs one dict row, not two.
+        """
+        if not dumps and max_entries is not None:
+            raise ValueError("an index without dump metadata cannot be capped (its recency order lives there)")
         if max_entries is not None and max_entries <= 0:
             raise ValueError(f"max_entries must be positive or None, got {max_entries}")
         if not 0.0 < low_water_ratio <= 1.0:
@@ -321,7 +333,8 @@ class KvIndexer:
         self._holders: dict[int, int] = {}  # seq hash -> engine bitmask (never 0)
         # seq hash -> packed (parent hash, tokens hash), see _pack. Its insertion order is the recency order
         # (oldest first): a touch re-inserts the key (a plain dict is half the memory of an OrderedDict).
-        self._meta: dict[int, int] = {}
+        self._meta: dict[int, int] = {}  # stays empty with dumps=False
+        self._dumps = dumps
         self._slots = EngineSlots()
         self._counts: list[int] = []  # slot -> blocks held by that engine
         self._size = 0
@@ -375,6 +388,10 @@ class KvIndexer:
 
     def store(self, engine_id: int, parent_hash: int | None, blocks: Sequence[StoredBlock]) -> ApplyError | None:
         """``engine_id`` cached ``blocks`` (a chain) after ``parent_hash``; dropped whole if the parent is unknown."""
+        if not self._dumps:
+            return self.store_chain(
+                engine_id, parent_hash, [b.block_hash for b in blocks], [b.tokens_hash for b in blocks]
+            )
         slot = self._slot(engine_id)
         bit = 1 << slot
         holders = self._holders
@@ -408,6 +425,54 @@ class KvIndexer:
         self._size += added
         self._counts[slot] += added
         self.counters.blocks_stored += added
+        # _capped means max_entries is not None (a bool: cheaper on this hot path than the None test)
+        if self._capped and self._size > self.max_entries:  # type: ignore[operator]
+            self._evict(self._low_water)
+        return error
+
+    def store_chain(
+        self, engine_id: int, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]
+    ) -> ApplyError | None:
+        """:meth:`store` with the chain as two parallel hash sequences (no StoredBlock objects to build).
+
+        The same loop as ``store``, kept separate because each is a hot path (the daemon's events, the
+        offline replay's changes) and a shared helper would cost one of them a conversion per block
+        (measured: bulk ``dict.update`` inserts are no faster than this loop on a large index).
+        """
+        slot = self._slot(engine_id)
+        bit = 1 << slot
+        holders = self._holders
+        get = holders.get
+        if parent_hash is not None and not get(parent_hash, 0) & bit:
+            self.counters.stores_dropped += 1
+            return ApplyError.PARENT_NOT_FOUND
+        meta = self._meta
+        dumps = self._dumps
+        tracking = self._size >= self._track_from
+        prev = parent_hash
+        added = 0
+        error: ApplyError | None = None
+        for h, tokens_hash in zip(block_hashes, tokens_hashes, strict=True):
+            if h == prev:
+                self.counters.invalid_sequences += 1
+                error = ApplyError.INVALID_SEQUENCE
+                break
+            mask = get(h)
+            if mask is None:  # a block no engine holds yet: appended, i.e. most recent
+                holders[h] = bit
+                if dumps:
+                    meta[h] = tokens_hash if prev is None else (prev + 1) << 64 | tokens_hash
+                added += 1
+            else:
+                if not mask & bit:
+                    holders[h] = mask | bit
+                    added += 1
+                if tracking:  # stored again (here or elsewhere): most recent
+                    meta[h] = meta.pop(h)
+            prev = h
+        self._size += added
+        self._counts[slot] += added
+        self.counters.blocks_stored += added
         if self._capped and self._size > self.max_entries:  # type: ignore[operator]
             self._evict(self._low_water)
         return error
@@ -423,6 +488,18 @@ class KvIndexer:
             holders = self._holders
             get = holders.get
             meta = self._meta
+            if isinstance(block_hashes, list | tuple):
+                masks = list(map(get, block_hashes))
+                n = len(masks)
+                if masks.count(bit) == n and len(set(block_hashes)) == n:
+                    # The usual removal: blocks only this engine held, each once; the same moves at C speed.
+                    deque(map(holders.__delitem__, block_hashes), 0)
+                    if self._dumps:
+                        deque(map(meta.__delitem__, block_hashes), 0)
+                    self._size -= n
+                    self._counts[slot] -= n
+                    self.counters.blocks_removed += n
+                    return None
             for h in block_hashes:
                 mask = get(h, 0)
                 if not mask & bit:
@@ -433,7 +510,8 @@ class KvIndexer:
                     holders[h] = mask
                 else:
                     del holders[h]
-                    del meta[h]
+                    if self._dumps:
+                        del meta[h]
                 removed += 1
             self._size -= removed
             self._counts[slot] -= removed
@@ -460,7 +538,8 @@ class KvIndexer:
                 holders[h] = mask
             else:
                 del holders[h]
-                del meta[h]
+                if self._dumps:
+                    del meta[h]
         self._size -= self._counts[slot]
         self._counts[slot] = 0
 
@@ -561,6 +640,8 @@ class KvIndexer:
         return self._dump_set(self.blocks_of(engine_id))
 
     def _dump_set(self, own: Set[int]) -> list[BlocksStored]:
+        if not self._dumps:
+            raise RuntimeError("this index keeps no dump metadata (dumps=False)")
         meta = self._meta
         roots: list[int] = []
         children: dict[int, list[int]] = {}
@@ -580,12 +661,12 @@ class KvIndexer:
             run: list[StoredBlock] = []
             while True:
                 run.append(StoredBlock(h, meta[h] & _U64))
-                kids = children.get(h)
-                if not kids:
+                next_kids = children.get(h)
+                if not next_kids:
                     break
-                for other in reversed(kids[1:]):
+                for other in reversed(next_kids[1:]):
                     stack.append((h, other))
-                h = kids[0]
+                h = next_kids[0]
             out.append(BlocksStored(parent, tuple(run)))
         return out
 
@@ -593,6 +674,7 @@ class KvIndexer:
         """:meth:`dump` of every registered engine, in one pass over the index."""
         held = self._held_by_slot()
         slot_of = self._slots.get
+        # every registered engine has a slot, so slot_of(e) is never None
         return {e: self._dump_set(held.get(slot_of(e)) or set()) for e in self.engines()}  # type: ignore[arg-type]
 
     def canonical(self, reachable_only: bool = False) -> dict[int, frozenset[int]]:
@@ -605,7 +687,7 @@ class KvIndexer:
         slot_of = self._slots.get
         out: dict[int, frozenset[int]] = {}
         for e in self.engines():
-            own = held.get(slot_of(e))  # type: ignore[arg-type]
+            own = held.get(slot_of(e))  # type: ignore[arg-type]  # a registered engine always has a slot
             if own and reachable_only:
                 own = {b.block_hash for ev in self._dump_set(own) for b in ev.blocks}
             if own:

@@ -9,6 +9,13 @@ with jittered exponential backoff (:class:`~kvmesh.backoff.Backoff`) from the cu
 or snapshots); a recovery in flight is abandoned and the resume covers it. ``OUT_OF_RANGE`` (the
 worker's journal is behind our cursor: not the engine we followed) forces a full restore.
 
+**Dead addresses.** A main stream refused or broken with UNAVAILABLE (the worker process is gone,
+or its host unreachable), or ended by the worker, marks its *address* unreachable at once
+(``on_reachable(address, False)``: every engine there is excluded from routing, see
+:mod:`kvmesh_router.engines`); the first message on any stream to that address marks it reachable
+again, and so does the last feed there being removed. A slow-subscriber cut (RESOURCE_EXHAUSTED) or
+OUT_OF_RANGE says nothing about the address.
+
 Everything runs on the router's event loop thread, so applying an event never races a decision.
 """
 
@@ -46,9 +53,11 @@ class EngineFeed:
         cursor: EngineCursor,
         *,
         max_backoff_s: float = MAX_BACKOFF_S,
+        on_link: Callable[[EngineFeed, bool], None] = lambda _feed, _up: None,
     ) -> None:
         self.engine_id = engine_id
         self.address = address
+        self.on_link = on_link
         self.cursor = cursor
         self.stub = worker_pb2_grpc.WorkerServiceStub(channel)
         self.max_backoff_s = max_backoff_s
@@ -92,6 +101,7 @@ class EngineFeed:
                 async for item in call:
                     if backoff.attempts:
                         backoff.reset()
+                    self.on_link(self, True)
                     if item.HasField("snapshot"):
                         cursor.on_snapshot(item.snapshot)
                         if cursor.state is FeedState.LIVE:
@@ -104,9 +114,13 @@ class EngineFeed:
                         self._sync_recovery()
                     if start is not None and cursor.state is FeedState.LIVE and not self.restored.is_set():
                         self.restored.set()
+                else:  # the worker ended the stream (it is draining or restarting), not our restore break
+                    self.on_link(self, False)
                 log.info("engine %x: KV event stream from %s ended; resubscribing", self.engine_id, self.address)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    self.on_link(self, False)
                 if code == grpc.StatusCode.OUT_OF_RANGE:
                     log.warning("engine %x: %s; restoring from a snapshot", self.engine_id, exc.details())
                     cursor.reset()
@@ -186,9 +200,12 @@ class Ingest:
         max_buffer: int = DEFAULT_MAX_BUFFER,
         max_backoff_s: float = MAX_BACKOFF_S,
         on_recovered: Callable[[float, str], None] | None = None,
+        on_reachable: Callable[[str, bool], None] = lambda _address, _reachable: None,
     ) -> None:
         self.index = index
         self.channel_for = channel_for
+        self.on_reachable = on_reachable
+        self.unreachable: set[str] = set()
         self.max_buffer = max_buffer
         self.max_backoff_s = max_backoff_s
         self.on_recovered = on_recovered
@@ -205,7 +222,14 @@ class Ingest:
         cursor = EngineCursor(
             engine_id, self.index, self.stats, max_buffer=self.max_buffer, on_recovered=self.on_recovered
         )
-        feed = EngineFeed(engine_id, address, self.channel_for(address), cursor, max_backoff_s=self.max_backoff_s)
+        feed = EngineFeed(
+            engine_id,
+            address,
+            self.channel_for(address),
+            cursor,
+            max_backoff_s=self.max_backoff_s,
+            on_link=self._link,
+        )
         self.feeds[engine_id] = feed
         feed.start()
 
@@ -214,6 +238,21 @@ class Ingest:
         feed = self.feeds.pop(engine_id, None)
         if feed is not None:
             feed.stop()
+            if feed.address in self.unreachable and not any(f.address == feed.address for f in self.feeds.values()):
+                self._set(feed.address, True)  # nothing left there to judge: forget the verdict
+
+    def _link(self, feed: EngineFeed, up: bool) -> None:
+        if self.feeds.get(feed.engine_id) is feed and (feed.address in self.unreachable) == up:
+            self._set(feed.address, up)
+
+    def _set(self, address: str, reachable: bool) -> None:
+        if reachable:
+            self.unreachable.discard(address)
+            log.info("worker %s is reachable again: its engines are routable", address)
+        else:
+            self.unreachable.add(address)
+            log.warning("worker %s is unreachable (KV event stream refused or broken): not routing to it", address)
+        self.on_reachable(address, reachable)
 
     def next_event_id(self, engine_id: int) -> int | None:
         feed = self.feeds.get(engine_id)

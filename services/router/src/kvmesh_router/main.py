@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+import grpc
 import prometheus_client
 import uvloop
 from kvmesh import telemetry
@@ -36,6 +37,7 @@ from kvmesh.v1 import router_pb2
 
 from kvmesh_router.engines import EngineInfo
 from kvmesh_router.fleet import Fleet
+from kvmesh_router.identity_gate import IdentityGate
 from kvmesh_router.ingest import Ingest
 from kvmesh_router.load_watch import LoadWatch
 from kvmesh_router.metrics import RouterMetrics
@@ -76,17 +78,25 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
     pool = ChannelPool()
     runtime.resources.push_async_callback(pool.close)
 
-    def channel_for(address: str):  # noqa: ANN202 - grpc.aio.Channel
-        return pool.get(address, address)
+    def channel_for(address: str) -> grpc.aio.Channel:
+        return pool.get(address, address, role="worker")  # with TLS: only a worker certificate answers
+
+    def replica_channel(address: str) -> grpc.aio.Channel:
+        return pool.get(address, address, role="router")
 
     ingest: Ingest | None = None
     if state.kv_index is not None:
-        ingest = Ingest(state.kv_index, channel_for, on_recovered=lambda s, _m: metrics.recovery_seconds.observe(s))
+        ingest = Ingest(
+            state.kv_index,
+            channel_for,
+            on_recovered=lambda s, _m: metrics.recovery_seconds.observe(s),
+            on_reachable=state.engines.set_reachable,
+        )
         metrics.add_source("ingest", ingest.stats_dict)
         runtime.resources.push_async_callback(ingest.close)
     hub: ReplicaHub | None = None
     if settings.replica_sync:
-        hub = ReplicaHub(state, runtime.instance_id, channel_for, queue_size=settings.sync_queue_size)
+        hub = ReplicaHub(state, runtime.instance_id, replica_channel, queue_size=settings.sync_queue_size)
         metrics.add_source("replicas", hub.stats_dict)
         # Replica links are endless streams: they end when draining starts, or the drain would wait for them.
         runtime.on_draining(hub.close)
@@ -116,7 +126,12 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
         if dropped:
             log.info("engine %x gone: dropped %d bookings", engine_id, len(dropped))
 
-    fleet = Fleet(runtime.discovery, settings.namespace, engine_added, engine_removed)
+    if settings.tls_enabled:  # security: an engine is routable only once a worker certificate answered for it
+        gate = IdentityGate(channel_for, engine_added, engine_removed)
+        runtime.resources.push_async_callback(gate.close)
+        fleet = Fleet(runtime.discovery, settings.namespace, gate.added, gate.removed)
+    else:
+        fleet = Fleet(runtime.discovery, settings.namespace, engine_added, engine_removed)
     runtime.resources.push_async_callback(fleet.close)
     warm = asyncio.Event()  # set once warm, cleared when draining starts
     runtime.on_draining(warm.clear)

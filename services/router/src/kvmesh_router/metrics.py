@@ -57,63 +57,87 @@ class _CoreCollector(Collector):
         self.sources: dict[str, Callable[[], dict[str, Any]]] = {}
 
     def collect(self) -> Iterator[Metric]:
-        ingest = self.sources.get("ingest")
-        if ingest is not None:
-            s = ingest()
-            yield _counter("kv_events", "KV events applied to the index", s["events"])
-            yield _counter("kv_event_batches", "KV event batches received from workers", s["batches"])
-            yield _counter("kv_stale_events", "KV events dropped because their id was already applied", s["stale"])
-            yield _counter("kv_gaps", "gaps detected in an engine's KV event ids", s["gaps"])
-            fam = CounterMetricFamily(
-                "kvmesh_router_kv_recoveries", "completed gap recoveries by method", labels=["method"]
-            )
-            for method in ("replay", "snapshot", "barrier"):
-                fam.add_metric([method], s[f"recovered_{method}"])
-            yield fam
-            yield _counter("kv_snapshots", "engine snapshots applied (restores and recoveries)", s["snapshots"])
-            yield _counter("kv_resubscribes", "KV event subscriptions re-opened after a break", s["resubscribes"])
-            yield _gauge("kv_recoveries_in_flight", "engines whose gap recovery is in progress", s["recovering"])
-            yield _gauge("kv_feeds", "engines whose KV events this router follows", s["feeds"])
-        index = self.sources.get("index")
-        if index is not None:
-            s = index()
-            yield _gauge("index_entries", "(engine, block) entries in the prefix index", s["entries"])
-            yield _gauge("index_blocks", "distinct blocks in the prefix index", s["blocks"])
-            yield _gauge("index_max_entries", "cap on index entries (0 = unbounded)", s["max_entries"])
-            yield _counter("index_evicted_entries", "index entries evicted by the size cap", s["evicted_entries"])
-            yield _counter(
-                "index_stores_dropped", "stores dropped because their parent was unknown", s["stores_dropped"]
-            )
-            yield _counter("index_unknown_removals", "removals of blocks the index did not hold", s["unknown_removals"])
-        state = self.sources.get("state")
-        if state is not None:
-            s = state()
-            yield _gauge("engines", "routable engines", s["engines"])
-            fam = GaugeMetricFamily("kvmesh_router_active_bookings", "active bookings by origin", labels=["origin"])
-            fam.add_metric(["local"], s["local_bookings"])
-            fam.add_metric(["peer"], s["peer_bookings"])
-            yield fam
-            yield _gauge("sessions", "open frontend Session streams", s["sessions"])
-        replicas = self.sources.get("replicas")
-        if replicas is not None:
-            s = replicas()
-            yield _gauge("replica_peers", "peer replicas with a live sync link", s["peers"])
-            yield _gauge("replica_sync_queue_depth", "booking events queued to peers, not yet sent", s["queued"])
-            fam = CounterMetricFamily(
-                "kvmesh_router_replica_sync_events", "booking events exchanged with peers", labels=["direction"]
-            )
-            fam.add_metric(["sent"], s["sent"])
-            fam.add_metric(["received"], s["received"])
-            yield fam
-            yield _counter("replica_sync_links_dropped", "sync links cut because a queue overflowed", s["overflows"])
+        for source, families in _SCRAPED:
+            read = self.sources.get(source)
+            if read is None:
+                continue
+            s = read()
+            for kind, name, doc, what in families:
+                if isinstance(what, str):
+                    yield kind(f"kvmesh_router_{name}", doc, value=s[what])
+                    continue
+                label, keys = what
+                fam = kind(f"kvmesh_router_{name}", doc, labels=[label])
+                for value, key in keys:
+                    fam.add_metric([value], s[key])
+                yield fam
 
 
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    return CounterMetricFamily(f"kvmesh_router_{name}", doc, value=value)
+_Family = type[CounterMetricFamily] | type[GaugeMetricFamily]
+#: (kind, name after ``kvmesh_router_``, help, the source's key, or (label, ((label value, key), ...))).
+_Scraped = tuple[_Family, str, str, str | tuple[str, tuple[tuple[str, str], ...]]]
+_C, _G = CounterMetricFamily, GaugeMetricFamily
 
-
-def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"kvmesh_router_{name}", doc, value=value)
+#: Each scrape-time source and the families read from one call of it, in exposition order.
+_SCRAPED: tuple[tuple[str, tuple[_Scraped, ...]], ...] = (
+    (
+        "ingest",
+        (
+            (_C, "kv_events", "KV events applied to the index", "events"),
+            (_C, "kv_event_batches", "KV event batches received from workers", "batches"),
+            (_C, "kv_stale_events", "KV events dropped because their id was already applied", "stale"),
+            (_C, "kv_gaps", "gaps detected in an engine's KV event ids", "gaps"),
+            (
+                _C,
+                "kv_recoveries",
+                "completed gap recoveries by method",
+                ("method", tuple((m, f"recovered_{m}") for m in ("replay", "snapshot", "barrier"))),
+            ),
+            (_C, "kv_snapshots", "engine snapshots applied (restores and recoveries)", "snapshots"),
+            (_C, "kv_resubscribes", "KV event subscriptions re-opened after a break", "resubscribes"),
+            (_G, "kv_recoveries_in_flight", "engines whose gap recovery is in progress", "recovering"),
+            (_G, "kv_feeds", "engines whose KV events this router follows", "feeds"),
+        ),
+    ),
+    (
+        "index",
+        (
+            (_G, "index_entries", "(engine, block) entries in the prefix index", "entries"),
+            (_G, "index_blocks", "distinct blocks in the prefix index", "blocks"),
+            (_G, "index_max_entries", "cap on index entries (0 = unbounded)", "max_entries"),
+            (_C, "index_evicted_entries", "index entries evicted by the size cap", "evicted_entries"),
+            (_C, "index_stores_dropped", "stores dropped because their parent was unknown", "stores_dropped"),
+            (_C, "index_unknown_removals", "removals of blocks the index did not hold", "unknown_removals"),
+        ),
+    ),
+    (
+        "state",
+        (
+            (_G, "engines", "routable engines", "engines"),
+            (
+                _G,
+                "active_bookings",
+                "active bookings by origin",
+                ("origin", (("local", "local_bookings"), ("peer", "peer_bookings"))),
+            ),
+            (_G, "sessions", "open frontend Session streams", "sessions"),
+        ),
+    ),
+    (
+        "replicas",
+        (
+            (_G, "replica_peers", "peer replicas with a live sync link", "peers"),
+            (_G, "replica_sync_queue_depth", "booking events queued to peers, not yet sent", "queued"),
+            (
+                _C,
+                "replica_sync_events",
+                "booking events exchanged with peers",
+                ("direction", (("sent", "sent"), ("received", "received"))),
+            ),
+            (_C, "replica_sync_links_dropped", "sync links cut because a queue overflowed", "overflows"),
+        ),
+    ),
+)
 
 
 class RouterMetrics:
@@ -125,41 +149,29 @@ class RouterMetrics:
         self.decisions = Counter(
             "kvmesh_router_decisions", "routing decisions by mode and outcome", ["mode", "outcome"], registry=r
         )
-        self.overlap = Histogram(
-            "kvmesh_router_overlap_blocks",
-            "cached prompt blocks on the chosen engine",
-            buckets=_OVERLAP_BUCKETS,
-            registry=r,
-        )
-        self.quality = Histogram(
-            "kvmesh_router_decision_quality",
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(f"kvmesh_router_{name}", doc, buckets=buckets, registry=r)
+
+        self.overlap = histogram("overlap_blocks", "cached prompt blocks on the chosen engine", _OVERLAP_BUCKETS)
+        self.quality = histogram(
+            "decision_quality_ratio",
             "overlap achieved / best overlap any eligible engine had (decisions with some overlap available)",
-            buckets=_QUALITY_BUCKETS,
-            registry=r,
+            _QUALITY_BUCKETS,
         )
-        self.decision_latency = Histogram(
-            "kvmesh_router_decision_seconds",
-            "time to decide and book one route query",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.decision_latency = histogram(
+            "decision_seconds", "time to decide and book one route query", _LATENCY_BUCKETS
         )
-        self.find_matches_latency = Histogram(
-            "kvmesh_router_find_matches_seconds",
-            "prefix-index lookup time per decision",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.find_matches_latency = histogram(
+            "find_matches_seconds", "prefix-index lookup time per decision", _LATENCY_BUCKETS
         )
-        self.recovery_seconds = Histogram(
-            "kvmesh_router_kv_recovery_seconds",
-            "gap detected -> engine index consistent again",
-            buckets=_SECONDS_BUCKETS,
-            registry=r,
+        self.recovery_seconds = histogram(
+            "kv_recovery_seconds", "gap detected -> engine index consistent again", _SECONDS_BUCKETS
         )
-        self.sync_lag = Histogram(
-            "kvmesh_router_replica_sync_lag_seconds",
+        self.sync_lag = histogram(
+            "replica_sync_lag_seconds",
             "age of a peer's booking when it reached this replica (peer queueing + transport)",
-            buckets=(*_LATENCY_BUCKETS, 0.25, 1.0, 5.0),
-            registry=r,
+            (*_LATENCY_BUCKETS, 0.25, 1.0, 5.0),
         )
         self.lifecycle = Counter(
             "kvmesh_router_lifecycle_updates",

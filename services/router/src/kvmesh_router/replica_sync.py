@@ -286,7 +286,11 @@ class ReplicaHub(BookingListener):
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def serve(self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+    async def serve(
+        self,
+        request_iterator: AsyncIterator[Any],
+        context: grpc.aio.ServicerContext[router_pb2.ReplicaSyncRequest, router_pb2.ReplicaSyncResponse],
+    ) -> None:
         """Server side of ``ReplicaSync`` (a peer dialed us)."""
         iterator = aiter(request_iterator)
 
@@ -305,7 +309,8 @@ class ReplicaHub(BookingListener):
 
         async def recv() -> Any | None:
             message = await call.read()
-            return None if message is grpc.aio.EOF else message
+            # grpc.aio exports EOF at runtime; types-grpcio omits it
+            return None if message is grpc.aio.EOF else message  # type: ignore[attr-defined]
 
         link = Link(
             self,

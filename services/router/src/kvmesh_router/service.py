@@ -19,6 +19,8 @@ from kvmesh_router.state import RouterState
 
 __all__ = ["RouterServicer"]
 
+Context = grpc.aio.ServicerContext[Any, Any]
+
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(
@@ -32,21 +34,24 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         self.hub = hub
         self.next_event_id = next_event_id
         self.sessions = SessionHandler(state, is_ready)
-        # The session handler is an async generator function; binding it directly (instead of wrapping
-        # it in another generator) saves a generator hop per message on the decision path.
-        self.Session = self.sessions.serve  # type: ignore[method-assign]
 
-    async def ReplicaSync(
-        self, request_iterator: AsyncIterator[router_pb2.ReplicaSyncRequest], context: grpc.aio.ServicerContext
+    @property
+    def Session(
+        self,
+    ) -> Callable[[AsyncIterator[router_pb2.SessionRequest], Context], AsyncIterator[router_pb2.SessionResponse]]:
+        """The session handler's own async generator function: handing it to gRPC as is (instead of wrapping it
+        in another generator) saves a generator hop per message on the decision path."""
+        return self.sessions.serve
+
+    async def ReplicaSync(  # type: ignore[override]  # grpc.aio writer API: responses go out via context.write
+        self, request_iterator: AsyncIterator[router_pb2.ReplicaSyncRequest], context: Context
     ) -> None:
         if self.hub is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "replica sync is disabled on this router")
-            return
-        await self.hub.serve(request_iterator, context)
+        else:
+            await self.hub.serve(request_iterator, context)
 
-    async def DumpIndex(
-        self, request: router_pb2.DumpIndexRequest, context: grpc.aio.ServicerContext
-    ) -> router_pb2.DumpIndexResponse:
+    async def DumpIndex(self, request: router_pb2.DumpIndexRequest, context: Context) -> router_pb2.DumpIndexResponse:
         response = router_pb2.DumpIndexResponse()
         for engine_id, hashes in self.state.dump_index(request.engine_ids).items():
             entry = response.engines.add(engine_id=engine_id, block_hashes=hashes)
@@ -56,7 +61,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return response
 
     async def GetActiveLoad(
-        self, request: router_pb2.GetActiveLoadRequest, context: grpc.aio.ServicerContext
+        self, request: router_pb2.GetActiveLoadRequest, context: Context
     ) -> router_pb2.GetActiveLoadResponse:
         response = router_pb2.GetActiveLoadResponse()
         for engine_id, blocks, prefill, n in self.state.active_load():

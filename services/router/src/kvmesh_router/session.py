@@ -51,7 +51,9 @@ class SessionHandler:
         self._counters: dict[tuple[int, bool], Any] = {}
 
     async def serve(
-        self, request_iterator: AsyncIterator[router_pb2.SessionRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[router_pb2.SessionRequest],
+        context: grpc.aio.ServicerContext[router_pb2.SessionRequest, router_pb2.SessionResponse],
     ) -> AsyncIterator[router_pb2.SessionResponse]:
         if not self.is_ready():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "router replica is warming up; retry shortly")

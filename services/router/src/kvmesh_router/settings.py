@@ -42,7 +42,7 @@ class RouterSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, validate_by_name=True)
 
-    mode: Literal["kv", "round_robin", "random", "power_of_two"] = Field("kv", alias="router_mode")
+    mode: Literal["kv", "round_robin", "random", "power_of_two"] = Field(default="kv", alias="router_mode")
     """how engines are picked when a query does not pin one"""
     cost_policy: Annotated[str, AfterValidator(_registered_cost_policy)] = DEFAULT_COST_POLICY
     """kv cost function: 'affinity' (kvmesh's, backlog-discounted prefix affinity) or 'dynamo' (Dynamo's
@@ -54,21 +54,27 @@ class RouterSettings(BaseModel):
     busy_prefill_tokens: Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_off_is_none)] = None
     """an engine with more booked prefill tokens is busy ('none' = off)"""
     busy_prefill_frac: OptionalFraction = None
-    """busy above this fraction of the engine's max_num_batched_tokens ('none' = off)"""
-    busy_kv_usage: OptionalFraction = None
-    """busy above this fraction of the engine's KV blocks in use ('none' = off); a query is REJECTED only
-    when every eligible engine is busy"""
+    """busy with more booked, not yet prefilled prompt tokens than this many forward passes hold (x the
+    engine's max_num_batched_tokens; 'none' = off: long-context bursts would trip any fixed value, and the
+    engine's bounded waiting queue already sheds by count)"""
+    busy_kv_usage: OptionalFraction = 0.95
+    """busy above this fraction of the engine's KV blocks in use ('none' = off); a query is REJECTED
+    (RESOURCE_EXHAUSTED, at once) only when every eligible engine is busy"""
     kv_events: bool = True
     """follow the engines' KV events (--no-kv-events: approximate mode, the router's own decisions become
     predicted cached blocks with a TTL)"""
     index_max_blocks: MaxBlocks = None
     """cap on (engine, block) entries in the prefix index (0 or 'none' = unbounded)"""
-    approx_ttl_s: PositiveFloat = Field(120.0, alias="approx_ttl")
+    approx_ttl_s: PositiveFloat = Field(default=120.0, alias="approx_ttl")
     """approximate mode: seconds a predicted block lives"""
-    booking_ttl_s: PositiveFloat = Field(300.0, alias="booking_ttl")
+    booking_ttl_s: PositiveFloat = Field(default=300.0, alias="booking_ttl")
     """seconds after which a booking with no FINISHED is dropped (lost-update backstop)"""
     seed: int | None = None
     """seed of the router's random choices (tie-breaks, random modes); default: random"""
+    prefill_backlog_tokens: Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_off_is_none)] = 65536
+    """disaggregation: a prefill engine with more booked, not yet computed prompt tokens is busy; when every
+    prefill engine is, requests prefill on their decode engine (or are refused, frontend --disagg-busy reject)
+    ('none' = unbounded)"""
 
 
 class Settings(DaemonSettings, RouterSettings):

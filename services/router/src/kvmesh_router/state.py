@@ -27,6 +27,7 @@ import random
 import time
 from collections.abc import Callable, Iterable
 
+from kvmesh import telemetry
 from kvmesh.v1 import router_pb2
 
 from kvmesh_router.admission import Admission, BusyThresholds, EngineSpec, Rejection, RejectReason
@@ -79,7 +80,7 @@ class RouterState:
             predictor = index  # the same object: admission records every decision as predicted blocks
         self.slots = SlotTracker(DEFAULT_BLOCK_SIZE, expiry_s=s.booking_ttl_s)
         self.admission = Admission(
-            index,  # type: ignore[arg-type]  # TimedIndex forwards the PrefixIndex protocol via __getattr__
+            index,
             self.slots,
             config=RouterPolicyConfig(
                 mode=s.mode,
@@ -87,13 +88,17 @@ class RouterState:
                 overlap_score_weight=s.overlap_weight,
                 temperature=s.temperature,
             ),
-            thresholds=BusyThresholds(s.busy_prefill_tokens, s.busy_prefill_frac, s.busy_kv_usage),
+            thresholds=BusyThresholds(
+                s.busy_prefill_tokens, s.busy_prefill_frac, s.busy_kv_usage, s.prefill_backlog_tokens
+            ),
             rng=random.Random(s.seed),
-            predictor=predictor,  # type: ignore[arg-type]  # likewise the DecisionPredictor protocol
+            # TimedIndex passes the DecisionPredictor methods through __getattr__, which mypy cannot see
+            predictor=predictor,  # type: ignore[arg-type]
         )
         self.engines = EngineRegistry()
         self.bookings = Bookings(self.slots, self.engines, clock, self.approx)
         self.sessions = 0
+        self._last_cost: float | None = None  # of the decision just made (for its trace span)
         self.metrics.add_source("state", self._stats)
         if (kv_index := self.kv_index) is not None:
             self.metrics.add_source("index", lambda: index_stats(kv_index))
@@ -133,9 +138,14 @@ class RouterState:
         t0 = time.perf_counter()
         out.request_id = query.request_id
         mode = self.admission.config.mode
+        # The decision joins the frontend's request trace (its context travels in the query).
+        context = query.trace_context
+        span = telemetry.start_request_span("kvmesh.router/decision", context) if context else None
         try:
             mode = self._route(key, query, out)
         finally:
+            if span is not None:
+                self._trace_decision(span, query, out, mode)
             self.metrics.observe_decision(
                 mode,
                 OUTCOME_NAMES.get(out.outcome, "invalid"),
@@ -144,6 +154,32 @@ class RouterState:
                 out.best_overlap_blocks,
             )
         return mode
+
+    def _trace_decision(
+        self, span: object, query: router_pb2.RouteQuery, out: router_pb2.RouteDecision, mode: str
+    ) -> None:
+        """The decision span's attributes: engine, overlap, cost, and the runner-up by overlap."""
+        attributes: dict[str, str | int | float] = {
+            "kvmesh.request_id": query.request_id,
+            "kvmesh.model": query.model,
+            "kvmesh.mode": mode,
+            "kvmesh.outcome": router_pb2.DecisionOutcome.Name(out.outcome),
+        }
+        if out.outcome == ROUTED:
+            attributes["kvmesh.engine_id"] = f"{out.engine_id:x}"
+            attributes["kvmesh.overlap_blocks"] = out.overlap_blocks
+            attributes["kvmesh.best_overlap_blocks"] = out.best_overlap_blocks
+            if self._last_cost is not None:
+                attributes["kvmesh.cost"] = self._last_cost
+            # only when tracing: one more index walk, for the engine that came closest on the cache
+            overlaps = self.admission.overlaps(list(query.block_hashes))
+            others = {e: n for e, n in overlaps.items() if e != out.engine_id}
+            if others:
+                runner_up = max(others, key=lambda e: (others[e], -e))
+                attributes["kvmesh.runner_up_engine_id"] = f"{runner_up:x}"
+                attributes["kvmesh.runner_up_overlap_blocks"] = others[runner_up]
+        error = None if out.outcome == ROUTED else out.message or "not routed"
+        telemetry.end_span(span, error, attributes)
 
     def _route(self, key: str, query: router_pb2.RouteQuery, out: router_pb2.RouteDecision) -> str:
         admission = self.admission
@@ -172,6 +208,7 @@ class RouterState:
         if isinstance(result, Rejection):
             fail(out, REJECTED if result.reason is RejectReason.ALL_BUSY else NO_ENGINE, result.message)
             return mode
+        self._last_cost = result.cost
         info = self.engines[result.engine_id]
         out.outcome = ROUTED
         out.engine_id = result.engine_id

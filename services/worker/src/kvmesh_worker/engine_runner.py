@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from kvmesh.kv_events import CacheDump, KvEvent
 from kvmesh.kv_publisher import KvEventPublisher, KvSubscription
+from kvmesh.v1.kv_transfer_pb2 import KvTransferParams, KvTransferReport
 from kvmesh.wakeup import Wakeup
 
 from kvmesh_worker.engine import (
@@ -44,7 +45,8 @@ from kvmesh_worker.engine import (
     InvalidRequest,
     RequestOutput,
 )
-from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, OutputSink, PassObserver
+from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, KvPullFailed, OutputSink, PassObserver, Role
+from kvmesh_worker.kv_transfer.mocker_kv import MockerKv
 
 log = logging.getLogger(__name__)
 
@@ -167,14 +169,24 @@ class DeadlineTimer:
 class EngineRunner:
     """One mocker engine (an ``Engine``): its real-time loop, request sinks, KV publisher and pass observers."""
 
-    def __init__(self, engine_id: int, core: EngineCore, speedup_ratio: float = 1.0) -> None:
+    def __init__(
+        self,
+        engine_id: int,
+        core: EngineCore,
+        speedup_ratio: float = 1.0,
+        role: Role = "aggregated",
+        kv: MockerKv | None = None,
+    ) -> None:
         self.engine_id = engine_id
         self.core = core
         self.speedup_ratio = speedup_ratio
+        # Disaggregation (prefill/decode roles only): holds, pulls and their arena; None when aggregated.
+        self.kv = kv
+        self._hold_requests: dict[str, EngineRequest] = {}
         config = core.config
         self.spec = EngineSpec(
             kind="mocker",
-            role="aggregated",
+            role=role,
             block_size=config.block_size,
             context_length=config.context_length,
             total_kv_blocks=config.num_gpu_blocks,
@@ -205,6 +217,8 @@ class EngineRunner:
         if self._timer is not None:
             self._timer.release()
             self._timer = None
+        if self.kv is not None:
+            self.kv.release_all()
 
     def add_observer(self, observer: PassObserver) -> None:
         self._observers.append(observer)
@@ -212,20 +226,46 @@ class EngineRunner:
     # -- requests -------------------------------------------------------------------------------
     def submit(self, request: EngineRequest, sink: OutputSink) -> None:
         """Queue a request whose outputs go to ``sink``; raises the core's InvalidRequest / QueueFull."""
-        if request.sampling is not None and request.sampling.logprobs is not None:
-            raise InvalidRequest("the mocker computes no logprobs (return_logprobs needs a real engine, e.g. vllm)")
-        self.core.add_request(request)
+        kv = self.kv
+        if request.hold_kv and kv is None:
+            raise InvalidRequest(f"engine {self.engine_id:x} is aggregated: it cannot hold KV for a transfer")
+        try:
+            self.core.add_request(request)
+        except BaseException:
+            if kv is not None:
+                kv.unpin_request(request.request_id)
+            raise
+        if kv is not None:
+            # A pull's pins end once the request is queued: the blocks stay cached (the most recently used,
+            # so evicted last) and its admission finds them; pinning until admission could deadlock a full
+            # engine whose queued requests pin the blocks that running ones need.
+            kv.unpin_request(request.request_id)
+        if request.hold_kv:
+            self._hold_requests[request.request_id] = request
         self._streams[request.request_id] = sink
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed at once (the core releases them in ``abort_request``)."""
+        if self.kv is not None:
+            self.kv.unpin_request(request_id)
+            self._hold_requests.pop(request_id, None)
         if self._streams.pop(request_id, None) is not None:
             self.core.abort_request(request_id)
             self._wakeup.set()
 
     def release_kv(self, transfer_id: str) -> bool:
-        raise KvNotHeld(f"engine {self.engine_id:x} is aggregated: it holds no KV for transfers")
+        if self.kv is None:
+            raise KvNotHeld(f"engine {self.engine_id:x} is aggregated: it holds no KV for transfers")
+        return self.kv.release(transfer_id)
+
+    async def pull_kv(self, request: EngineRequest, params: KvTransferParams) -> KvTransferReport:
+        if self.kv is None:
+            raise KvPullFailed(
+                "FAILED_PRECONDITION", f"engine {self.engine_id:x} is aggregated: it cannot pull KV (--role decode)"
+            )
+        return await self.kv.pull(request, params)
+
 
     # -- KV journal, load -----------------------------------------------------------------------
     def subscribe(self, start_event_id: int | None) -> tuple[CacheDump | list[KvEvent], KvSubscription]:
@@ -291,6 +331,8 @@ class EngineRunner:
 
     def _deliver(self, outputs: list[RequestOutput], events: list[KvEvent]) -> None:
         streams = self._streams
+        if self.kv is not None:
+            self._deliver_kv(outputs)
         for output in outputs:
             queue = streams.get(output.request_id)
             if queue is None:
@@ -300,6 +342,17 @@ class EngineRunner:
                 del streams[output.request_id]
         if events:
             self.publisher.publish(events)
+
+    def _deliver_kv(self, outputs: list[RequestOutput]) -> None:
+        """A held request's last output carries where its KV is held."""
+        kv = self.kv
+        assert kv is not None
+        holds = self._hold_requests
+        for output in outputs:
+            if output.finished:
+                request = holds.pop(output.request_id, None)
+                if request is not None and output.request_id in self._streams:
+                    output.kv_transfer = kv.hold(request)
 
     def _account(self, metrics: ForwardPassMetrics, wall_s: float) -> None:
         self.passes += 1

@@ -13,22 +13,37 @@ Invariants:
 - when the stream ends for any reason, every request still on it is aborted (blocks freed);
 - while the daemon is not serving (lease lost, draining) new requests fail in-band with
   UNAVAILABLE; a draining worker ends the stream once its last request is done, so a drain does
-  not wait for the caller to hang up.
+  not wait for the caller to hang up;
+- disaggregation: a request with a ``prefill_result`` is active from the start but reaches its engine
+  only after ``Engine.pull_kv``; a cancel (or the stream's end) during the pull cancels it; whatever
+  happens, the source is told ``ReleaseKv`` once the pull is over (its hold lease is the backstop); a
+  failed pull ends the request in-band with the pull's status (ABORTED, DATA_LOSS, ...). The pull's
+  report rides on the request's first response; a held request's KvTransferParams on its last.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
 from kvmesh import telemetry
 from kvmesh.v1 import worker_pb2
+from kvmesh.v1.kv_transfer_pb2 import KvTransferParams, KvTransferReport
 from kvmesh.wakeup import Wakeup
 
-from kvmesh_worker.engine import EngineRequest, InvalidRequest, QueueFull, RequestOutput, Sampling
-from kvmesh_worker.engines import Engine
+from kvmesh_worker.engine import (
+    EngineRequest,
+    ForwardPassMetrics,
+    InvalidRequest,
+    QueueFull,
+    RequestOutput,
+    Sampling,
+)
+from kvmesh_worker.engines import Engine, KvPullFailed
+from kvmesh_worker.metrics import request_metrics
 
 SPAN_NAME = "kvmesh.v1.WorkerService/Generate"  # one span per request (the name traces already use)
 _FINISH = {
@@ -53,39 +68,135 @@ def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> Engi
             top_k=sampling.top_k,
             min_tokens=sampling.min_tokens,
             seeded=sampling.HasField("seed"),
-            logprobs=0 if sampling.return_logprobs else None,
+            logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
         ),
+        hold_kv=request.hold_kv_for_transfer,
     )
 
 
-def fill_response(response: worker_pb2.GenerateResponse, outputs: list[RequestOutput], num_prompt: int) -> bool:
+def mock_logprob(token_id: int, position: int) -> float:
+    """A deterministic stand-in log probability in (-4, 0] for engines that sample no distribution.
+
+    The mocker draws token ids, not logits: the same token at the same output position always gets
+    the same value, so tests and clients see stable, plausible numbers.
+    """
+    mixed = (token_id * 2654435761 + (position + 1) * 40503) & 0xFFFF
+    return -4.0 * mixed / 65536.0
+
+
+def fill_logprobs(response: worker_pb2.GenerateResponse, outputs: list[RequestOutput], top: int) -> None:
+    """One TokenLogprobs per new token: the engine's (``output.logprobs``) or the mock stand-in."""
+    for output in outputs:
+        reported = output.logprobs
+        if reported is not None:  # an engine that samples a real distribution
+            response.logprobs.extend(reported)  # type: ignore[arg-type]  # TokenLogprobs
+            continue
+        position = output.num_output_tokens - len(output.token_ids)
+        for offset, token in enumerate(output.token_ids):
+            value = mock_logprob(token, position + offset)
+            entry = response.logprobs.add(logprob=value, rank=1)
+            if top:
+                entry.top.add(token_id=token, logprob=value, rank=1)
+
+
+def fill_response(
+    response: worker_pb2.GenerateResponse, outputs: list[RequestOutput], num_prompt: int, logprobs: int | None = None
+) -> bool:
     """Merge one request's outputs into ``response``; True when the request finished."""
     finished = False
     if len(outputs) == 1:
         response.token_ids.extend(outputs[0].token_ids)
     else:
         response.token_ids.extend([token for output in outputs for token in output.token_ids])
+    if logprobs is not None:
+        fill_logprobs(response, outputs, logprobs)
     for output in outputs:
-        if output.logprobs is not None:
-            response.logprobs.extend(output.logprobs)
-        if output.cumulative_logprob is not None:
-            response.cumulative_logprob = output.cumulative_logprob
         if output.num_cached_prompt_tokens is not None:
             response.num_cached_tokens = output.num_cached_prompt_tokens
             response.num_prompt_tokens = num_prompt
         if output.finished:
             finished = True
             response.finish_reason = _FINISH.get(output.finish_reason or "stop", worker_pb2.FINISH_REASON_STOP)
+            if output.kv_transfer is not None:
+                response.kv_transfer.CopyFrom(output.kv_transfer)  # type: ignore[arg-type]  # KvTransferParams
     return finished
 
 
-class _Active:
-    __slots__ = ("engine", "num_prompt", "span")
+class PassClock:
+    """When one engine's latest forward pass ended and how long it took (its pass observer).
 
-    def __init__(self, engine: Engine, num_prompt: int, span: Any) -> None:
+    Engines deliver a pass's outputs, then report the pass: by the time the session's writer handles
+    a request's first token, the clock holds the pass that produced it. That pass's start splits the
+    request's wait into queue (before) and prefill (the pass).
+    """
+
+    __slots__ = ("end", "wall")
+
+    def __init__(self) -> None:
+        self.end = 0.0
+        self.wall = 0.0
+
+    def __call__(self, engine_id: int, metrics: ForwardPassMetrics, wall_s: float) -> None:
+        self.end = time.time()
+        self.wall = wall_s
+
+
+_CLOCKS: dict[int, tuple[Engine, PassClock]] = {}
+
+
+def pass_clock(engine: Engine) -> PassClock:
+    """The engine's PassClock, registered as its observer on first use."""
+    found = _CLOCKS.get(id(engine))
+    if found is not None and found[0] is engine:
+        return found[1]
+    clock = PassClock()
+    engine.add_observer(clock)
+    _CLOCKS[id(engine)] = (engine, clock)
+    return clock
+
+
+class _Active:
+    __slots__ = ("clock", "engine", "first_at", "labels", "logprobs", "num_output", "num_prompt", "span", "submitted")
+
+    def __init__(
+        self, engine: Engine, num_prompt: int, span: Any, logprobs: int | None = None, model: str = ""
+    ) -> None:
         self.engine = engine
         self.num_prompt = num_prompt
         self.span = span
+        self.logprobs = logprobs
+        self.clock = pass_clock(engine)
+        self.submitted = time.time()
+        self.first_at = 0.0
+        self.num_output = 0
+        self.labels = (model, f"{engine.engine_id:x}")
+
+    def first_token(self) -> None:
+        """Queue and prefill, from the pass that produced the first token (see PassClock)."""
+        now = time.time()
+        clock = self.clock
+        end = clock.end if self.submitted <= clock.end <= now else now
+        start = max(self.submitted, end - clock.wall)
+        self.first_at = end
+        metrics = request_metrics()
+        metrics.queue_time.labels(*self.labels).observe(start - self.submitted)
+        metrics.prefill_time.labels(*self.labels).observe(end - start)
+        if self.span is not None:
+            telemetry.end_span(telemetry.start_span("queue", self.span, start_time=self.submitted), end_time=start)
+            telemetry.end_span(telemetry.start_span("prefill", self.span, start_time=start), end_time=end)
+
+    def finished(self, response: worker_pb2.GenerateResponse) -> None:
+        """Decode time and time per output token; ends the request's span."""
+        now = time.time()
+        if self.first_at and self.num_output > 1:
+            per_token = (now - self.first_at) / (self.num_output - 1)
+            request_metrics().time_per_output_token.labels(*self.labels).observe(per_token)
+        if self.span is not None:
+            if self.first_at:
+                decode = telemetry.start_span("decode", self.span, start_time=self.first_at)
+                telemetry.end_span(decode, attributes={"kvmesh.output_tokens": self.num_output}, end_time=now)
+            attributes = {"kvmesh.output_tokens": self.num_output, "kvmesh.finish_reason": response.finish_reason}
+            telemetry.end_span(self.span, None, attributes)
 
 
 class GenerateStreamSession:
@@ -97,8 +208,14 @@ class GenerateStreamSession:
         refusal: Callable[[], str | None],
         on_aborted: Callable[[Engine], None],
         context: grpc.aio.ServicerContext[worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse],
+        model: str = "",
+        release_remote: Callable[[KvTransferParams], None] = lambda _params: None,
     ) -> None:
+        self._model = model  # the metrics' model label
         self._engines = engines
+        self._release_remote = release_remote
+        self._pulls: dict[str, asyncio.Task[None]] = {}
+        self._reports: dict[str, KvTransferReport] = {}
         self._refusal = refusal
         self._on_aborted = on_aborted
         self._context = context
@@ -169,6 +286,20 @@ class GenerateStreamSession:
             self._fail(request_id, grpc.StatusCode.NOT_FOUND, message)
             return
         span = telemetry.start_request_span(SPAN_NAME, request.trace_context)
+        if span is not None:
+            span.set_attributes(
+                {
+                    "kvmesh.request_id": request_id,
+                    "kvmesh.model": self._model,
+                    "kvmesh.engine_id": f"{request.engine_id:x}",
+                    "kvmesh.prompt_tokens": len(request.token_ids),
+                }
+            )
+        logprobs = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
+        if request.HasField("prefill_result"):
+            self._active[request_id] = _Active(engine, len(request.token_ids), span, logprobs, self._model)
+            self._pulls[request_id] = self._loop.create_task(self._pull_then_submit(engine, request))
+            return
         try:
             engine.submit(engine_request(request, request_id), self)
         except InvalidRequest as exc:
@@ -176,9 +307,46 @@ class GenerateStreamSession:
         except QueueFull as exc:
             self._fail(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), span)
         else:
-            self._active[request_id] = _Active(engine, len(request.token_ids), span)
+            self._active[request_id] = _Active(engine, len(request.token_ids), span, logprobs, self._model)
+
+    async def _pull_then_submit(self, engine: Engine, request: worker_pb2.GenerateRequest) -> None:
+        """Pull the prompt's KV, then submit; the source is released whatever happens."""
+        request_id = request.request_id
+        params = request.prefill_result
+        ereq = engine_request(request, request_id)
+        try:
+            report = await engine.pull_kv(ereq, params)
+        except KvPullFailed as exc:
+            self._fail_active(request_id, grpc.StatusCode[exc.code], str(exc))
+            return
+        except Exception as exc:  # never leave the request hanging; the client sees no internals
+            self._fail_active(request_id, grpc.StatusCode.INTERNAL, f"KV pull failed ({type(exc).__name__})")
+            return
+        finally:
+            self._pulls.pop(request_id, None)
+            self._release_remote(params)
+        if request_id not in self._active:  # cancelled right as the pull ended
+            engine.abort(request_id)
+            return
+        try:
+            engine.submit(ereq, self)
+        except InvalidRequest as exc:
+            self._fail_active(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            self._fail_active(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        else:
+            self._reports[request_id] = report
+
+    def _fail_active(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        active = self._active.pop(request_id, None)
+        if active is not None:
+            self._fail(request_id, code, message, active.span)
 
     def _cancel(self, request_id: str) -> None:
+        pull = self._pulls.pop(request_id, None)
+        if pull is not None:
+            pull.cancel()
+        self._reports.pop(request_id, None)
         active = self._active.pop(request_id, None)
         self._pending.pop(request_id, None)
         if active is not None:
@@ -194,6 +362,10 @@ class GenerateStreamSession:
         self._wakeup.set()
 
     def _abort_all(self) -> None:
+        pulls, self._pulls = self._pulls, {}
+        for pull in pulls.values():
+            pull.cancel()
+        self._reports.clear()
         active, self._active = self._active, {}
         self._pending.clear()
         for request_id, entry in active.items():
@@ -220,8 +392,15 @@ class GenerateStreamSession:
                 if entry is None:  # cancelled while its outputs waited
                     continue
                 item = message.outputs.add(request_id=request_id)
-                if fill_response(item.response, outputs, entry.num_prompt):
+                entry.num_output = outputs[-1].num_output_tokens
+                if not entry.first_at and entry.num_output:
+                    entry.first_token()
+                if self._reports:
+                    report = self._reports.pop(request_id, None)
+                    if report is not None:
+                        item.response.kv_report.CopyFrom(report)
+                if fill_response(item.response, outputs, entry.num_prompt, entry.logprobs):
                     del active[request_id]
-                    telemetry.end_request_span(entry.span, None)
+                    entry.finished(item.response)
             if message.outputs:
                 await write(message)

@@ -14,6 +14,7 @@ import logging
 import struct
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import uvloop
 import xxhash
@@ -58,11 +59,27 @@ def model_card(spec: EngineSpec, model: ModelFiles, engine_id: int, address: str
         eos_token_id=model.eos_token_id,
         files=list(model.files),
         files_digest=model.digest,
-        capabilities=discovery_pb2.EngineCapabilities(kv_events=True, engine_kind=spec.kind),
+        capabilities=discovery_pb2.EngineCapabilities(
+            kv_events=True,
+            engine_kind=spec.kind,
+            kv_transfer=spec.role != "aggregated",
+            kv_transfer_backend="nixl" if spec.role != "aggregated" else "",
+            **_agent_fields(spec),
+        ),
         role=_ROLES[spec.role],
         engine_id=engine_id,
         address=address,
     )
+
+
+def _agent_fields(spec: EngineSpec) -> dict[str, Any]:
+    """The process's NIXL agent name and metadata, when an engine of this process moves KV."""
+    if spec.role == "aggregated":
+        return {}
+    from kvmesh_worker.kv_transfer.nixl_agent import NixlAgent  # loaded only by disaggregated workers
+
+    agent = NixlAgent.process_agent()
+    return {"kv_transfer_agent": agent.name, "kv_transfer_metadata": agent.metadata}
 
 
 async def serve(cfg: Settings) -> int:
@@ -80,13 +97,14 @@ async def serve(cfg: Settings) -> int:
         runners: list[Engine] = [make_engine(eid) for eid in engine_ids]
         cards: dict[int, discovery_pb2.ModelCard] = {}
         servicer = WorkerServicer(runners, cards, model, runtime.refusal)
+        runtime.resources.push_async_callback(servicer.close)
         runtime.on_draining(servicer.drain)
         runtime.add_service(
             worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
             worker_pb2_grpc.add_WorkerServiceServicer_to_server,
             servicer,
         )
-        EngineCollector.register(runners)
+        EngineCollector.register(runners, model.name)
         await runtime.start(cfg.grpc_port)
         for runner in runners:
             runner.start()

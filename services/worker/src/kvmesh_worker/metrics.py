@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -32,28 +32,75 @@ _COUNTERS = (
 
 
 class EngineCollector(Collector):
-    def __init__(self, engines: Sequence[Engine]) -> None:
+    """Every engine's gauges and counters, labelled by engine and by the model it serves."""
+
+    def __init__(self, engines: Sequence[Engine], model: str = "") -> None:
         self.engines = engines
+        self.model = model
 
     @classmethod
-    def register(cls, engines: Sequence[Engine]) -> EngineCollector:
-        collector = cls(engines)
+    def register(cls, engines: Sequence[Engine], model: str = "") -> EngineCollector:
+        collector = cls(engines, model)
         REGISTRY.register(collector)
         return collector
 
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         loads = [(f"{e.engine_id:x}", e.load(), e) for e in self.engines]
-        yield from self._gauges(loads)
+        yield from self._gauges(loads, self.model)
         for name, doc, attr in _COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["engine"])
+            family = CounterMetricFamily(name, doc, labels=["engine", "model"])
             for label, _load, engine in loads:
-                family.add_metric([label], getattr(engine, attr))
+                family.add_metric([label, self.model], getattr(engine, attr))
             yield family
 
     @staticmethod
-    def _gauges(loads: list[tuple[str, EngineLoad, Engine]]) -> Iterator[GaugeMetricFamily]:
+    def _gauges(loads: list[tuple[str, EngineLoad, Engine]], model: str) -> Iterator[GaugeMetricFamily]:
         for name, doc, attr in _GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=["engine"])
+            family = GaugeMetricFamily(name, doc, labels=["engine", "model"])
             for label, load, _engine in loads:
-                family.add_metric([label], getattr(load, attr))
+                family.add_metric([label, model], getattr(load, attr))
             yield family
+
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+
+class RequestMetrics:
+    """Per-request latencies the worker sees (GenerateStream), by model and engine.
+
+    Queue and prefill are split at the start of the forward pass that produced the request's first
+    token (see ``generate_stream``): with chunked prefill, earlier chunks count as queue time.
+    """
+
+    def __init__(self) -> None:
+        labels = ["model", "engine"]
+        self.queue_time = Histogram(
+            "kvmesh_worker_queue_time_seconds",
+            "request submitted to the engine -> the pass that produced its first token started",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.prefill_time = Histogram(
+            "kvmesh_worker_prefill_time_seconds",
+            "the pass that produced a request's first token (its prefill), start to end",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.time_per_output_token = Histogram(
+            "kvmesh_worker_time_per_output_token_seconds",
+            "first token -> last token, divided by the tokens after the first (requests of 2+ tokens)",
+            labels,
+            buckets=_TPOT_BUCKETS,
+        )
+
+
+_request_metrics: RequestMetrics | None = None
+
+
+def request_metrics() -> RequestMetrics:
+    """The process's one RequestMetrics (created on first use: one registration per process)."""
+    global _request_metrics
+    if _request_metrics is None:
+        _request_metrics = RequestMetrics()
+    return _request_metrics

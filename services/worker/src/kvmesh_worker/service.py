@@ -8,20 +8,25 @@ engine's business, whichever implementation it is.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
 from kvmesh import kv_events_pb
+from kvmesh.channels import ChannelPool
 from kvmesh.kv_events import CacheDump
 from kvmesh.kv_publisher import EventIdTooNew, SubscriberTooSlow
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
 
 from kvmesh_worker.engine import ForwardPassMetrics
 from kvmesh_worker.engines import Engine, KvNotHeld
 from kvmesh_worker.generate_stream import GenerateStreamSession
 from kvmesh_worker.model_files import ModelFiles
+
+log = logging.getLogger(__name__)
 
 FILE_CHUNK_BYTES = 1 << 20
 LOAD_COALESCE_S = 0.05
@@ -79,6 +84,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._watchers: set[_LoadWatcher] = set()
         self._sessions: set[GenerateStreamSession] = set()
         self._draining = False
+        self._pool = ChannelPool()  # to other workers, for ReleaseKv after a pull
+        self._releases: set[asyncio.Task[None]] = set()
         for engine in self.engines.values():
             engine.add_observer(self._on_pass)
 
@@ -104,7 +111,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest],
         context: grpc.aio.ServicerContext[worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse],
     ) -> None:
-        session = GenerateStreamSession(self.engines, self._refusal, self._aborted, context)
+        session = GenerateStreamSession(
+            self.engines, self._refusal, self._aborted, context, self.model.name, self._release_remote
+        )
         self._sessions.add(session)
         if self._draining:
             session.stop_when_idle()
@@ -118,6 +127,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._draining = True
         for session in self._sessions:
             session.stop_when_idle()
+
+    def _release_remote(self, params: KvTransferParams) -> None:
+        """Tell a transfer's source to drop its hold (fire and forget: its lease is the backstop)."""
+        if not params.transfer_id or not params.source_address:
+            return
+        task = asyncio.get_running_loop().create_task(self._release(params))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, params: KvTransferParams) -> None:
+        try:
+            stub = worker_pb2_grpc.WorkerServiceStub(self._pool.get(params.source_address, params.source_address))
+            await stub.ReleaseKv(
+                worker_pb2.ReleaseKvRequest(engine_id=params.source_engine_id, transfer_id=params.transfer_id),
+                timeout=2.0,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.info("ReleaseKv %s at %s: %s", params.transfer_id, params.source_address, exc.code().name)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._releases, return_exceptions=True)
+        await self._pool.close()
 
     def _aborted(self, engine: Engine) -> None:
         # No pass may follow an abort (an engine left idle does not step), so tell the watchers here.
@@ -236,4 +267,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             released = engine.release_kv(request.transfer_id)
         except KvNotHeld as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if released:
+            self._aborted(engine)  # its held blocks are free now: tell the load watchers
         return worker_pb2.ReleaseKvResponse(released=released)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from kvmesh.settings import DaemonSettings, Port
-from pydantic import AfterValidator, Field, NonNegativeInt, PositiveInt
+from pydantic import AfterValidator, Field, NonNegativeInt, PositiveInt, model_validator
 
 from kvmesh_worker.engines import registry
 
@@ -20,6 +20,12 @@ def _json_object(text: str) -> str:
     if not isinstance(value, dict):
         raise ValueError('must be a JSON object of vLLM engine arguments, e.g. {"dtype": "float32"}')
     return text
+
+
+def _bytes_per_block(value: str) -> str:
+    if value != "model" and not (value.isdigit() and int(value) > 0):
+        raise ValueError(f"must be a positive number of bytes or 'model', got {value!r}")
+    return value
 
 
 class Settings(DaemonSettings):
@@ -52,8 +58,20 @@ class Settings(DaemonSettings):
     """split long prompts across passes"""
     max_model_len: NonNegativeInt = 0
     """longest prompt + max_tokens accepted (0 = what the cache can hold)"""
-    max_waiting_requests: NonNegativeInt = 0
-    """waiting-queue bound per engine; beyond it RESOURCE_EXHAUSTED (0 = unbounded)"""
+    max_waiting_requests: NonNegativeInt = 512
+    """waiting-queue bound per engine; beyond it RESOURCE_EXHAUSTED at once (default: 2 x max_num_seqs, so
+    queueing adds about two batches' worth of latency, never minutes; 0 = unbounded)"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _waiting_bound_follows_max_num_seqs(cls, data: Any) -> Any:
+        """A production engine sheds load rather than queue without bound (issue 14 item 8)."""
+        if isinstance(data, dict) and "max_waiting_requests" not in data and "max_num_seqs" in data:
+            try:
+                return {**data, "max_waiting_requests": 2 * int(data["max_num_seqs"])}
+            except (TypeError, ValueError):
+                return data  # the max_num_seqs field reports its own error
+        return data
     speedup_ratio: Annotated[float, Field(ge=0)] = 1.0
     """simulated time runs this many times faster than real time (0 = no sleeping)"""
     perf_model: str = "polynomial"
@@ -66,3 +84,16 @@ class Settings(DaemonSettings):
     --max-num-seqs, --max-num-batched-tokens, --max-model-len and --num-gpu-blocks
     (num_gpu_blocks_override) map to vLLM's own when given; the worker owns model, kv_events_config,
     skip_tokenizer_init, enable_prefix_caching and disable_log_stats (see docs/vllm.md)"""
+
+    # -- disaggregated serving (docs/disaggregation.md); kept together ------------------------------
+    role: Literal["aggregated", "prefill", "decode"] = "aggregated"
+    """what this worker's engines do: aggregated (prefill + decode), prefill (compute prompts, hold their KV
+    for a decode engine), decode (pull prompt KV from prefill engines; prefills locally when told to)"""
+    kv_bytes_per_block: Annotated[str, AfterValidator(_bytes_per_block)] = "4096"
+    """bytes of one KV block in the host-memory arena (prefill/decode roles): a number, or 'model' for the
+    model-true size from config.json (layers x 2 x kv_heads x head_dim x dtype bytes x block_size)"""
+    kv_transfer_gbps: Annotated[float, Field(ge=0)] = 0.0
+    """modelled KV transfer bandwidth, GB/s: decode starts after max(real NIXL time, model-true bytes / this);
+    0 = real time only"""
+    kv_hold_timeout: Annotated[float, Field(gt=0)] = 30.0
+    """seconds a prefill engine holds a prompt's KV for a decode engine that never releases it"""

@@ -23,6 +23,7 @@ The lease policy (when a lease counts as lost, how it comes back) is in
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 from kvmesh.discovery.base import (
     INSTANCES_ROOT,
@@ -94,6 +95,7 @@ async def open_discovery(
         raise ValueError(f"discovery connect_timeout must be > 0 seconds, got {connect_timeout!r}")
     scheme = url.split("://", 1)[0].lower()
     started = time.monotonic()
+    opener: Callable[..., Awaitable[Discovery]]
     if scheme == "etcd":
         from kvmesh.discovery.etcd import EtcdDiscovery
 

@@ -17,12 +17,18 @@ such as ``Qwen/Qwen3-0.6B`` stays one segment (``Qwen%2FQwen3-0.6B``) and every 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
 from kvmesh.discovery.errors import DiscoveryError
 from kvmesh.discovery.lease import Lease, LeasePolicy
+
+_log = logging.getLogger("kvmesh.discovery")
 
 __all__ = [
     "INSTANCES_ROOT",
@@ -206,6 +212,10 @@ class Discovery(abc.ABC):
         self.op_timeout = float(op_timeout)
         self._leases: set[Lease] = set()
         self._closed = False
+        self._unreachable_at = -1e9  # monotonic time a backend call last failed for want of an answer
+        retry = min(max(policy.ttl / 20, 0.1), 1.0)
+        self.removal_grace = min(policy.ttl, max(1.0, 3 * retry))
+        """How long a removal is held after this process lost contact with the backend (see list_and_watch)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url} ttl={self.ttl:g}s>"
@@ -237,14 +247,97 @@ class Discovery(abc.ABC):
         self._leases.add(lease)
         return lease
 
-    @abc.abstractmethod
-    def list_and_watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    def list_and_watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         """Yield Snapshot first, then Added/Removed; after any resync, a fresh Snapshot.
 
         It never ends by itself and never goes silently stale: backend errors are retried with a
         short capped backoff and followed by a new Snapshot. Close it with ``aclose()`` (or use
         ``contextlib.aclosing``) when done.
+
+        **Removals after an outage are held.** A removal seen within ``ttl + removal_grace`` of this
+        process failing to reach the backend is delayed by ``removal_grace`` (1-1.5 s), and dropped if
+        the key comes back meanwhile: a frozen or restarted etcd may expire every lease at once when
+        it resumes, and their owners, all alive, re-register within that time. A removal while the
+        backend was reachable all along (a kill -9'd owner, a graceful exit) is passed on at once.
         """
+        return self._hold_removals(self._watch(prefix))
+
+    @abc.abstractmethod
+    def _watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+        """The backend's raw list-and-watch stream (see :meth:`list_and_watch`)."""
+
+    def _note_unreachable(self) -> None:
+        """A backend call got no answer (any thread): removals seen soon after are held."""
+        self._unreachable_at = time.monotonic()
+
+    def _holding(self) -> bool:
+        return time.monotonic() - self._unreachable_at < self.ttl + self.removal_grace
+
+    async def _hold_removals(self, source: AsyncIterator[WatchEvent]) -> AsyncGenerator[WatchEvent, None]:
+        queue: asyncio.Queue[WatchEvent | BaseException] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for event in source:
+                    queue.put_nowait(event)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # handed to the consumer, which raises it
+                queue.put_nowait(exc)
+
+        task = asyncio.get_running_loop().create_task(pump(), name=f"discovery-watch-{id(source):x}")
+        state: dict[str, bytes] = {}  # what the consumer believes exists
+        held: dict[str, float] = {}  # key -> monotonic time its removal is passed on
+        try:
+            while True:
+                now = time.monotonic()
+                for key, due in list(held.items()):
+                    if due <= now:
+                        del held[key]
+                        if state.pop(key, None) is not None:
+                            yield Removed(key)
+                try:
+                    async with asyncio.timeout(min(held.values()) - now if held else None):
+                        item = await queue.get()
+                except TimeoutError:
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                now = time.monotonic()  # the wait may have lasted long: due times count from now
+                if isinstance(item, Snapshot):
+                    records = dict(item.records)
+                    for key in state.keys() - records.keys():
+                        if self._holding() or key in held:
+                            held.setdefault(key, now + self.removal_grace)
+                            records[key] = state[key]  # the consumer keeps it for now
+                    for key in [k for k in held if k in item.records]:
+                        del held[key]
+                    state = dict(records)
+                    yield Snapshot(records)
+                elif isinstance(item, Added):
+                    held.pop(item.key, None)
+                    state[item.key] = item.value
+                    yield item
+                elif item.key in state:
+                    if self._holding():
+                        held.setdefault(item.key, now + self.removal_grace)
+                        _log.debug(
+                            "holding the removal of %s for %.1fs (discovery was unreachable lately)",
+                            item.key,
+                            self.removal_grace,
+                        )
+                    else:
+                        held.pop(item.key, None)
+                        del state[item.key]
+                        yield item
+        finally:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
 
     @abc.abstractmethod
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:
@@ -280,6 +373,16 @@ class Discovery(abc.ABC):
 
         Raises DiscoveryUnavailable (or any exception) when the backend cannot answer.
         """
+
+    _blocking_keepalive = False
+    """True if :meth:`_lease_keepalive_blocking` is implemented: the keeper then beats from a thread."""
+
+    def _lease_keepalive_blocking(self, lease_id: int, timeout: float) -> float:
+        """:meth:`_lease_keepalive` as a blocking call safe to run in another thread, within ``timeout``.
+
+        Lets the heartbeat run off the event loop, so a loaded loop cannot starve it.
+        """
+        raise NotImplementedError
 
     @abc.abstractmethod
     async def _lease_revoke(self, lease_id: int) -> None:

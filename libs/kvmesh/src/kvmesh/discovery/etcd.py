@@ -8,8 +8,13 @@
   about a second after etcd is back (gRPC's default grows to 120 s).
 * Every unary RPC is bounded by ``op_timeout`` (``connect_timeout``); gRPC keepalive pings
   (10 s, 5 s timeout) detect a dead server under a silent watch stream.
-* Leases: ``refresh_lease`` (one LeaseKeepAlive round trip) drives the keeper; a TTL of 0 means
-  the lease is gone. TTLs are whole seconds on etcd (ceil of the requested TTL, at least 1).
+* Leases: the keeper's heartbeat thread sends one LeaseKeepAlive round trip per beat on a
+  *blocking* gRPC channel of its own (to the endpoint in use), so a busy event loop cannot delay
+  it; a TTL of 0 means the lease is gone. TTLs are whole seconds on etcd (ceil of the requested TTL, at least 1).
+* TLS: with ``kvmesh.tls.configure_etcd`` (a daemon's ``--etcd-tls``) every client is a
+  :class:`TlsClient` (aetcd has no TLS): mTLS with the daemon's certificate, so an etcd started with
+  ``--client-cert-auth`` refuses anyone without a certificate from its CA; the heartbeat's blocking
+  channel uses the same credentials.
 * Watches: list (get_prefix at revision R), yield Snapshot, watch from R+1. A lost stream
   (ConnectionFailedError), a compacted start revision (RevisionCompactedError) or a watch that
   ends for any other reason restarts the cycle with a fresh list and a fresh Snapshot.
@@ -21,15 +26,19 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions as etcd_errors
 import grpc
+from aetcd import rpc, watcher
+from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
 from aetcd.rtypes import EventKind
 
+from kvmesh import tls
 from kvmesh.backoff import Backoff
 from kvmesh.discovery.base import (
     Added,
@@ -108,6 +117,43 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split())[:300]
 
 
+class TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd ships no type hints
+    """``aetcd.Client`` over mTLS: aetcd 1.0.0's ``connect`` with ``secure_channel`` for ``insecure_channel``.
+
+    Why a copy: aetcd hardcodes the insecure channel (martyanov/aetcd#37) and has no hook; the copy
+    relies on its private attributes, so aetcd is pinned exactly and tests/security/test_etcd_tls.py
+    runs it against a real etcd with ``--client-cert-auth``.
+    """
+
+    def __init__(self, *args: Any, credentials: grpc.ChannelCredentials, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:  # type: ignore[has-type]  # another task is connecting: wait for it
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            target = f"{self._host}:{self._port}"
+            self.channel = rpc.secure_channel(target, self._credentials, options=list(self._options.items()))
+            if self._username is not None and self._password is not None:  # etcd's own auth, on top
+                self.auth_stub = rpc.AuthStub(self.channel)
+                request = rpc.AuthenticateRequest(name=self._username, password=self._password)
+                resp = await self.auth_stub.Authenticate(request, timeout=self._timeout)
+                self.metadata = (("token", resp.token),)
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
 class _Connection:
     """The current aetcd client, with failover to the next endpoint on connectivity errors."""
 
@@ -120,6 +166,15 @@ class _Connection:
 
     def _make(self, index: int) -> aetcd.Client:
         host, port = self.endpoints[index]
+        material = tls.etcd_material()
+        if material is not None:
+            return TlsClient(
+                host=host,
+                port=port,
+                timeout=self.op_timeout,
+                options=dict(CHANNEL_OPTIONS),
+                credentials=tls.channel_credentials(material),
+            )
         return aetcd.Client(host=host, port=port, timeout=self.op_timeout, options=dict(CHANNEL_OPTIONS))
 
     @property
@@ -196,6 +251,8 @@ class EtcdDiscovery(Discovery):
     ) -> None:
         super().__init__(url, ttl=ttl, keepalive_interval=keepalive_interval, op_timeout=op_timeout)
         self._conn = _Connection(endpoints, op_timeout)
+        self._sync_lock = threading.Lock()
+        self._sync: tuple[str, grpc.Channel, rpc_pb2_grpc.LeaseStub] | None = None
 
     @classmethod
     async def open(
@@ -230,6 +287,7 @@ class EtcdDiscovery(Discovery):
             return await bounded(fn(client), self.op_timeout)
         except _CONNECTIVITY as exc:
             self._conn.failed(client)
+            self._note_unreachable()
             detail = _one_line(exc) if str(exc) else f"no answer within {self.op_timeout:g}s"
             raise DiscoveryUnavailable(f"etcd {self._conn.endpoint}: {what} failed: {detail}") from exc
         except etcd_errors.ClientError as exc:
@@ -240,7 +298,7 @@ class EtcdDiscovery(Discovery):
         result = await self._call("get_prefix", lambda c: c.get_prefix(prefix.encode()))
         return {kv.key.decode(): bytes(kv.value) for kv in result}
 
-    async def list_and_watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    async def _watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         raw = prefix.encode()
         backoff = Backoff(0.1, _WATCH_BACKOFF_MAX)
         failures = 0
@@ -279,6 +337,7 @@ class EtcdDiscovery(Discovery):
             except Exception as exc:  # stream lost, etcd down, closed client: re-list after a pause
                 if isinstance(exc, _CONNECTIVITY):
                     self._conn.failed(client)
+                self._note_unreachable()
                 failures += 1
                 level = logging.WARNING if failures == 1 else logging.DEBUG
                 log.log(level, "etcd watch on %r interrupted (%s); re-listing until it answers", prefix, _one_line(exc))
@@ -290,6 +349,10 @@ class EtcdDiscovery(Discovery):
 
     async def _close_backend(self) -> None:
         await self._conn.close()
+        with self._sync_lock:
+            sync, self._sync = self._sync, None
+        if sync is not None:
+            sync[1].close()
 
     # -- lease primitives ----------------------------------------------------------------------
     async def _lease_grant(self, ttl: float) -> tuple[int, float]:
@@ -299,6 +362,32 @@ class EtcdDiscovery(Discovery):
     async def _lease_keepalive(self, lease_id: int) -> float:
         reply = await self._call("lease keepalive", lambda c: c.refresh_lease(lease_id))
         return 0.0 if reply is None else float(reply.TTL)
+
+    _blocking_keepalive = True
+
+    def _lease_keepalive_blocking(self, lease_id: int, timeout: float) -> float:
+        """One LeaseKeepAlive round trip on a blocking channel to the endpoint in use (heartbeat thread)."""
+        endpoint = self._conn.endpoint
+        with self._sync_lock:
+            if self._closed:
+                raise DiscoveryError(f"{self!r} is closed")
+            if self._sync is None or self._sync[0] != endpoint:
+                if self._sync is not None:
+                    self._sync[1].close()
+                material, options = tls.etcd_material(), list(CHANNEL_OPTIONS.items())
+                channel = (
+                    grpc.secure_channel(endpoint, tls.channel_credentials(material), options=options)
+                    if material is not None
+                    else grpc.insecure_channel(endpoint, options=options)
+                )
+                self._sync = (endpoint, channel, rpc_pb2_grpc.LeaseStub(channel))
+            stub = self._sync[2]
+        try:
+            for reply in stub.LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)]), timeout=timeout):
+                return float(reply.TTL)
+        except grpc.RpcError as exc:
+            raise DiscoveryUnavailable(f"etcd {endpoint}: lease keepalive failed: {_one_line(exc)}") from exc
+        raise DiscoveryUnavailable(f"etcd {endpoint}: lease keepalive ended without an answer")
 
     async def _lease_revoke(self, lease_id: int) -> None:
         try:

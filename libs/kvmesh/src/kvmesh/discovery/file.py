@@ -20,6 +20,12 @@ Layout under the root directory (format version 1)::
   every 0.5 s): lease files stale for TTL + 1 s, records whose lease is dead or missing, and
   temp files older than 60 s are deleted. A record is removed by renaming it aside first, so a
   concurrent rewrite of the same key by a live lease is restored, never lost.
+* Permissions (security): the whole tree is created 0700 and every file 0600, so another local user
+  can neither read the registry nor register a rogue engine. The root must be owned by this user and
+  not group- or world-writable, and every ancestor must be owned by this user or root and not
+  writable by others unless sticky (``/tmp``): anything else is refused (exit 2 in a daemon). This is
+  what makes the predictable fallback ``/tmp/kvmesh-$UID`` safe: another user may create it first,
+  but then it is theirs and we refuse it.
 * Keepalive = ``os.utime`` on the lease file after checking it still exists and is not stale
   (a stale lease is dead for everyone: it must not come back). Clock: wall time, one machine.
 """
@@ -34,8 +40,9 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit
 
@@ -78,6 +85,45 @@ def _enc(segment: str) -> str:
     return q
 
 
+def _mkdirs(path: Path) -> None:
+    """``mkdir -p`` where every directory created is 0700 (``Path.mkdir`` gives parents 0777 & umask)."""
+    missing: list[Path] = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o700)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Create ``path`` (which must not exist) 0600 and write ``data``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def check_root_safe(root: Path) -> None:
+    """Refuse a root another local user could write to (see the module docstring); raises DiscoveryUnavailable."""
+    uid = os.geteuid()
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise DiscoveryUnavailable(f"discovery directory {root} is not a directory (symlinks are refused)")
+    if st.st_uid != uid:
+        raise DiscoveryUnavailable(f"discovery directory {root} is owned by uid {st.st_uid}, not by this user ({uid})")
+    if st.st_mode & 0o022:
+        raise DiscoveryUnavailable(
+            f"discovery directory {root} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}); chmod 700 it"
+        )
+    for parent in root.parents:
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, uid) or (pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX):
+            raise DiscoveryUnavailable(
+                f"discovery directory {root}: its ancestor {parent} can be changed by another user "
+                f"(owner uid {pst.st_uid}, mode {stat.S_IMODE(pst.st_mode):o})"
+            )
+
+
 def _tmp_name(name: str) -> str:
     return f".{name[:80]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
@@ -105,22 +151,23 @@ class _Store:
 
     # -- setup ---------------------------------------------------------------------------------
     def prepare(self) -> None:
-        for d in (self.root, self.leases, self.kv):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _mkdirs(self.root)
+        check_root_safe(self.root)
+        for d in (self.leases, self.kv):
+            _mkdirs(d)
         probe = self.root / _tmp_name("probe")
-        with open(probe, "wb") as f:
-            f.write(b"ok")
+        _write_private(probe, b"ok")
         probe.unlink()
 
     # -- leases --------------------------------------------------------------------------------
     def grant(self, ttl: float) -> int:
         body = {"id": None, "ttl": ttl, "pid": os.getpid(), "host": socket.gethostname(), "created": time.time()}
-        self.leases.mkdir(mode=0o700, parents=True, exist_ok=True)  # the directory may have been wiped
+        _mkdirs(self.leases)  # the directory may have been wiped
         while True:
             lease_id = secrets.randbits(63) or 1
             body["id"] = f"{lease_id:x}"
             tmp = self.leases / _tmp_name("lease")
-            tmp.write_bytes(json.dumps(body).encode())
+            _write_private(tmp, json.dumps(body).encode())
             try:
                 os.link(tmp, self.lease_path(lease_id))
             except FileExistsError:
@@ -187,10 +234,9 @@ class _Store:
         header = json.dumps({"key": key, "lease": f"{lease_id:x}"}, ensure_ascii=True).encode() + b"\n"
         for attempt in range(2):
             try:
-                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                _mkdirs(path.parent)
                 tmp = path.parent / _tmp_name(path.name)
-                with open(tmp, "wb") as f:
-                    f.write(header + value)
+                _write_private(tmp, header + value)
                 os.replace(tmp, path)
                 return
             except FileNotFoundError:  # directory removed under us: recreate once
@@ -235,8 +281,8 @@ class _Store:
             os.unlink(aside)
 
     @staticmethod
-    def _walk(top: Path) -> list[str]:
-        out: list[str] = []
+    def _files(top: Path, *, hidden: bool) -> Iterator[os.DirEntry[str]]:
+        """Every non-directory entry below ``top``, tolerating concurrent removals; dot-names only if ``hidden``."""
         stack = [str(top)]
         while stack:
             d = stack.pop()
@@ -245,16 +291,20 @@ class _Store:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for e in entries:
-                if e.name.startswith("."):
+                if not hidden and e.name.startswith("."):
                     continue
                 try:
-                    if e.is_dir(follow_symlinks=False):
-                        stack.append(e.path)
-                    elif e.name.endswith(_RECORD_SUFFIX):
-                        out.append(e.path)
+                    is_dir = e.is_dir(follow_symlinks=False)
                 except OSError:
                     continue
-        return out
+                if is_dir:
+                    stack.append(e.path)
+                else:
+                    yield e
+
+    @classmethod
+    def _walk(cls, top: Path) -> list[str]:
+        return [e.path for e in cls._files(top, hidden=False) if e.name.endswith(_RECORD_SUFFIX)]
 
     def gc(self) -> None:
         now = time.time()
@@ -274,23 +324,15 @@ class _Store:
             mtime, ttl = entry
             return time.time() - mtime > ttl + _GC_GRACE
 
-        for path in self._walk(self.kv):
-            self._remove_record_if(path, dead)
+        for record in self._walk(self.kv):
+            self._remove_record_if(record, dead)
         self._sweep_tmp(now)
 
     def _sweep_tmp(self, now: float) -> None:
-        stack = [str(self.root)]
-        while stack:
-            d = stack.pop()
-            try:
-                entries = list(os.scandir(d))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for e in entries:
+        for e in self._files(self.root, hidden=True):
+            if e.name.startswith(".") and e.name.endswith(".tmp"):
                 try:
-                    if e.is_dir(follow_symlinks=False):
-                        stack.append(e.path)
-                    elif e.name.startswith(".") and e.name.endswith(".tmp") and now - e.stat().st_mtime > _TMP_MAX_AGE:
+                    if now - e.stat().st_mtime > _TMP_MAX_AGE:
                         os.unlink(e.path)
                 except OSError:
                     continue
@@ -401,7 +443,7 @@ class FileDiscovery(Discovery):
         except OSError as exc:
             raise DiscoveryUnavailable(f"discovery directory {self.root}: {exc}") from exc
 
-    async def list_and_watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
+    async def _watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         scanner = _Scanner(self._store, prefix)
         state: dict[str, bytes] | None = None
         while True:
@@ -410,6 +452,7 @@ class FileDiscovery(Discovery):
             try:
                 current = await asyncio.to_thread(scanner.scan)
             except OSError as exc:
+                self._note_unreachable()
                 if state is not None:
                     log.warning("file discovery: cannot scan %s (%s); will resync", self.root, exc)
                 state = None  # after recovery, a fresh Snapshot
@@ -456,6 +499,12 @@ class FileDiscovery(Discovery):
         return lease_id, ttl
 
     async def _lease_keepalive(self, lease_id: int) -> float:
+        return self._lease_keepalive_blocking(lease_id, self.op_timeout)
+
+    _blocking_keepalive = True
+
+    def _lease_keepalive_blocking(self, lease_id: int, timeout: float) -> float:
+        """A stat and a utime: thread-safe (the TTL map is only read here)."""
         try:
             return self._store.keepalive(lease_id, self._lease_ttl.get(lease_id, self.ttl))
         except OSError as exc:

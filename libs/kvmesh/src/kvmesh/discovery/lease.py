@@ -1,38 +1,45 @@
-"""The lease keeper: one background task per :class:`Lease`, the same on every backend.
+"""The lease keeper: one background task (plus one heartbeat thread) per :class:`Lease`, on every backend.
 
 Lease policy (the contract daemons rely on; docs/discovery.md repeats it)
 ------------------------------------------------------------------------
 Let ``T`` be the lease TTL (default 10 s), ``K`` the keepalive interval (default ``T/3``) and
 ``M`` the safety margin ``min(max(0.1*T, 0.25 s), T/3)`` (1 s for T=10, 0.25 s for T=2).
 
+* **Liveness is not serving.** The lease says "others may route to me". Losing contact with the
+  backend says nothing about this process's health, so it never stops a daemon from serving: while
+  discovery is unreachable, every daemon keeps serving on the membership it last saw. Whether a
+  process is dead is decided by the *others*: when its records vanish while the backend is up,
+  watchers (routers, frontends) drop it.
+* **Heartbeats off the event loop.** Beats run in a dedicated thread with a blocking backend call
+  (``Discovery._lease_keepalive_blocking``), so a loaded or blocked event loop cannot starve them
+  (issue 14 item 10); a backend without one is beaten from the keeper task. A beat every ``K``;
+  after a failed beat, a retry every ``R = clamp(T/20, 0.1 s, 1 s)``; each bounded by
+  ``min(op_timeout, K)``.
 * **Proof.** A grant or keepalive *sent* at monotonic time ``s`` and answered with a TTL > 0
-  proves the lease is held until ``s + T'`` (``T'`` = min(requested, granted TTL)); the backend
-  can only expire it later than that. The keeper beats every ``K`` after the last proof; after a
-  failed beat it retries every ``R = clamp(T/20, 0.1 s, 1 s)``. Each beat is bounded in time by
-  the deadline below, so a hung backend cannot delay the verdict.
-* **Lost** means: (a) no proof for ``T' - M`` seconds (the backend is unreachable, or this
-  process was frozen / its event loop blocked), checked before trusting any late answer; or
-  (b) the backend says the lease is gone (etcd keepalive TTL 0 / lease not found; file backend:
-  lease file deleted or not beaten within its TTL). At that moment ``alive`` becomes False and
-  ``on_lost()`` is called synchronously, once per loss, *before* the backend can expire the
-  lease and its records, so the daemon stops taking new work while its records still exist:
-  nothing ever serves without a live record (no zombie).
-* **Recovery.** The keeper never gives up (Dynamo issue #3493 is the bug it avoids). It retries a
-  grant with a jittered backoff (:class:`kvmesh.backoff.Backoff`) of 0.1 s doubling up to
-  ``min(1 s, K)``. When one succeeds it re-puts every remembered record (same key, same value)
-  under the **new** lease id, sets ``alive`` True, then revokes the old lease (best effort, so a
-  lease etcd kept across its restart cannot leave stale records behind) and starts
-  ``on_renewed(new_id)`` as a task. Keys and values are re-put verbatim: a caller whose value
-  embeds the lease id rewrites it in ``on_renewed``.
+  proves the lease is held until ``s + T'`` (``T'`` = min(requested, granted TTL)).
+  ``proven`` is False once ``T' - M`` passed without a proof: the keeper logs once that discovery is
+  unreachable and that it keeps serving; it logs again when an answer comes.
+* **Lost** means only that the backend *said* the lease is gone (etcd keepalive TTL 0 / lease not
+  found; file backend: lease file deleted or not beaten within its TTL) - e.g. this process was
+  frozen or cut off longer than ``T``. Then ``alive`` becomes False and ``on_lost()`` is called
+  synchronously, once per loss.
+* **Re-registration (no zombie).** The keeper never gives up (Dynamo issue #3493 is the bug it
+  avoids). After a loss it grants a new lease with a jittered backoff of 0.1 s doubling up to
+  ``min(1 s, K)`` and re-puts every remembered record (same key, same value: the instance ids in
+  the keys are the old ones) under the new lease id, sets ``alive`` True, revokes the old lease
+  (best effort) and starts ``on_renewed(new_id)`` as a task. So a process that comes back (after a
+  freeze, a partition, an etcd restart) is either registered again within about a second of the
+  backend answering, or it has exited: it never serves unregistered for longer than that.
 * **Records.** ``put``/``delete`` are remembered (the desired state) and written at once while
-  alive. A write that fails raises DiscoveryUnavailable, stays remembered and is retried after
-  the next successful beat. While not alive, writes are only remembered (published at re-grant).
-* **Revoke** (graceful exit) stops the keeper and revokes the lease: every record disappears at
-  once. ``on_lost`` is not called. If the backend is down it only logs: records expire within T.
+  alive. A write that fails raises DiscoveryUnavailable, stays remembered and is retried after the
+  next successful beat. While lost, writes are only remembered (published by the re-grant).
+* **Revoke** (graceful exit) stops the keeper and the heartbeat and revokes the lease: every record
+  disappears at once. ``on_lost`` is not called. If the backend is down it only logs: records
+  expire within T.
 
-What callers must do: treat ``on_lost`` as "stop accepting new work now" (keep it cheap and
-non-blocking; it runs inside the keeper), resume in ``on_renewed``, and check ``alive`` before
-advertising readiness.
+What callers must do: treat ``on_lost`` as "others now consider me gone; I am re-registering"
+(keep it cheap, it runs inside the keeper), refresh anything that embeds the lease id in
+``on_renewed``. Never stop serving because of the lease: only a drain does that.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -55,10 +64,15 @@ class LeaseStore(Protocol):
 
     async def _lease_grant(self, ttl: float) -> tuple[int, float]: ...
     async def _lease_keepalive(self, lease_id: int) -> float: ...
+
+    _blocking_keepalive: bool
+
+    def _lease_keepalive_blocking(self, lease_id: int, timeout: float) -> float: ...
     async def _lease_revoke(self, lease_id: int) -> None: ...
     async def _put(self, key: str, value: bytes, lease_id: int) -> None: ...
     async def _delete(self, key: str) -> None: ...
     def _forget_lease(self, lease: Lease) -> None: ...
+    def _note_unreachable(self) -> None: ...
 
 
 log = logging.getLogger("kvmesh.discovery.lease")
@@ -91,10 +105,12 @@ class LeasePolicy:
 
 
 class Lease:
-    """Liveness of one daemon process: records put through it live exactly as long as it does.
+    """Registration of one daemon process: records put through it live exactly as long as it does.
 
-    ``id`` is the instance/lease id (it changes after a re-grant); ``alive`` is False from the
-    moment the keeper cannot prove the lease is held. Create it with ``Discovery.grant_lease``.
+    ``id`` is the lease id (it changes after a re-grant; the record keys do not); ``alive`` is False
+    only between the backend saying the lease is gone and the re-grant; ``proven`` is False while
+    no beat succeeded for ``T' - M`` (discovery unreachable, or this process frozen). Neither ever
+    means "stop serving" (see the module docstring). Create it with ``Discovery.grant_lease``.
     """
 
     def __init__(
@@ -110,22 +126,32 @@ class Lease:
         self._disc = discovery
         self.policy = LeasePolicy(ttl, keepalive_interval)
         self._op_timeout = op_timeout
+        self._beat_timeout = max(0.05, min(op_timeout, self.policy.keepalive_interval))
         self._on_lost = on_lost
         self._on_renewed = on_renewed
         self._id = 0
         self._alive = False
         self._revoked = False
         self._effective_ttl = self.policy.ttl
+        # Written by the heartbeat thread and read by the keeper task: single attribute stores are
+        # atomic under the GIL, and every reader tolerates a value one beat old.
         self._last_proof = 0.0  # monotonic send time of the last successful grant/keepalive
         self._next_beat = 0.0
+        self._gone = 0  # a lease id the backend reported gone
+        self._unproven_logged = False
         self._records: dict[str, bytes] = {}
         self._dirty_puts: set[str] = set()
         self._dirty_deletes: set[str] = set()
         self._lock = asyncio.Lock()  # serializes record writes with re-grants
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._heart: threading.Thread | None = None
+        self._heart_stop = threading.Event()
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._flush_task: asyncio.Task[None] | None = None
-        self.losses = 0  # how many times the lease was lost (for metrics and tests)
+        self.losses = 0  # how many times the backend dropped the lease (for metrics and tests)
+        self.beats = 0  # successful keepalives (for tests)
 
     # -- public surface ------------------------------------------------------------------------
     @property
@@ -135,6 +161,11 @@ class Lease:
     @property
     def alive(self) -> bool:
         return self._alive
+
+    @property
+    def proven(self) -> bool:
+        """A beat succeeded within the last ``T' - M`` seconds."""
+        return self._alive and time.monotonic() < self._deadline()
 
     @property
     def ttl(self) -> float:
@@ -161,15 +192,7 @@ class Lease:
             if not self._alive:
                 self._dirty_puts.discard(key)  # published by the re-grant
                 return
-            try:
-                await bounded(self._disc._put(key, value, self._id), self._op_timeout)
-            except DiscoveryError:
-                self._dirty_puts.add(key)
-                raise
-            except Exception as exc:
-                self._dirty_puts.add(key)
-                raise _unavailable(f"put {key!r}", exc) from exc
-            self._dirty_puts.discard(key)
+            await self._write("put", key, self._disc._put(key, value, self._id), self._dirty_puts)
 
     async def delete(self, key: str) -> None:
         """Delete ``key`` and forget it (it will not be re-put)."""
@@ -180,15 +203,19 @@ class Lease:
             if not self._alive:
                 self._dirty_deletes.add(key)  # a key not re-put dies with the old lease anyway
                 return
-            try:
-                await bounded(self._disc._delete(key), self._op_timeout)
-            except DiscoveryError:
-                self._dirty_deletes.add(key)
-                raise
-            except Exception as exc:
-                self._dirty_deletes.add(key)
-                raise _unavailable(f"delete {key!r}", exc) from exc
-            self._dirty_deletes.discard(key)
+            await self._write("delete", key, self._disc._delete(key), self._dirty_deletes)
+
+    async def _write(self, what: str, key: str, op: Awaitable[None], dirty: set[str]) -> None:
+        """Await one backend write of ``key``; if it fails, ``key`` stays in ``dirty`` for the keeper to redo."""
+        try:
+            await bounded(op, self._op_timeout)
+        except DiscoveryError:
+            dirty.add(key)
+            raise
+        except Exception as exc:
+            dirty.add(key)
+            raise _unavailable(f"{what} {key!r}", exc) from exc
+        dirty.discard(key)
 
     async def revoke(self) -> None:
         """Graceful exit: stop the keeper and revoke the lease (every record gone at once).
@@ -224,18 +251,72 @@ class Lease:
         except Exception as exc:
             raise _unavailable("lease grant", exc) from exc
         self._adopt(lease_id, granted, sent)
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"lease-keeper-{lease_id:x}")
-        log.debug("lease %x granted (%r)", lease_id, self.policy)
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name=f"lease-keeper-{lease_id:x}")
+        if self._disc._blocking_keepalive:
+            self._heart = threading.Thread(target=self._heartbeat, name=f"lease-heartbeat-{lease_id:x}", daemon=True)
+            self._heart.start()
+        log.debug("lease %x granted (%r, heartbeat %s)", lease_id, self.policy, "thread" if self._heart else "task")
 
     def _adopt(self, lease_id: int, granted: float, sent: float) -> None:
-        self._id = lease_id
         self._effective_ttl = min(self.policy.ttl, granted) if granted > 0 else self.policy.ttl
         self._last_proof = sent
         self._next_beat = sent + self.policy.keepalive_interval
+        self._gone = 0
+        self._unproven_logged = False
+        self._id = lease_id
         self._alive = True
 
     def _deadline(self) -> float:
         return self._last_proof + self._effective_ttl - self.policy.margin
+
+    def _beat_answered(self, lease_id: int, sent: float, remaining: float) -> None:
+        """A keepalive of ``lease_id`` sent at ``sent`` was answered (any thread; no awaits, no locks)."""
+        if lease_id != self._id:
+            return  # a beat of a lease already replaced
+        if remaining <= 0:
+            self._gone = lease_id
+            self._next_beat = math.inf  # nothing to beat until the keeper re-grants
+            self._wake()
+            return
+        self.beats += 1
+        if sent > self._last_proof:
+            self._last_proof = sent
+            self._effective_ttl = min(self.policy.ttl, remaining)
+        self._next_beat = sent + self.policy.keepalive_interval
+        if self._unproven_logged or self._dirty_puts or self._dirty_deletes:
+            self._wake()
+
+    def _beat_failed(self, exc: BaseException) -> None:
+        log.debug("keepalive of lease %x failed: %s", self._id, exc)
+        self._disc._note_unreachable()
+        self._next_beat = time.monotonic() + self.policy.retry_interval
+
+    def _wake(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        if _running_loop() is loop:
+            self._wakeup.set()
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody to wake
+                loop.call_soon_threadsafe(self._wakeup.set)
+
+    def _heartbeat(self) -> None:
+        """The heartbeat thread: beat every K (R after a failure), whatever the event loop is doing."""
+        while not self._heart_stop.is_set():
+            wait = self._next_beat - time.monotonic()
+            if wait > 0:
+                self._heart_stop.wait(min(wait, self.policy.keepalive_interval))
+                continue
+            lease_id = self._id
+            sent = time.monotonic()
+            try:
+                remaining = self._disc._lease_keepalive_blocking(lease_id, self._beat_timeout)
+            except Exception as exc:
+                self._beat_failed(exc)
+                continue
+            self._beat_answered(lease_id, sent, remaining)
 
     async def _run(self) -> None:
         while not self._revoked:
@@ -245,55 +326,65 @@ class Lease:
                     await self._keep()
                 else:
                     await self._recover()
-            except Exception:  # a bug here must not leave a zombie nor end the keeping for good
-                log.exception("lease keeper of %x failed; treating the lease as lost and starting over", self._id)
+            except Exception:  # a bug here must not leave the process unregistered for good
+                log.exception("lease keeper of %x failed; re-registering", self._id)
                 self._lose("keeper error")
                 await asyncio.sleep(self.policy.max_regrant_backoff)
 
     async def _keep(self) -> None:
-        """Beat until the lease is lost (returns) or the task is cancelled."""
-        p = self.policy
+        """Watch the beats until the backend says the lease is gone (returns) or the task is cancelled."""
         while True:
-            now = time.monotonic()
-            deadline = self._deadline()
-            if now >= deadline:
-                self._lose(f"no successful keepalive for {now - self._last_proof:.2f}s (ttl {self._effective_ttl:g}s)")
-                return
-            if now < self._next_beat:
-                await asyncio.sleep(min(self._next_beat, deadline) - now)
-                continue
-            sent = time.monotonic()
-            try:
-                remaining = await bounded(
-                    self._disc._lease_keepalive(self._id), max(0.01, min(self._op_timeout, deadline - sent))
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.debug("keepalive of lease %x failed: %s", self._id, exc)
-                self._next_beat = time.monotonic() + p.retry_interval
-                continue
-            if remaining <= 0:
+            if self._gone and self._gone == self._id:
                 self._lose("the backend reports the lease expired or revoked")
                 return
-            # A late answer must not resurrect a lease whose deadline already passed: the top of the
-            # loop re-checks against the proof (the send time), so a frozen process still sees loss.
-            if sent < deadline:
-                self._last_proof = sent
-                self._effective_ttl = min(p.ttl, remaining)
-                self._next_beat = sent + p.keepalive_interval
-            if (self._dirty_puts or self._dirty_deletes) and self._flush_task is None:
-                # in its own task: a write stuck on the lock must never delay the loss verdict
+            now = time.monotonic()
+            deadline = self._deadline()
+            if now >= deadline and not self._unproven_logged:
+                self._unproven_logged = True
+                log.warning(
+                    "discovery lease %x: no successful keepalive for %.1fs (ttl %gs); discovery unreachable? "
+                    "serving on with the membership last seen, re-registering if the lease is gone when it answers",
+                    self._id,
+                    now - self._last_proof,
+                    self._effective_ttl,
+                )
+            elif now < deadline and self._unproven_logged:
+                self._unproven_logged = False
+                log.warning("discovery lease %x: keepalive answered again; still registered", self._id)
+            if self._heart is None and now >= self._next_beat:
+                await self._beat_in_loop()
+                continue
+            if (self._dirty_puts or self._dirty_deletes) and now < deadline and self._flush_task is None:
+                # in its own task: a write stuck on the lock must never delay noticing a loss
                 self._flush_task = asyncio.get_running_loop().create_task(self._flush_dirty())
                 self._side_tasks.add(self._flush_task)
                 self._flush_task.add_done_callback(self._flush_done)
+            beat_at = self._next_beat if self._heart is None else math.inf
+            wake_at = min(beat_at, deadline if now < deadline else math.inf)
+            self._wakeup.clear()
+            timeout = min(max(0.0, wake_at - time.monotonic()), self.policy.keepalive_interval)
+            with contextlib.suppress(TimeoutError):
+                await bounded(self._wakeup.wait(), timeout)
+
+    async def _beat_in_loop(self) -> None:
+        """The heartbeat of a backend without a blocking keepalive (beats from the event loop)."""
+        lease_id = self._id
+        sent = time.monotonic()
+        try:
+            remaining = await bounded(self._disc._lease_keepalive(lease_id), self._beat_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._beat_failed(exc)
+            return
+        self._beat_answered(lease_id, sent, remaining)
 
     def _lose(self, reason: str) -> None:
         if not self._alive:
             return
         self._alive = False
         self.losses += 1
-        log.warning("discovery lease %x lost: %s; not serving until a new lease is granted", self._id, reason)
+        log.warning("discovery lease %x lost: %s; re-registering (still serving)", self._id, reason)
         if self._on_lost is not None:
             try:
                 self._on_lost()
@@ -325,7 +416,10 @@ class Lease:
             self._dirty_deletes.clear()
             self._adopt(new_id, granted, sent)
         log.warning(
-            "discovery lease re-granted as %x (was %x); %d record(s) re-published", new_id, old_id, len(self._records)
+            "discovery lease re-granted as %x (was %x); %d record(s) re-published under their old keys",
+            new_id,
+            old_id,
+            len(self._records),
         )
         if old_id and old_id != new_id:
             await self._revoke_quietly(old_id)
@@ -373,6 +467,7 @@ class Lease:
         task.add_done_callback(self._side_tasks.discard)
 
     async def _cancel_tasks(self) -> None:
+        self._heart_stop.set()
         tasks = [t for t in (self._task, *self._side_tasks) if t is not None and t is not asyncio.current_task()]
         for t in tasks:
             t.cancel()
@@ -381,6 +476,16 @@ class Lease:
             if pending:
                 log.error("lease %x: %d keeper task(s) ignored cancellation", self._id, len(pending))
         self._task = None
+        heart, self._heart = self._heart, None
+        if heart is not None:  # a beat in flight ends within its timeout; never block the loop on it
+            await asyncio.to_thread(heart.join, self._beat_timeout + 1.0)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _unavailable(what: str, exc: BaseException) -> DiscoveryUnavailable:

@@ -53,7 +53,8 @@ class Sampling:
     top_k: int = 0  # 0: off
     min_tokens: int = 0
     seeded: bool = False  # the request named a seed (EngineRequest.seed)
-    logprobs: int | None = None  # return the sampled token's logprob (and this many top ones)
+    # SamplingOptions.logprobs: report each sampled token's logprob plus this many top alternatives
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +72,12 @@ class EngineRequest:
     cache_salt: str | None = None
     kv_source: KvSource = KvSource.COMPUTE
     sampling: Sampling | None = None
+    # Disaggregation: after finishing, keep the prompt's blocks for a transfer (engines that move KV).
+    hold_kv: bool = False
+    # (tokens hashes, sequence hashes) of the prompt's full blocks, when the caller already has them (the
+    # offline replay's router hashed the prompt in the engine's block size): trusted, not recomputed.
+    # Ignored with a cache_salt (the engine hashes salted prompts itself).
+    prompt_hashes: tuple[Sequence[int], Sequence[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -88,9 +95,13 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     num_cached_prompt_tokens: int | None = None
-    # Engines that compute them: the sampled tokens' logprobs (one per token id) and the running sum.
-    logprobs: tuple[float, ...] | None = None
-    cumulative_logprob: float | None = None
+    # Last output of a ``hold_kv`` request: where its KV is held (kvmesh.v1.KvTransferParams; set by the
+    # engine shell, never by the I/O-free core).
+    kv_transfer: object | None = None
+    # Engines that sample a real distribution (e.g. vLLM), when the request asked for logprobs: one
+    # kvmesh.v1.TokenLogprobs per token id (set by the engine shell). None: the worker fills the mocker's
+    # deterministic stand-ins.
+    logprobs: Sequence[object] | None = None
 
 
 @dataclass(slots=True)

@@ -18,13 +18,21 @@ event per run of consecutive new blocks, parent = the predecessor's sequence has
 sequence start), BlocksRemoved when one leaves it (eviction, destroy, clear). Reusing a cached block
 and releasing a block to the inactive pool change nothing a router can see, so they emit nothing.
 
+Events go out through ``emit`` as ``EventData`` (the journal's vocabulary), or, when a :class:`KvSink` is
+given, as plain hash sequences to that sink instead (an in-process consumer such as the offline replay
+applies them to its index directly, without building a StoredBlock object per block). Such a consumer
+holds the cached set itself, so the block manager then keeps no per-block metadata (parent and tokens
+hash, which only ``dump`` needs): ``dump`` and ``clear`` raise, and a block costs two dict rows fewer.
+
 The caller checks capacity first (``free_slots`` vs ``num_missing``), so a move never half-fails.
 Cost is proportional to the blocks moved; nothing scans the cache except ``dump`` and ``clear``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvmesh.kv_events import AllCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
 
@@ -33,19 +41,62 @@ from .evictor import LRUEvictor
 _NO_CHILDREN: tuple[int, ...] = ()  # typed so that ``children.get(h, _NO_CHILDREN)[0]`` is an int
 
 
+class KvSink(Protocol):
+    """The cached set's changes as plain hashes (the same moments and order as the EventData journal)."""
+
+    def stored(self, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]) -> None:
+        """A run of consecutive full blocks entered the cache (BlocksStored)."""
+        ...
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        """Blocks left the cache (BlocksRemoved)."""
+        ...
+
+    def cleared(self) -> None:
+        """Every block left the cache (AllCleared)."""
+        ...
+
+
+class _EventSink:
+    """The default sink: builds the ``EventData`` values and hands them to ``emit``."""
+
+    __slots__ = ("_emit",)
+
+    def __init__(self, emit: Callable[[EventData], object]) -> None:
+        self._emit = emit
+
+    def stored(self, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]) -> None:
+        self._emit(BlocksStored(parent_hash, tuple(map(StoredBlock, block_hashes, tokens_hashes))))
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        self._emit(BlocksRemoved(tuple(block_hashes)))
+
+    def cleared(self) -> None:
+        self._emit(AllCleared())
+
+
 class NoFreeBlocks(RuntimeError):
     """A move needed a slot that does not exist (the caller skipped its capacity check: a bug)."""
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, emit: Callable[[EventData], object]) -> None:
+    def __init__(
+        self, num_blocks: int, emit: Callable[[EventData], object] | None = None, sink: KvSink | None = None
+    ) -> None:
+        """Events go to ``sink`` if given (no metadata, no dumps), else to ``emit`` as EventData."""
+        # Every cached full block: sequence hash -> (parent hash | None, tokens hash); None with a sink.
+        self._meta: dict[int, tuple[int | None, int]] | None = {} if sink is None else None
+        if sink is None:
+            if emit is None:
+                raise ValueError("BlockManager needs an emit callback or a sink")
+            sink = _EventSink(emit)
         self.num_blocks = num_blocks
         self.active: dict[int, int] = {}  # block key -> refcount
         self.inactive = LRUEvictor()  # full blocks only
-        # Every cached full block: sequence hash -> (parent hash | None, tokens hash, position in its sequence).
-        self._meta: dict[int, tuple[int | None, int, int]] = {}
         self._next_partial = -1
-        self._emit = emit
+        self._stored = sink.stored
+        self._removed = sink.removed
+        self._cleared = sink.cleared
 
     # ----------------------------------------------------------------------------------------- queries
 
@@ -81,7 +132,7 @@ class BlockManager:
 
     def cached_hashes(self) -> set[int]:
         """Sequence hashes of every cached full block (active or inactive)."""
-        return set(self._meta)
+        return {h for h in self.active if h >= 0} | set(self.inactive)
 
     # ------------------------------------------------------------------------------------------- moves
 
@@ -93,25 +144,15 @@ class BlockManager:
         Existing blocks are taken first so an eviction can never hit a block this call reuses.
         """
         active, inactive = self.active, self.inactive
-        i = lo
-        while i < hi:  # the cached prefix: hits
-            h = hashes[i]
-            rc = active.get(h)
-            if rc is not None:
-                active[h] = rc + 1
-            elif h in inactive:
-                del inactive[h]
-                active[h] = 1
-            else:
-                break
-            i += 1
+        i = self._take(hashes, lo, hi, None)  # the cached prefix: hits
         if i == hi:
             return
         rest = hashes[i:hi]
+        runs: list[tuple[int, int]] = []
         if active.keys().isdisjoint(rest) and inactive.keys().isdisjoint(rest):
-            runs = [(i, hi)]  # the usual shape: everything after the first miss is new
+            runs.append((i, hi))  # the usual shape: everything after the first miss is new
         else:
-            runs = self._take_existing(hashes, i, hi)
+            self._take(hashes, i, hi, runs)
         n_new = sum(b - a for a, b in runs)
         n_evict = n_new - (self.num_blocks - len(active) - len(inactive))
         if n_evict > len(inactive):
@@ -119,20 +160,25 @@ class BlockManager:
         meta = self._meta
         if n_evict > 0:
             evicted = [inactive.popitem(last=False)[0] for _ in range(n_evict)]  # LRU first
-            for h in evicted:
-                del meta[h]
-            self._emit(BlocksRemoved(tuple(evicted)))
+            if meta is not None:
+                for h in evicted:
+                    del meta[h]
+            self._removed(evicted)
         for a, b in runs:  # bulk inserts: this is the hot path of every prefill
             blocks, tokens = hashes[a:b], local_hashes[a:b]
             parent = hashes[a - 1] if a else None
             active.update(dict.fromkeys(blocks, 1))
-            meta.update(zip(blocks, zip([parent, *blocks[:-1]], tokens, range(a, b), strict=True), strict=True))
-            self._emit(BlocksStored(parent, tuple(map(StoredBlock, blocks, tokens))))
+            if meta is not None:
+                meta.update(zip(blocks, zip([parent, *blocks[:-1]], tokens, strict=True), strict=True))
+            self._stored(parent, blocks, tokens)
 
-    def _take_existing(self, hashes: Sequence[int], lo: int, hi: int) -> list[tuple[int, int]]:
-        """Slow path of ``use``: take the cached blocks of ``hashes[lo:hi]``; return the runs of new ones."""
+    def _take(self, hashes: Sequence[int], lo: int, hi: int, runs: list[tuple[int, int]] | None) -> int:
+        """Take one reference on each cached block of ``hashes[lo:hi]``.
+
+        With ``runs`` None, stop at the first block not cached and return its index (``hi`` if none);
+        else go on and append the ``(start, stop)`` runs of uncached blocks to ``runs``.
+        """
         active, inactive = self.active, self.inactive
-        runs: list[tuple[int, int]] = []
         for i in range(lo, hi):
             h = hashes[i]
             rc = active.get(h)
@@ -141,18 +187,20 @@ class BlockManager:
             elif h in inactive:
                 del inactive[h]
                 active[h] = 1
+            elif runs is None:
+                return i
             elif runs and runs[-1][1] == i:
                 runs[-1] = (runs[-1][0], i + 1)
             else:
                 runs.append((i, i + 1))
-        return runs
+        return hi
 
     def new_partial(self) -> int:
         """Allocate a private partial block (evicting if needed); returns its key."""
         evicted: list[int] = []
         self._take_slot(evicted)
         if evicted:
-            self._emit(BlocksRemoved(tuple(evicted)))
+            self._removed(evicted)
         key = self._next_partial
         self._next_partial -= 1
         self.active[key] = 1
@@ -163,6 +211,7 @@ class BlockManager:
 
         If that block is already cached (another request computed the same tokens), the partial
         block's slot is released and the existing block is used instead; otherwise it is stored.
+        ``position`` (the block's index in its sequence) is part of the move's description, not stored.
         """
         del self.active[key]
         if block_hash in self.active:
@@ -171,8 +220,9 @@ class BlockManager:
             self.active[block_hash] = 1
         else:
             self.active[block_hash] = 1
-            self._meta[block_hash] = (parent, tokens_hash, position)
-            self._emit(BlocksStored(parent, (StoredBlock(block_hash, tokens_hash),)))
+            if self._meta is not None:
+                self._meta[block_hash] = (parent, tokens_hash)
+            self._stored(parent, (block_hash,), (tokens_hash,))
 
     def deref(self, keys: Sequence[int]) -> None:
         """Deref: drop one reference on each block of a sequence.
@@ -182,22 +232,35 @@ class BlockManager:
         prefix, which keeps every cached block's parent cached as long as the block itself.
         """
         active, inactive = self.active, self.inactive
-        for key in reversed(keys):
-            rc = active[key] - 1
-            if rc:
-                active[key] = rc
-            else:
-                del active[key]
-                if key >= 0:
-                    inactive[key] = None  # push as most recent (an active block is never in inactive)
+        if keys and max(map(active.__getitem__, keys)) == 1:
+            # The usual release: nobody else holds any of them; the same moves at C speed (partial last).
+            full = keys if keys[-1] >= 0 else keys[:-1]
+            deque(map(active.__delitem__, keys), 0)
+            inactive.update(dict.fromkeys(reversed(full)))
+            return
+        for key in self._drop_refs(keys):
+            inactive[key] = None  # push as most recent (an active block is never in inactive)
 
     def destroy(self, keys: Sequence[int]) -> None:
         """Destroy: drop one reference; an unreferenced block leaves the cache (BlocksRemoved), not to inactive.
 
         Blocks other sequences still reference stay active: destroying is never done behind a holder's back.
         """
+        removed = self._drop_refs(keys)
+        meta = self._meta
+        if meta is not None:
+            for key in removed:
+                del meta[key]
+        if removed:
+            self._removed(removed)
+
+    def _drop_refs(self, keys: Sequence[int]) -> list[int]:
+        """Drop one reference on each of ``keys``, tail-first; the full blocks left unreferenced, in that order.
+
+        A partial block (negative key) left unreferenced is simply gone: it was never cached.
+        """
         active = self.active
-        removed: list[int] = []
+        unreferenced: list[int] = []
         for key in reversed(keys):
             rc = active[key] - 1
             if rc:
@@ -205,10 +268,8 @@ class BlockManager:
             else:
                 del active[key]
                 if key >= 0:
-                    del self._meta[key]
-                    removed.append(key)
-        if removed:
-            self._emit(BlocksRemoved(tuple(removed)))
+                    unreferenced.append(key)
+        return unreferenced
 
     def clear(self) -> None:
         """Drop every inactive block; active ones are in use and stay.
@@ -216,19 +277,20 @@ class BlockManager:
         Emits AllCleared (the subscriber drops this engine's whole index) followed by the Stored
         events of the surviving active blocks, so an index that applies the stream stays exact.
         """
+        meta = self._require_meta("clear")
         for h in self.inactive:
-            del self._meta[h]
+            del meta[h]
         self.inactive.clear()
-        self._emit(AllCleared())
+        self._cleared()
         for event in self.dump():
-            self._emit(event)
+            self._stored(event.parent_hash, [b.block_hash for b in event.blocks], [b.tokens_hash for b in event.blocks])
 
     def dump(self) -> list[BlocksStored]:
         """The cached set as Stored events, parents before children (one event per unbranched chain)."""
-        meta = self._meta
+        meta = self._require_meta("dump")
         children: dict[int, list[int]] = {}
         roots: list[int] = []
-        for h, (parent, _, _) in meta.items():
+        for h, (parent, _) in meta.items():
             if parent is not None and parent in meta:
                 children.setdefault(parent, []).append(h)
             else:
@@ -247,6 +309,11 @@ class BlockManager:
 
     # ----------------------------------------------------------------------------------------- helpers
 
+    def _require_meta(self, what: str) -> dict[int, tuple[int | None, int]]:
+        if self._meta is None:
+            raise RuntimeError(f"{what} needs block metadata, which a block manager with a KvSink does not keep")
+        return self._meta
+
     def _take_slot(self, evicted: list[int]) -> None:
         """Make room for one more active block, evicting the LRU inactive block if the cache is full."""
         if len(self.active) + len(self.inactive) < self.num_blocks:
@@ -254,5 +321,6 @@ class BlockManager:
         if not self.inactive:
             raise NoFreeBlocks(f"all {self.num_blocks} blocks are active")
         h = self.inactive.evict()
-        del self._meta[h]
+        if self._meta is not None:
+            del self._meta[h]
         evicted.append(h)

@@ -11,11 +11,20 @@ Nobody needs to poll: an engine with ``has_unfinished() == False`` has nothing t
 ``add_request``, and a step on it returns at once with no outputs and no events. An engine is not
 thread-safe: one driver (an event loop or a replay) owns it.
 
+An in-process consumer of the KV events (the offline replay, which applies them to its router index)
+can pass a :class:`~.block_manager.KvSink` instead: the block manager then reports each change as
+plain hashes to that sink, no ``KvEvent`` is built or journalled, and ``StepOutput.kv_events`` stays
+empty (the sink gets the same changes at the same moments, in the same order). The sink's owner holds
+the cached set, so such an engine keeps no block metadata: ``dump_cache`` and ``clear_cache`` raise.
+
 Cost: a pass is O(running requests) plus O(blocks that change). A replay that only needs timing
 (``emit_token_ids=False``) can also skip the dominant case, runs of decode passes in which nothing
 but counters change, with ``fast_forward`` (exactly equivalent to stepping through them).
 
-Disaggregation seams (only ``EngineMode.AGGREGATED`` is implemented):
+Disaggregation is done by the engine shell (``kvmesh_worker.kv_transfer.mocker_kv``) with the pin methods
+below: a held prompt and a pulled prompt are pinned blocks, nothing else changes in the core. The
+original seams (only ``EngineMode.AGGREGATED`` is implemented) stay for an engine that would model it
+in the core:
 
 * prefill-only (``EngineMode.PREFILL``): requests run exactly as now with ``max_tokens=1``; at
   finish, instead of deref'ing the blocks, the scheduler would park the request in a ``transferring``
@@ -31,8 +40,10 @@ Disaggregation seams (only ``EngineMode.AGGREGATED`` is implemented):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
+from kvmesh.hashing import block_hashes, salted_seed
 from kvmesh.kv_events import CacheDump, EventData, KvEvent
 from kvmesh.kv_publisher import EventJournal
 
@@ -46,7 +57,7 @@ from .api import (
     QueueFull,
     StepOutput,
 )
-from .block_manager import BlockManager
+from .block_manager import BlockManager, KvSink
 from .config import EngineConfig, EngineMode
 from .perf_model import PerfModel, PolynomialPerfModel
 from .scheduler import Request, Scheduler
@@ -55,14 +66,17 @@ from .scheduler import Request, Scheduler
 class EngineCore:
     """One simulated engine (defaults: Dynamo's mocker config and polynomial perf model)."""
 
-    def __init__(self, config: EngineConfig | None = None, perf_model: PerfModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, perf_model: PerfModel | None = None, kv_sink: KvSink | None = None
+    ) -> None:
+        """``kv_sink``: report cache changes there instead of journalling KvEvents (see the module docstring)."""
         self.config = config = config or EngineConfig()
         if config.mode is not EngineMode.AGGREGATED:
             raise NotImplementedError(f"engine mode {config.mode.value!r} is not implemented yet (see core.py)")
         self.perf_model = perf_model or PolynomialPerfModel()
         self.journal = EventJournal(config.event_journal_size)
         self._events: list[KvEvent] = []  # events of the step (or call) in progress
-        self.block_manager = BlockManager(config.num_gpu_blocks, self._record)
+        self.block_manager = BlockManager(config.num_gpu_blocks, self._record, kv_sink)
         self.scheduler = Scheduler(config, self.block_manager)
         self._block_size = config.block_size
         self._total_kv_tokens = config.num_gpu_blocks * config.block_size
@@ -110,6 +124,33 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # ------------------------------------------------------------------- disaggregation (engine shell)
+    # Pins are plain block references outside any request: a pinned block is active (it counts as load
+    # and is never evicted) until unpinned. The shell pins a prefill's prompt blocks while a decode
+    # engine pulls them, and a decode engine's pulled blocks until its request is admitted.
+
+    def prompt_hashes(self, prompt: Sequence[int] | np.ndarray, cache_salt: str | None) -> tuple[list[int], list[int]]:
+        """(local, sequence) hashes of the prompt's full blocks, exactly as a request would have them."""
+        return block_hashes(np.asarray(prompt).astype("<u4"), self._block_size, salted_seed(cache_salt))
+
+    def pin_cached_prefix(self, seq_hashes: list[int], local_hashes: list[int], limit: int) -> int:
+        """Pin the longest cached prefix of ``seq_hashes[:limit]``; returns its length in blocks (no events)."""
+        n = self.block_manager.match_prefix(seq_hashes, limit)[0]
+        if n:
+            self.block_manager.use(seq_hashes, local_hashes, 0, n)
+        return n
+
+    def pin_new(self, seq_hashes: list[int], local_hashes: list[int], lo: int, hi: int) -> None:
+        """Store and pin blocks ``[lo, hi)`` whose KV arrived from elsewhere (BlocksStored on the next step)."""
+        bm = self.block_manager
+        if bm.num_missing(seq_hashes, lo, hi) > bm.free_slots:
+            raise QueueFull(f"no room for {hi - lo} transferred KV blocks ({bm.num_active} of {bm.num_blocks} active)")
+        bm.use(seq_hashes, local_hashes, lo, hi)
+
+    def unpin(self, seq_hashes: Sequence[int]) -> None:
+        if seq_hashes:
+            self.block_manager.deref(list(seq_hashes))
+
     # ------------------------------------------------------------------------------------------ step
 
     def step(self) -> StepOutput:
@@ -152,13 +193,20 @@ class EngineCore:
         num_decode = len(sched.running)
         context = sum(r.num_computed for r in sched.running) + num_decode  # of the first skipped pass
         passes, total = 0, 0.0
-        while passes < limit:
-            duration = self.perf_model.decode_ms(active_kv, self._total_kv_tokens, context / num_decode)
-            if total + duration > max_ms:
-                break
-            total += duration
-            passes += 1
-            context += num_decode
+        decode_ms = self.perf_model.decode_ms
+        if getattr(self.perf_model, "decode_uses_context", True):
+            while passes < limit:
+                duration = decode_ms(active_kv, self._total_kv_tokens, context / num_decode)
+                if total + duration > max_ms:
+                    break
+                total += duration
+                passes += 1
+                context += num_decode
+        else:  # every pass of the run takes the same time; summed pass by pass all the same (same floats)
+            duration = decode_ms(active_kv, self._total_kv_tokens, context / num_decode)
+            while passes < limit and total + duration <= max_ms:
+                total += duration
+                passes += 1
         sched.skip(passes)
         return passes, total
 

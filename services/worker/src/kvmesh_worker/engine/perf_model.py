@@ -37,6 +37,10 @@ class PolynomialPerfModel:
     ``T`` is the pass's new prompt tokens, ``u = active_kv_tokens / total_kv_tokens``.
     """
 
+    #: The decode time ignores ``mean_context``: a run of quiet passes (same active KV) all take the same
+    #: time, which lets ``EngineCore.fast_forward`` evaluate the model once per run instead of per pass.
+    decode_uses_context = False
+
     def prefill_ms(self, new_tokens: int) -> float:
         t = float(new_tokens)
         return max(0.0, 4.209989e-07 * t * t + 1.518344e-02 * t + 16.50142)

@@ -75,7 +75,11 @@ class Request:
         self.stop_ids = frozenset(stops)
         self.hash_seed = salted_seed(request.cache_salt)
         # Hashes of the full blocks whose tokens are known (the prompt's now, generated ones as they fill).
-        self.local_hashes, self.hashes = block_hashes(prompt, config.block_size, self.hash_seed)
+        given = request.prompt_hashes
+        if given is not None and not request.cache_salt and len(given[1]) == len(prompt) // config.block_size:
+            self.local_hashes, self.hashes = list(given[0]), list(given[1])
+        else:
+            self.local_hashes, self.hashes = block_hashes(prompt, config.block_size, self.hash_seed)
         self.gen_key = generation_key(prompt, request.seed)
         self.plan: list[int] = []  # output tokens sampled ahead; the output so far is plan[:num_output]
         self.finish_at = request.max_tokens  # output count at which the request finishes ...

@@ -22,6 +22,15 @@ Invariants every implementation keeps (all calls come from the worker's event-lo
 - observers are called once per forward pass, after its outputs were delivered;
 - ``release_kv`` frees what a prefill role holds for a transfer (False: unknown, already released
   or expired); an engine that never holds KV for transfers (aggregated) raises :class:`KvNotHeld`.
+
+Disaggregation (see docs/disaggregation.md). The gRPC side orchestrates, engine-agnostically: a request
+with ``hold_kv`` finishes like any other, and its last output carries ``kv_transfer`` (a
+``kvmesh.v1.KvTransferParams``: what the engine holds, for how long); a request that comes with a
+prefill result is first ``await pull_kv(request, params)`` (the engine pulls what it lacks, verifies it,
+and keeps it pinned for this request id), then ``submit``-ted; the worker then tells the source
+``ReleaseKv`` whatever the outcome. Invariants: what ``pull_kv`` pinned is unpinned by the request's
+``submit`` (accepted or not) or its ``abort``; a cancelled ``pull_kv`` leaves nothing pinned; a
+hold lives until ``release_kv`` or its lease (``--kv-hold-timeout``) ends, whichever comes first.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from typing import Literal, Protocol
 
 from kvmesh.kv_events import CacheDump, KvEvent
 from kvmesh.kv_publisher import KvSubscription
+from kvmesh.v1.kv_transfer_pb2 import KvTransferParams, KvTransferReport
 from kvmesh.wakeup import Wakeup
 
 from kvmesh_worker.engine.api import EngineError, EngineLoad, EngineRequest, ForwardPassMetrics, RequestOutput
@@ -45,6 +55,19 @@ PassObserver = Callable[[int, ForwardPassMetrics, float], None]
 
 class KvNotHeld(EngineError):
     """``release_kv`` on an engine whose role never holds KV for transfers."""
+
+
+class KvPullFailed(EngineError):
+    """``pull_kv`` failed; ``code`` is the gRPC status name the request ends with.
+
+    ABORTED: the source or the backend failed (nothing was generated: the caller may prefill locally);
+    DATA_LOSS: a pulled block failed verification; INVALID_ARGUMENT: the params do not match the prompt;
+    RESOURCE_EXHAUSTED: no room for the blocks; FAILED_PRECONDITION: this engine cannot pull.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +122,9 @@ class Engine(Protocol):
 
     def release_kv(self, transfer_id: str) -> bool:
         """Free the KV a prefill role holds for a transfer; False if it holds none for that id."""
+
+    async def pull_kv(self, request: EngineRequest, params: KvTransferParams) -> KvTransferReport:
+        """Obtain the prompt KV ``params`` describes (only blocks not cached here); raises KvPullFailed."""
 
     def subscribe(self, start_event_id: int | None) -> tuple[CacheDump | list[KvEvent], KvSubscription]:
         """Replay from ``start_event_id`` (or a snapshot) plus the live subscription; raises EventIdTooNew."""

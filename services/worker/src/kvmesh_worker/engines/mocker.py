@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 from kvmesh_worker.engine import EngineConfig, EngineCore, PreemptionMode, load_perf_model
 from kvmesh_worker.engine_runner import EngineRunner
+from kvmesh_worker.engines.api import Role
+from kvmesh_worker.kv_transfer.mocker_kv import KvConfig, MockerKv
+from kvmesh_worker.kv_transfer.sizing import model_bytes_per_block
 from kvmesh_worker.model_files import ModelFiles
 
 from .registry import EngineBuildError
@@ -36,10 +40,44 @@ def engine_config(settings: Any, model: ModelFiles) -> EngineConfig:
 def build(settings: Any, model: ModelFiles) -> Callable[[int], EngineRunner]:
     """Engines with one configuration and perf model (checked and loaded once, shared by all)."""
     config = engine_config(settings, model)
-    path = None if settings.perf_model == "polynomial" else settings.perf_model
     try:
-        perf_model = load_perf_model(path)
+        perf_model = load_perf_model(settings.perf_model)  # "polynomial" or an .npz path
     except (OSError, ValueError, KeyError) as exc:
         raise EngineBuildError(f"--perf-model {settings.perf_model}: {exc}") from exc
     speedup_ratio = settings.speedup_ratio
-    return lambda engine_id: EngineRunner(engine_id, EngineCore(config, perf_model), speedup_ratio)
+    role: Role = getattr(settings, "role", "aggregated")
+    if role == "aggregated":
+        return lambda engine_id: EngineRunner(engine_id, EngineCore(config, perf_model), speedup_ratio)
+    kv_config = _kv_config(settings, model, config.block_size)
+
+    def make(engine_id: int) -> EngineRunner:
+        core = EngineCore(config, perf_model)
+        return EngineRunner(engine_id, core, speedup_ratio, role, MockerKv(engine_id, core, kv_config))
+
+    return make
+
+
+def _kv_config(settings: Any, model: ModelFiles, block_size: int) -> KvConfig:
+    """Arena block size (flag or model-true) and the model-true size the transfer time is modelled with."""
+    try:
+        config = json.loads(model.files.get("config.json", b"{}"))
+    except ValueError:
+        config = {}
+    true_size = model_bytes_per_block(config if isinstance(config, dict) else {}, block_size)
+    if settings.kv_bytes_per_block == "model":
+        if true_size is None:
+            raise EngineBuildError("--kv-bytes-per-block model: config.json lacks num_hidden_layers/heads/hidden_size")
+        stored = true_size
+    else:
+        stored = int(settings.kv_bytes_per_block)
+    try:
+        import nixl._api  # noqa: F401  (checked here: a missing NIXL is a one-line startup error)
+    except ImportError as exc:
+        raise EngineBuildError(f"--role {settings.role} needs NIXL (make setup installs it): {exc}") from None
+    return KvConfig(
+        bytes_per_block=stored,
+        model_bytes_per_block=true_size or stored,
+        transfer_gbps=settings.kv_transfer_gbps,
+        hold_timeout_s=settings.kv_hold_timeout,
+        speedup_ratio=settings.speedup_ratio,
+    )

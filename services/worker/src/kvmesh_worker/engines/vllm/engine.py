@@ -36,6 +36,8 @@ from typing import Any
 
 from kvmesh.kv_events import CacheDump, KvEvent
 from kvmesh.kv_publisher import EventJournal, KvEventPublisher, KvSubscription
+from kvmesh.v1 import worker_pb2
+from kvmesh.v1.kv_transfer_pb2 import KvTransferParams, KvTransferReport
 
 from kvmesh_worker.engine import (
     DuplicateRequest,
@@ -47,7 +49,7 @@ from kvmesh_worker.engine import (
     RequestOutput,
 )
 from kvmesh_worker.engine.api import FinishReason
-from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, OutputSink, PassObserver
+from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, KvPullFailed, OutputSink, PassObserver
 from kvmesh_worker.engines.registry import EngineBuildError
 from kvmesh_worker.model_files import ModelFiles
 
@@ -100,12 +102,36 @@ class _Stats:
     kv_usage: float = 0.0
 
 
-class _Request:
-    __slots__ = ("first", "num_prompt", "sink", "task", "total")
+def token_logprobs(steps: Any, tokens: tuple[int, ...], top: int) -> list[worker_pb2.TokenLogprobs]:
+    """vLLM's per-step ``{token id: Logprob}`` -> main's contract: one TokenLogprobs per sampled token.
 
-    def __init__(self, sink: OutputSink, num_prompt: int) -> None:
+    vLLM reports, at each step, the sampled token plus the ``top`` most likely ones (``rank`` 1 = most
+    likely); ``TokenLogprobs.top`` lists the latter, most likely first.
+    """
+    out: list[worker_pb2.TokenLogprobs] = []
+    for step, token in zip(steps, tokens, strict=False):
+        step = step or {}  # a position vLLM reported nothing for: an entry anyway, so counts match
+        sampled = step.get(token)
+        entry = worker_pb2.TokenLogprobs(
+            logprob=float(sampled.logprob) if sampled is not None else float("-inf"),
+            rank=int(sampled.rank or 0) if sampled is not None else 0,
+        )
+        if top:
+            ranked = sorted(step.items(), key=lambda item: item[1].rank or 0)
+            for token_id, logprob in ranked:
+                if logprob.rank is not None and 0 < logprob.rank <= top:
+                    entry.top.add(token_id=int(token_id), logprob=float(logprob.logprob), rank=int(logprob.rank))
+        out.append(entry)
+    return out
+
+
+class _Request:
+    __slots__ = ("first", "num_prompt", "sink", "task", "top", "total")
+
+    def __init__(self, sink: OutputSink, num_prompt: int, top: int | None = None) -> None:
         self.sink = sink
         self.num_prompt = num_prompt
+        self.top = top  # SamplingOptions.logprobs (None: no logprobs asked)
         self.total = 0
         self.first = True
         self.task: asyncio.Task[None] | None = None
@@ -198,6 +224,8 @@ class VllmEngine:
         prompt = [int(t) for t in request.prompt]
         if not prompt:
             raise InvalidRequest("prompt has no tokens")
+        if request.hold_kv:
+            raise InvalidRequest(f"engine {self.engine_id:x} (vLLM) is aggregated: it cannot hold KV for a transfer")
         if request.request_id in self._requests:
             raise DuplicateRequest(f"request id {request.request_id!r} is already running on this engine")
         bad = next((t for t in prompt if t < 0 or t >= self._vocab), None)
@@ -218,7 +246,8 @@ class VllmEngine:
 
     def submit(self, request: EngineRequest, sink: OutputSink) -> None:
         prompt = self._check(request)
-        state = self._requests[request.request_id] = _Request(sink, len(prompt))
+        top = request.sampling.logprobs if request.sampling is not None else None
+        state = self._requests[request.request_id] = _Request(sink, len(prompt), top)
         loop = asyncio.get_running_loop()
         state.task = loop.create_task(self._generate(request, prompt, state), name=f"vllm-{request.request_id}")
 
@@ -284,12 +313,8 @@ class VllmEngine:
         if state.first:
             output.num_cached_prompt_tokens = int(out.num_cached_tokens or 0)
             state.first = False
-        if completion is not None and completion.logprobs is not None:
-            output.logprobs = tuple(
-                float(step[token].logprob) for step, token in zip(completion.logprobs, tokens, strict=False)
-            )
-        if completion is not None and completion.cumulative_logprob is not None:
-            output.cumulative_logprob = float(completion.cumulative_logprob)
+        if state.top is not None and completion is not None and completion.logprobs is not None:
+            output.logprobs = token_logprobs(completion.logprobs, tokens, state.top)
         state.sink.put_nowait(output)
 
     def abort(self, request_id: str) -> None:
@@ -308,6 +333,9 @@ class VllmEngine:
 
     def release_kv(self, transfer_id: str) -> bool:
         raise KvNotHeld(f"engine {self.engine_id:x} is aggregated: it holds no KV for transfers")
+
+    async def pull_kv(self, request: EngineRequest, params: KvTransferParams) -> KvTransferReport:
+        raise KvPullFailed("FAILED_PRECONDITION", f"engine {self.engine_id:x} (vLLM) is aggregated: it cannot pull KV")
 
     # -- KV journal -----------------------------------------------------------------------------
     def _from_thread(self, events: list[VllmEvent]) -> None:
@@ -445,6 +473,8 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
         raise EngineBuildError("--engine vllm hosts one engine per process: use --num-engines 1 (a worker per engine)")
     if not settings.model_path:
         raise EngineBuildError("--engine vllm needs --model-path DIR (an HF model directory)")
+    if getattr(settings, "role", "aggregated") != "aggregated":
+        raise EngineBuildError("--engine vllm serves --role aggregated only (disaggregation runs on the mocker)")
     _require_vllm()
     from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs

@@ -1,0 +1,643 @@
+"""Fault suite: real daemons on loopback, real etcd, a steady client load, and one fault per scenario.
+
+``kvmesh bench chaos --scenario NAME`` (``--list`` for the names). Every scenario starts its own mesh
+(etcd, workers, routers, one frontend, each its own process, everything on 127.0.0.1), runs an
+open-loop load of ``--rate`` requests/s (each its own ``ModelStreamInfer`` stream, ``--tokens``
+tokens, ``ignore_eos``) plus one *background stream* (long requests back to back, whose largest
+inter-token gap is the stall a user would see), injects its fault, and prints:
+
+- requests sent and failures by status (the frontend's in-band ``STATUS: message``);
+- leaked KV blocks (``kvmesh_engine_active_blocks`` of every surviving engine) and bookings
+  (``kvmesh_router_active_bookings``) once the load stopped and everything settled;
+- the RSS of every daemon at start, middle and end (MiB, summed per daemon kind);
+- the largest inter-token gap of the background stream.
+
+The regression tests in ``tests/chaos/`` call :func:`run_scenario` with short durations and assert the
+figures; ``docs/reliability.md`` holds a table from a real run. Fuzz and oversized-input scenarios
+plug in through :data:`SCENARIOS` (a name -> coroutine function taking a :class:`Run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import grpc
+from inference import grpc_service_pb2 as kserve
+from inference import grpc_service_pb2_grpc as kserve_grpc
+
+_EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime; types-grpcio omits it
+MODEL = "kvmesh-mock"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _script(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else (shutil.which(name) or name)
+
+
+# -- processes ---------------------------------------------------------------------------------
+class Proc:
+    """One child process with its log; only ever signals itself."""
+
+    def __init__(self, kind: str, argv: list[str], log: Path, port: int = 0, metrics_port: int = 0) -> None:
+        self.kind = kind
+        self.port = port
+        self.metrics_port = metrics_port
+        self.log = log
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env=env)  # fmt: skip
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            self.proc.send_signal(sig)
+
+    def rss_mib(self) -> float:
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return 0.0
+
+    def stop(self) -> None:
+        if self.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Etcd:
+    """A private single-member etcd; ``stop``/``start`` keep its data dir and ports."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.dir = workdir / "etcd"
+        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self) -> None:
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        argv = [os.environ.get("KVMESH_TEST_ETCD", "etcd"), "--name", "chaos", "--data-dir", str(self.dir / "data"),
+                "--listen-client-urls", client, "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                "--initial-advertise-peer-urls", peer, "--initial-cluster", f"chaos={peer}",
+                "--heartbeat-interval", "10", "--election-timeout", "100", "--log-level", "warn"]  # fmt: skip
+        self.proc = Proc("etcd", argv, self.dir.parent / "etcd.log")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(f"{client}/health", timeout=0.5) as r:
+                if json.load(r).get("health") == "true":
+                    return
+            time.sleep(0.05)
+        raise RuntimeError("etcd did not become healthy within 15 s")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.signal(signal.SIGCONT)
+
+
+class Mesh:
+    """Workers, routers and one frontend on a private etcd; closes everything it started."""
+
+    def __init__(self, workdir: Path, lease_ttl: float, log_level: str = "info") -> None:
+        self.workdir = workdir
+        self.lease_ttl = lease_ttl
+        self.log_level = log_level
+        self.namespace = f"chaos{os.getpid()}"
+        self.etcd = Etcd(workdir)
+        self.procs: list[Proc] = []
+        self.frontend: Proc | None = None
+
+    def _spawn(self, kind: str, *args: str) -> Proc:
+        port, metrics = _free_port(), _free_port()
+        argv = [_script(f"kvmesh-{kind}"), "--discovery", self.etcd.url, "--namespace", self.namespace,
+                "--grpc-port", str(port), "--metrics-port", str(metrics), "--lease-ttl", f"{self.lease_ttl:g}",
+                "--drain-timeout", "2", "--log-level", self.log_level, *args]  # fmt: skip
+        proc = Proc(kind, argv, self.workdir / f"{kind}-{port}.log", port, metrics)
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, engines: int, *extra: str) -> Proc:
+        return self._spawn("worker", "--num-engines", str(engines), "--num-gpu-blocks", "4096",
+                           "--block-size", "16", *extra)  # fmt: skip
+
+    def router(self, *extra: str) -> Proc:
+        return self._spawn("router", "--router-mode", "kv", *extra)
+
+    def start_frontend(self, *extra: str) -> Proc:
+        self.frontend = self._spawn("frontend", *extra)
+        return self.frontend
+
+    @property
+    def frontend_address(self) -> str:
+        assert self.frontend is not None
+        return f"127.0.0.1:{self.frontend.port}"
+
+    def check(self) -> None:
+        for p in self.procs:
+            if not p.alive and p.proc.returncode not in (-signal.SIGKILL, 0):
+                raise RuntimeError(f"{p.kind} exited with {p.proc.returncode}:\n{p.log.read_text()[-3000:]}")
+
+    def rss(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in self.procs:
+            if p.alive:
+                out[p.kind] = round(out.get(p.kind, 0.0) + p.rss_mib(), 1)
+        return out
+
+    def metric_sum(self, kind: str, name: str) -> float:
+        """Sum of a Prometheus metric over every live daemon of a kind (0 for none)."""
+        return sum(self.metric(p, name) for p in self.procs if p.kind == kind and p.alive)
+
+    @staticmethod
+    def metric(proc: Proc, name: str) -> float:
+        """Sum of a Prometheus metric's samples (every label set) on one daemon (0 if it does not answer)."""
+        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
+        url = f"http://127.0.0.1:{proc.metrics_port}/metrics"
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as reply:
+            return sum(float(v) for v in pattern.findall(reply.read().decode()))
+        return 0.0
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.signal(signal.SIGTERM)
+        for p in reversed(self.procs):
+            p.stop()
+        self.etcd.stop()
+
+
+# -- the client ------------------------------------------------------------------------------------
+def kserve_request(request_id: str, tokens: int, prompt: str) -> kserve.ModelInferRequest:
+    request = kserve.ModelInferRequest(model_name=MODEL, id=request_id)
+    raw = []
+    for name, value in (
+        ("text_input", prompt.encode()),
+        ("sampling_parameters", json.dumps({"max_tokens": tokens, "ignore_eos": True}).encode()),
+    ):
+        request.inputs.add(name=name, datatype="BYTES", shape=[1])
+        raw.append(struct.pack("<I", len(value)) + value)
+    for name in ("stream", "exclude_input_in_output"):
+        request.inputs.add(name=name, datatype="BOOL", shape=[1])
+        raw.append(b"\x01")
+    request.raw_input_contents.extend(raw)
+    return request
+
+
+async def one_request(
+    stub: kserve_grpc.GRPCInferenceServiceAsyncStub,
+    request_id: str,
+    tokens: int,
+    *,
+    cancel_after: int | None = None,
+    on_token: Callable[[float], None] | None = None,
+    timeout: float = 120.0,
+) -> str:
+    """``ok``, ``cancelled`` (on purpose, after ``cancel_after`` responses) or the failure's ``STATUS: message``."""
+    prompt = f"chaos {request_id} " + " ".join(random.choice(("kv", "cache", "mesh", "lease")) for _ in range(24))
+    call = stub.ModelStreamInfer(timeout=timeout)
+    responses = 0
+    try:
+        await call.write(kserve_request(request_id, tokens, prompt))
+        while True:
+            read = await call.read()
+            if read is _EOF:
+                return "STREAM_ENDED"
+            message = cast(kserve.ModelStreamInferResponse, read)
+            if message.error_message:
+                return message.error_message
+            responses += 1
+            if on_token is not None:
+                on_token(time.monotonic())
+            if message.infer_response.parameters["triton_final_response"].bool_param:
+                return "ok"
+            if cancel_after is not None and responses >= cancel_after:
+                call.cancel()
+                return "cancelled"
+    except grpc.aio.AioRpcError as exc:
+        return f"{exc.code().name}: {exc.details()}"
+    finally:
+        call.cancel()
+
+
+@dataclass
+class Report:
+    scenario: str
+    requests: int = 0
+    ok: int = 0
+    cancelled: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    leaked_blocks: float = 0.0
+    leaked_bookings: float = 0.0
+    rss_mib: dict[str, dict[str, float]] = field(default_factory=dict)
+    max_gap_s: float = 0.0
+    migrations: float = 0.0
+    background_requests: int = 0
+    background_failures: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)  # status -> its first message
+
+    def table(self) -> str:
+        rows = [
+            ("scenario", self.scenario),
+            ("requests (ok / cancelled on purpose)", f"{self.requests} ({self.ok} / {self.cancelled})"),
+            ("failures by status", ", ".join(f"{k} {v}" for k, v in sorted(self.failures.items())) or "0"),
+            ("leaked KV blocks / bookings", f"{self.leaked_blocks:g} / {self.leaked_bookings:g}"),
+            ("migrations (frontend)", f"{self.migrations:g}"),
+            (
+                "background stream: requests, failures",
+                f"{self.background_requests}, {sum(self.background_failures.values())}",
+            ),
+            ("background stream: largest inter-token gap", f"{self.max_gap_s * 1000:.0f} ms"),
+        ]
+        for when, rss in self.rss_mib.items():
+            rows.append((f"RSS MiB at {when}", ", ".join(f"{k} {v:.0f}" for k, v in sorted(rss.items()))))
+        rows += [(k, str(v)) for k, v in self.notes.items()]
+        rows += [(f"first {k}", v) for k, v in self.examples.items()]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+class Run:
+    """What a scenario drives: the mesh, the load, the report; see :func:`run_scenario`."""
+
+    def __init__(self, mesh: Mesh, args: argparse.Namespace) -> None:
+        self.mesh = mesh
+        self.args = args
+        self.report = Report(args.scenario)
+        self.statuses: Counter[str] = Counter()
+        self.background: Counter[str] = Counter()
+        self.ttft: list[float] = []
+        self.failure_latency: dict[str, list[float]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stop_background = asyncio.Event()
+        self._last_token = 0.0
+        self._background_task: asyncio.Task[None] | None = None
+        self.channel: grpc.aio.Channel | None = None
+
+    async def start(self, engines: int) -> None:
+        """Once the scenario's daemons are spawned: wait until ``engines`` are ready, start the background stream."""
+        self.channel = grpc.aio.insecure_channel(self.mesh.frontend_address)
+        await self.wait_ready(engines)
+        self.sample_rss("start")
+        self._background_task = asyncio.get_running_loop().create_task(self._background())
+
+    @property
+    def stub(self) -> kserve_grpc.GRPCInferenceServiceAsyncStub:
+        assert self.channel is not None
+        return kserve_grpc.GRPCInferenceServiceStub(self.channel)
+
+    async def wait_ready(self, engines: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.mesh.check()
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                if (await self.stub.ModelReady(kserve.ModelReadyRequest(name=MODEL), timeout=1)).ready:
+                    config = (await self.stub.ModelConfig(kserve.ModelConfigRequest(name=MODEL), timeout=1)).config
+                    # ModelReady speaks of engines only: the frontend may not have seen a router yet
+                    if config.parameters["engines"].string_value == str(engines) and (
+                        await one_request(self.stub, f"warmup{time.monotonic_ns()}", 2, timeout=5) == "ok"
+                    ):
+                        return
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"the mesh did not have {engines} ready engines within {timeout:g} s")
+
+    async def _send(self, n: int, cancel_after: int | None) -> None:
+        started = time.monotonic()
+        first: list[float] = []
+
+        def on_token(at: float) -> None:
+            if not first:
+                first.append(at)
+
+        status = await one_request(self.stub, f"r{n}", self.args.tokens, cancel_after=cancel_after, on_token=on_token)
+        name = self._count(self.statuses, status)
+        if name == "ok" and first:
+            self.ttft.append(first[0] - started)
+        elif name not in ("ok", "cancelled"):
+            self.failure_latency.setdefault(name, []).append(time.monotonic() - started)
+
+    def _count(self, counter: Counter[str], status: str) -> str:
+        name = status.split(":", 1)[0].strip() or "ERROR"
+        if name not in ("ok", "cancelled"):
+            self.report.examples.setdefault(name, status[:300])
+        counter[name] += 1
+        return name
+
+    async def load(self, seconds: float, rate: float | None = None, cancel: bool = False) -> None:
+        """Open-loop load: ``rate`` requests/s for ``seconds`` (requests keep running after it returns)."""
+        rate = rate or self.args.rate
+        start = time.monotonic()
+        sent = 0
+        while time.monotonic() - start < seconds:
+            cancel_after = random.randint(0, self.args.tokens) if cancel and random.random() < 0.5 else None
+            task = asyncio.get_running_loop().create_task(self._send(self.report.requests, cancel_after))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            self.report.requests += 1
+            sent += 1
+            await asyncio.sleep(max(0.0, start + sent / rate - time.monotonic()))  # no drift, no catch-up burst
+
+    async def burst(self, count: int, concurrency: int) -> None:
+        """``count`` requests, at most ``concurrency`` in flight."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(n: int) -> None:
+            async with gate:
+                await self._send(n, None)
+
+        base = self.report.requests
+        self.report.requests += count
+        await asyncio.gather(*(one(base + i) for i in range(count)))
+
+    def _token(self, at: float) -> None:
+        if self._last_token:
+            self.report.max_gap_s = max(self.report.max_gap_s, at - self._last_token)
+        self._last_token = at
+
+    async def _background(self) -> None:
+        n = 0
+        while not self._stop_background.is_set():
+            self._last_token = 0.0
+            status = await one_request(self.stub, f"bg{n}", self.args.background_tokens, on_token=self._token)
+            self._count(self.background, status)
+            n += 1
+            if not status.startswith("ok"):
+                await asyncio.sleep(0.1)  # a failing mesh must not turn the background stream into a hot loop
+
+    async def drain(self, timeout: float = 120.0) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+
+    async def settle_leaks(self, timeout: float = 15.0) -> None:
+        """Wait (bounded) for every surviving engine and router to hold nothing, then record what is left."""
+        deadline = time.monotonic() + timeout
+        while True:
+            blocks = self.mesh.metric_sum("worker", "kvmesh_engine_active_blocks")
+            bookings = self.mesh.metric_sum("router", "kvmesh_router_active_bookings")
+            if (blocks == 0 and bookings == 0) or time.monotonic() > deadline:
+                self.report.leaked_blocks, self.report.leaked_bookings = blocks, bookings
+                return
+            await asyncio.sleep(0.25)
+
+    def sample_rss(self, when: str) -> None:
+        self.report.rss_mib[when] = self.mesh.rss()
+
+
+Scenario = Callable[[Run], Awaitable[None]]
+
+
+# -- scenarios ---------------------------------------------------------------------------------------
+def _kill_worker(engines: int) -> Scenario:
+    async def scenario(run: Run) -> None:
+        workers = [run.mesh.worker(engines, "--speedup-ratio", str(run.args.speedup)) for _ in range(2)]
+        run.mesh.router()
+        run.mesh.start_frontend()
+        await run.start(2 * engines)
+        await run.load(run.args.duration / 2)
+        workers[0].signal(signal.SIGKILL)
+        run.report.notes["fault"] = f"kill -9 of a worker hosting {engines} engines under load"
+        await run.load(run.args.duration / 2)
+
+    return scenario
+
+
+async def _kill_router(run: Run) -> None:
+    run.mesh.worker(2, "--speedup-ratio", str(run.args.speedup))
+    routers = [run.mesh.router(), run.mesh.router()]
+    run.mesh.start_frontend()
+    await run.start(2)
+    await run.load(run.args.duration / 3)
+    routers[0].signal(signal.SIGKILL)
+    run.report.notes["fault"] = "kill -9 of one of two router replicas under load, then a new replica joins"
+    await run.load(run.args.duration / 3)
+    joined = run.mesh.router()
+    before = Mesh.metric(joined, "kvmesh_router_decisions_total")
+    await run.load(run.args.duration / 3)
+    await run.drain()
+    decisions = {
+        f"{p.port}": Mesh.metric(p, "kvmesh_router_decisions_total")
+        for p in run.mesh.procs
+        if p.kind == "router" and p.alive
+    }
+    run.report.notes["decisions per live router"] = decisions
+    run.report.notes["decisions of the joined router"] = Mesh.metric(joined, "kvmesh_router_decisions_total") - before
+
+
+def _etcd(mode: str) -> Scenario:
+    async def scenario(run: Run) -> None:
+        run.mesh.worker(2, "--speedup-ratio", str(run.args.speedup))
+        run.mesh.worker(2, "--speedup-ratio", str(run.args.speedup))
+        run.mesh.router()
+        run.mesh.start_frontend()
+        await run.start(4)
+        await run.load(min(5.0, run.args.duration / 4))
+        outage = run.args.outage
+        if mode == "stop":
+            run.mesh.etcd.stop()
+        else:
+            run.mesh.etcd.freeze()
+        run.report.notes["fault"] = f"etcd {'stopped' if mode == 'stop' else 'frozen (SIGSTOP)'} for {outage:g} s"
+        await run.load(outage)
+        if mode == "stop":
+            await asyncio.to_thread(run.mesh.etcd.start)
+        else:
+            run.mesh.etcd.thaw()
+        await run.load(min(10.0, run.args.duration / 2))
+
+    return scenario
+
+
+async def _overload(run: Run) -> None:
+    run.mesh.worker(2, "--speedup-ratio", str(run.args.speedup), "--max-num-seqs", "8")
+    run.mesh.router()
+    run.mesh.start_frontend()
+    await run.start(2)
+    started = time.monotonic()
+    await run.burst(run.args.burst, run.args.concurrency)
+    run.report.notes["fault"] = f"burst of {run.args.burst} requests at concurrency {run.args.concurrency}"
+    run.report.notes["burst seconds"] = round(time.monotonic() - started, 1)
+
+
+async def _overload_open(run: Run) -> None:
+    run.mesh.worker(2, "--speedup-ratio", str(run.args.speedup), "--max-num-seqs", "8")
+    run.mesh.router()
+    run.mesh.start_frontend()
+    await run.start(2)
+    run.report.notes["fault"] = f"open-loop {run.args.rate:g} requests/s for {run.args.duration:g} s, beyond capacity"
+    await run.load(run.args.duration)
+
+
+async def _cancel(run: Run) -> None:
+    run.mesh.worker(2, "--speedup-ratio", str(run.args.speedup))
+    run.mesh.router()
+    run.mesh.start_frontend()
+    await run.start(2)
+    run.report.notes["fault"] = "half the requests cancelled by the client after a random number of tokens"
+    await run.load(run.args.duration, cancel=True)
+
+
+async def _soak(run: Run) -> None:
+    run.mesh.worker(2, "--speedup-ratio", str(run.args.speedup))
+    run.mesh.router()
+    run.mesh.start_frontend()
+    await run.start(2)
+    run.report.notes["fault"] = f"none: steady load for {run.args.duration:g} s"
+    await run.load(run.args.duration / 2)
+    run.sample_rss("middle")
+    await run.load(run.args.duration / 2)
+
+
+SCENARIOS: dict[str, tuple[str, Scenario]] = {
+    "worker-kill-2": ("kill -9 a worker with 2 engines (of 2 workers) under load", _kill_worker(2)),
+    "worker-kill-4": ("kill -9 a worker with 4 engines (of 2 workers) under load", _kill_worker(4)),
+    "router-kill": ("kill -9 one of two router replicas under load", _kill_router),
+    "etcd-outage": ("stop etcd for --outage seconds under load, then start it again", _etcd("stop")),
+    "etcd-frozen": ("SIGSTOP etcd for --outage seconds under load, then SIGCONT", _etcd("freeze")),
+    "overload": ("a burst of --burst requests at --concurrency on 2 engines with --max-num-seqs 8", _overload),
+    "overload-open": ("open-loop --rate beyond what 2 engines with --max-num-seqs 8 serve", _overload_open),
+    "cancel": ("half the requests cancelled at a random token", _cancel),
+    "soak": ("steady load, no fault (memory and leaks over time)", _soak),
+}
+"""Scenario name -> (help, coroutine). Other fault kinds (fuzzed or oversized inputs) register here."""
+
+
+async def run_scenario(args: argparse.Namespace, workdir: Path) -> Report:
+    """Run one scenario in ``workdir`` and return its report (the mesh is always torn down)."""
+    mesh = Mesh(workdir, args.lease_ttl, args.daemon_log_level)
+    await asyncio.to_thread(mesh.etcd.start)
+    run = Run(mesh, args)
+    try:
+        _help, scenario = SCENARIOS[args.scenario]
+        await scenario(run)
+        if "middle" not in run.report.rss_mib:
+            run.sample_rss("middle")
+        await run.drain()
+        run._stop_background.set()
+        if run._background_task is not None:
+            await asyncio.wait([run._background_task], timeout=60)
+        await run.settle_leaks()
+        run.report.migrations = mesh.metric_sum("frontend", "kvmesh_frontend_migrations_total")
+        run.sample_rss("end")
+        report = run.report
+        report.ok = run.statuses.pop("ok", 0)
+        report.cancelled = run.statuses.pop("cancelled", 0)
+        report.failures = dict(run.statuses)
+        if run.ttft:
+            report.notes["TTFT of ok requests p50 / p99"] = _p50_p99(run.ttft)
+        for name, seconds in run.failure_latency.items():
+            report.notes[f"{name} latency p50 / p99"] = _p50_p99(seconds)
+        report.background_requests = sum(run.background.values())
+        report.background_failures = {k: v for k, v in run.background.items() if k != "ok"}
+        return report
+    finally:
+        if run.channel is not None:
+            await run.channel.close()
+        await asyncio.to_thread(mesh.close)
+
+
+def _p50_p99(seconds: list[float]) -> str:
+    ordered = sorted(seconds)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000  # noqa: E731
+    return f"{pick(0.5):.0f} ms / {pick(0.99):.0f} ms"
+
+
+def options(scenario: str, **overrides: Any) -> argparse.Namespace:
+    """The defaults of ``kvmesh bench chaos --scenario NAME`` with ``overrides`` (for the tests)."""
+    args = parser().parse_args(["--scenario", scenario])
+    for key, value in overrides.items():
+        if not hasattr(args, key):
+            raise TypeError(f"unknown chaos option {key!r}")
+        setattr(args, key, value)
+    return args
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvmesh bench chaos", description=__doc__.split("\n\n")[0])
+    p.add_argument("--scenario", choices=sorted(SCENARIOS), help="the fault to inject")
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of load (soak: its length)")
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second")
+    p.add_argument("--tokens", type=int, default=48, help="tokens per request")
+    p.add_argument("--background-tokens", type=int, default=200, help="tokens per background-stream request")
+    p.add_argument("--speedup", type=float, default=4.0, help="mocker --speedup-ratio (1 = real-time vLLM)")
+    p.add_argument("--lease-ttl", type=float, default=10.0, help="every daemon's --lease-ttl")
+    p.add_argument("--outage", type=float, default=60.0, help="etcd-outage / etcd-frozen: seconds etcd is down")
+    p.add_argument("--burst", type=int, default=2000, help="overload: requests in the burst")
+    p.add_argument("--concurrency", type=int, default=500, help="overload: requests in flight")
+    p.add_argument("--daemon-log-level", default="info", help="every daemon's --log-level (logs kept with --keep)")
+    p.add_argument("--keep", action="store_true", help="keep the work directory (daemon logs)")
+    p.add_argument("--json", type=Path, help="also write the report as JSON here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.list or not args.scenario:
+        for name, (text, _) in SCENARIOS.items():
+            print(f"{name:15} {text}")
+        return 0
+    workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-chaos-{args.scenario}-"))
+    try:
+        report = asyncio.run(run_scenario(args, workdir))
+    finally:
+        if args.keep:
+            print(f"logs: {workdir}", file=sys.stderr)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(report.table())
+    if args.json:
+        args.json.write_text(json.dumps(asdict(report), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""``kvmesh certs init DIR``: a development CA and one certificate per daemon role, in one command.
+
+What it writes (directory 0700, keys 0600, EC P-256, valid ``--days``):
+``ca.crt``/``ca.key`` (the mesh CA), and for each role ``frontend``, ``router``, ``worker``,
+``planner``, ``operator`` (the CLI), ``client`` (a KServe client) and ``etcd`` (its server
+certificate): ``<role>.crt``/``<role>.key``.
+Each leaf carries the SANs the mesh checks (see ``kvmesh.tls``): the URI
+``spiffe://kvmesh/<role>/<name>``, the DNS name ``<role>.kvmesh``, plus ``localhost``, this host's
+name, ``IP:127.0.0.1`` and ``IP:::1`` so a local mesh dials plain loopback addresses.
+For production use your own CA; the SAN layout is what matters (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+import socket
+import sys
+from pathlib import Path
+
+ROLES = ("frontend", "router", "worker", "planner", "operator", "client", "etcd")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("certs", help="development certificates for mTLS", description=__doc__)
+    sub = p.add_subparsers(dest="certs_command", required=True, parser_class=type(p))
+    init = sub.add_parser("init", help="make a CA and per-daemon certificates in DIR")
+    init.add_argument("dir", metavar="DIR", help="output directory (created 0700)")
+    init.add_argument("--days", type=int, default=365, help="validity in days (default: 365)")
+    init.add_argument("--name", default="dev", help="instance name in the SPIFFE URIs (default: dev)")
+    init.add_argument("--san", action="append", default=[], help="extra DNS name or IP for every leaf (repeatable)")
+    init.add_argument("--force", action="store_true", help="overwrite existing files")
+    init.set_defaults(func=run_init)
+
+
+def run_init(args: argparse.Namespace) -> int:
+    out = Path(args.dir)
+    if not args.force and (out / "ca.key").exists():
+        print(f"kvmesh certs: error: {out}/ca.key exists (use --force to replace)", file=sys.stderr)
+        return 2
+    init(out, days=args.days, name=args.name, extra_sans=args.san)
+    print(f"kvmesh certs: CA and certificates for {', '.join(ROLES)} in {out}")
+    return 0
+
+
+def init(out: Path, *, days: int = 365, name: str = "dev", extra_sans: list[str] | None = None) -> None:
+    """Write the CA and one certificate per role into ``out`` (see the module docstring)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    now = datetime.datetime.now(datetime.UTC)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+
+    def write(path: Path, data: bytes, mode: int) -> None:
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvmesh mesh CA ({name})")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+        )  # keyCertSign, cRLSign
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    write(out / "ca.key", key_pem(ca_key), 0o600)
+    write(out / "ca.crt", ca.public_bytes(serialization.Encoding.PEM), 0o644)
+
+    hosts = {"localhost", socket.gethostname(), *(extra_sans or [])}
+    ips = {"127.0.0.1", "::1"}
+    dns = sorted(h for h in hosts if not _is_ip(h))
+    ips |= {h for h in hosts if _is_ip(h)}
+    for role in ROLES:
+        key = ec.generate_private_key(ec.SECP256R1())
+        sans: list[x509.GeneralName] = [
+            x509.UniformResourceIdentifier(f"spiffe://kvmesh/{role}/{name}"),
+            x509.DNSName(f"{role}.kvmesh"),
+            *(x509.DNSName(h) for h in dns),
+            *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in sorted(ips)),
+        ]
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvmesh-{role}-{name}")]))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(start)
+            .not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256())
+        )
+        write(out / f"{role}.key", key_pem(key), 0o600)
+        write(out / f"{role}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644)
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,149 @@
+"""Prefill → decode KV transfer between two real worker processes, over real NIXL (UCX over host memory).
+
+The frontend's part is played by hand here: a hold request on the prefill engine, its KvTransferParams
+(plus the source address) as the decode engine's prefill_result. What must hold: the decode side gets
+exactly the tokens an aggregated engine would produce, pulls only what it lacks, verifies every block
+(an injected corruption is DATA_LOSS, never tokens), and afterwards no block is held anywhere.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+
+from tests.disagg.support import BLOCK, cards_sync, load, wait_no_active_blocks, worker
+from tests.support.daemons import running
+from tests.support.generate import RequestFailed, generate_sync, tokens_of
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = list(range(100, 100 + 10 * BLOCK + 2))  # 10 full blocks and a partial one
+
+
+def _pair(tmp_path, prefill_env=None):
+    discovery = f"file://{tmp_path / 'disc'}"
+    prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0", env=prefill_env)
+    decode = worker(tmp_path, discovery, "xfer", "decode", "--speedup-ratio", "0", "--kv-transfer-gbps", "1")
+    return discovery, prefill, decode
+
+
+def _engines(discovery):
+    found = cards_sync(discovery, "xfer", 2)
+    by_role = {card.role: card for card in found}
+    return by_role[discovery_pb2.WORKER_ROLE_PREFILL], by_role[discovery_pb2.WORKER_ROLE_DECODE]
+
+
+def _sampling(max_tokens):
+    return worker_pb2.SamplingOptions(max_tokens=max_tokens, ignore_eos=True)
+
+
+def _prefill(stub, engine_id, prompt, rid, address):
+    responses = generate_sync(
+        stub,
+        worker_pb2.GenerateRequest(
+            request_id=rid, engine_id=engine_id, token_ids=prompt, sampling=_sampling(1), hold_kv_for_transfer=True
+        ),
+    )
+    params = responses[-1].kv_transfer
+    assert params.transfer_id and params.backend == "nixl"
+    params.source_address = address
+    return params
+
+
+def test_decode_pulls_only_missing_blocks_verifies_them_and_nothing_stays_held(tmp_path):
+    discovery, prefill, decode = _pair(tmp_path)
+    with running(prefill, decode):
+        prefill.wait_serving(30)
+        decode.wait_serving(30)
+        pcard, dcard = _engines(discovery)
+        assert pcard.capabilities.kv_transfer and pcard.capabilities.kv_transfer_metadata
+        with grpc.insecure_channel(prefill.address) as pch, grpc.insecure_channel(decode.address) as dch:
+            pstub, dstub = worker_pb2_grpc.WorkerServiceStub(pch), worker_pb2_grpc.WorkerServiceStub(dch)
+            # The reference: the same request run whole (aggregated) on the prefill engine.
+            reference = tokens_of(
+                generate_sync(
+                    pstub,
+                    worker_pb2.GenerateRequest(
+                        request_id="ref", engine_id=pcard.engine_id, token_ids=PROMPT, sampling=_sampling(24)
+                    ),
+                )
+            )
+            params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+            assert list(params.block_hashes) and len(params.block_ids) == 10
+            assert params.bytes_per_block == 4096
+            responses = generate_sync(
+                dstub,
+                worker_pb2.GenerateRequest(
+                    request_id="d1",
+                    engine_id=dcard.engine_id,
+                    token_ids=PROMPT,
+                    sampling=_sampling(24),
+                    prefill_result=params,
+                ),
+            )
+            report = responses[0].kv_report
+            assert (report.offered_blocks, report.local_hit_blocks, report.transferred_blocks) == (10, 0, 10)
+            assert report.transferred_bytes == report.pull_everything_bytes == 10 * 4096
+            # Modelled at the model-true size (kvmesh-mock: 128 KiB per token) over the 1 GB/s link.
+            assert params.model_bytes_per_block == 128 * 1024 * BLOCK
+            assert report.modelled_ms == pytest.approx(10 * params.model_bytes_per_block / 1e9 * 1e3)
+            assert tokens_of(responses) == reference  # same prompt and seed: the same tokens on any engine
+            # Released by the decode worker after its pull: a second release finds nothing.
+            assert not pstub.ReleaseKv(
+                worker_pb2.ReleaseKvRequest(engine_id=pcard.engine_id, transfer_id=params.transfer_id)
+            ).released
+            # A prompt sharing the first 10 blocks, 4 blocks longer: only the 4 new blocks move.
+            longer = PROMPT[: 10 * BLOCK] + list(range(900, 900 + 4 * BLOCK + 1))
+            params2 = _prefill(pstub, pcard.engine_id, longer, "p2", prefill.address)
+            responses2 = generate_sync(
+                dstub,
+                worker_pb2.GenerateRequest(
+                    request_id="d2", engine_id=dcard.engine_id, token_ids=longer, sampling=_sampling(5),
+                    prefill_result=params2,
+                ),
+            )  # fmt: skip
+            report2 = responses2[0].kv_report
+            assert (report2.offered_blocks, report2.local_hit_blocks, report2.transferred_blocks) == (14, 10, 4)
+            assert report2.transferred_bytes == 4 * 4096 < report2.pull_everything_bytes
+        assert wait_no_active_blocks(prefill.address, pcard.engine_id).active_blocks == 0
+        assert wait_no_active_blocks(decode.address, dcard.engine_id).active_blocks == 0
+
+
+def test_a_corrupted_block_fails_the_request_with_data_loss(tmp_path):
+    discovery, prefill, decode = _pair(tmp_path, prefill_env={"KVMESH_TEST_CORRUPT_KV": "1"})
+    with running(prefill, decode):
+        prefill.wait_serving(30)
+        decode.wait_serving(30)
+        pcard, dcard = _engines(discovery)
+        with grpc.insecure_channel(prefill.address) as pch, grpc.insecure_channel(decode.address) as dch:
+            pstub, dstub = worker_pb2_grpc.WorkerServiceStub(pch), worker_pb2_grpc.WorkerServiceStub(dch)
+            params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+            with pytest.raises(RequestFailed) as failed:
+                generate_sync(
+                    dstub,
+                    worker_pb2.GenerateRequest(
+                        request_id="d1", engine_id=dcard.engine_id, token_ids=PROMPT, sampling=_sampling(8),
+                        prefill_result=params,
+                    ),
+                )  # fmt: skip
+            assert failed.value.code == grpc.StatusCode.DATA_LOSS
+            assert "failed verification" in failed.value.message
+        assert wait_no_active_blocks(prefill.address, pcard.engine_id).active_blocks == 0
+        assert wait_no_active_blocks(decode.address, dcard.engine_id).active_blocks == 0
+
+
+def test_an_unreleased_hold_expires_with_its_lease(tmp_path):
+    discovery = f"file://{tmp_path / 'disc'}"
+    prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0", "--kv-hold-timeout", "0.5")
+    with running(prefill):
+        prefill.wait_serving(30)
+        (pcard,) = cards_sync(discovery, "xfer", 1)
+        with grpc.insecure_channel(prefill.address) as pch:
+            pstub = worker_pb2_grpc.WorkerServiceStub(pch)
+            params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+            assert load(prefill.address, pcard.engine_id).active_blocks == 10  # held: pinned, counted as load
+            assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=2.0).active_blocks == 0
+            assert not pstub.ReleaseKv(
+                worker_pb2.ReleaseKvRequest(engine_id=pcard.engine_id, transfer_id=params.transfer_id)
+            ).released

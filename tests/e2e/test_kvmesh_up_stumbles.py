@@ -1,0 +1,130 @@
+"""``kvmesh up`` when things go wrong (issue 16.7): a taken port, a closed terminal, a killed parent,
+a metrics-port clash, and the temp log directory of a clean run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.daemons import script
+from tests.support.etcd import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
+def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+@pytest.fixture
+def listener() -> Iterator[int]:
+    """Another server holding a port."""
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def _up(tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [script("kvmesh"), "up", "--discovery", f"file://{tmp_path / 'disc'}", "--no-demo", "--speedup-ratio", "0",
+         *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def _wait_up(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("kvmesh is up"):
+            return
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"kvmesh up did not come up: {proc.communicate()}")
+
+
+def _leases(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "disc").rglob("*") if p.is_file())
+
+
+def test_port_in_use_is_refused_before_anything_starts(tmp_path: Path, listener: int) -> None:
+    proc = _up(tmp_path, "--grpc-port", str(listener), env={"TMPDIR": str(tmp_path)})
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "kvmesh is up" not in out
+    assert err.strip().splitlines() == [
+        f"kvmesh up: error: --grpc-port {listener}: the port is already in use by another process "
+        "(stop it, or pick a free port with --grpc-port)"
+    ]
+    assert not list(tmp_path.glob("kvmesh-up-*")), "no log dir for a run that never started"
+
+
+def test_sighup_stops_the_mesh_and_removes_the_temp_logs(tmp_path: Path) -> None:
+    proc = _up(tmp_path, "--grpc-port", str(free_port()), env={"TMPDIR": str(tmp_path)})
+    _wait_up(proc)
+    daemons = _children(proc.pid)
+    assert len(daemons) == 3
+    proc.send_signal(signal.SIGHUP)  # the terminal closed
+    assert proc.wait(30) == 0
+    assert _wait_gone(daemons) == []
+    assert not list(tmp_path.glob("kvmesh-up-*")), "a clean run leaves no temp dir"
+    assert [name for name in _leases(tmp_path) if name.endswith(".lease")] == []
+
+
+def test_daemons_die_with_a_killed_parent(tmp_path: Path) -> None:
+    proc = _up(tmp_path, "--grpc-port", str(free_port()), "--log-dir", str(tmp_path / "logs"))
+    _wait_up(proc)
+    daemons = _children(proc.pid)
+    proc.kill()  # no handler runs: only the parent-death signal can stop them
+    proc.wait()
+    assert _wait_gone(daemons) == [], "daemons outlived kvmesh up"
+
+
+def test_metrics_port_clash_is_one_line_and_exit_2(tmp_path: Path, listener: int) -> None:
+    # --metrics-port-base P: the worker gets P (taken), the router P+1, the frontend P+2.
+    proc = _up(tmp_path, "--grpc-port", str(free_port()), "--metrics-port-base", str(listener),
+               "--log-dir", str(tmp_path / "logs"))  # fmt: skip
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, (out, err)
+    assert "kvmesh is up" not in out
+    assert (
+        f"kvmesh-worker exited with 2: kvmesh-worker: error: --metrics-port {listener}: cannot bind "
+        "(Address already in use)" in err
+    ), err
+    worker_log = (tmp_path / "logs" / "kvmesh-worker.log").read_text()
+    assert "Traceback" not in worker_log
+    time.sleep(0.5)
+    assert [name for name in _leases(tmp_path) if name.endswith(".lease")] == [], "no stale lease"

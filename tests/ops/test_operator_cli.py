@@ -1,0 +1,74 @@
+"""``kvmesh status``, ``kvmesh router dump`` and ``kvmesh drain`` against a real mesh with mTLS: only an
+operator certificate may drain; a drained worker deregisters and exits 0."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvmesh_cli import certs as certs_cli
+
+from tests.security.tlsmesh import TlsMesh, tls_args
+from tests.support.daemons import run_cli
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pki") / "certs"
+    certs_cli.init(out)
+    return out
+
+
+@pytest.fixture
+def mesh(pki: Path, tmp_path: Path) -> Iterator[TlsMesh]:
+    deployment = TlsMesh(tmp_path, f"file://{tmp_path / 'discovery'}", f"o{uuid.uuid4().hex[:8]}", certs=pki)
+    try:
+        deployment.standard(engines=2)
+        yield deployment
+    finally:
+        deployment.close()
+
+
+def kvmesh(mesh: TlsMesh, *args: str, role: str = "operator") -> tuple[int, str, str]:
+    assert mesh.certs is not None
+    common = ["--discovery", mesh.url, "--namespace", mesh.namespace, *tls_args(mesh.certs, role)]
+    result = run_cli("kvmesh", *args, *common, timeout=90)
+    return result.returncode, result.stdout, result.stderr
+
+
+def test_status_and_router_dump(mesh: TlsMesh) -> None:
+    rc, out, err = kvmesh(mesh, "status", "--json")
+    assert rc == 0, err
+    rows = json.loads(out)
+    components = sorted(row["component"] for row in rows)
+    assert components.count("worker/engine") == 2 and "router/router" in components, components
+    engines = [row for row in rows if row["component"] == "worker/engine"]
+    assert all(row["model"] == "kvmesh-mock" and row["active_requests"] is not None for row in engines), engines
+    rc, out, err = kvmesh(mesh, "status")
+    assert rc == 0 and "worker/engine" in out, err
+    rc, out, err = kvmesh(mesh, "router", "dump")
+    assert rc == 0, err
+    assert len(json.loads(out)["engines"]) == 2
+
+
+def test_drain_needs_an_operator_certificate_then_deregisters_and_exits_0(mesh: TlsMesh) -> None:
+    rc, out, _ = kvmesh(mesh, "status", "--json")
+    engine = next(row for row in json.loads(out) if row["component"] == "worker/engine")
+    rc, _, err = kvmesh(mesh, "drain", engine["id"], role="frontend")
+    assert rc == 2 and "PERMISSION_DENIED" in err, err
+    rc, out, err = kvmesh(mesh, "drain", engine["id"])
+    assert rc == 0 and "deregistered" in out, out + err
+    worker = next(d for d in mesh.daemons if d.name == "kvmesh-worker")
+    assert worker.wait(15) == 0
+    rc, out, _ = kvmesh(mesh, "status", "--json")
+    assert not [row for row in json.loads(out) if row["component"] == "worker/engine"]
+
+
+def test_operator_cli_refuses_half_a_tls_config(tmp_path: Path) -> None:
+    result = run_cli("kvmesh", "status", "--discovery", f"file://{tmp_path}/d", "--tls-cert", "x")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr

@@ -1,0 +1,58 @@
+"""``kvmesh up --tls`` serves the README's tritonclient example over TLS (stock tritonclient, ``ssl=True``),
+and a plaintext client gets nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from tests.support.daemons import script
+from tests.support.etcd import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def test_kvmesh_up_tls_serves_the_readme_example_over_tls(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [script("kvmesh"), "up", "--tls", "--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'disc'}",
+         "--log-dir", str(tmp_path / "logs"), "--speedup-ratio", "0", "--no-demo"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))  # fmt: skip
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not any("client.stop_stream()" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())  # type: ignore[union-attr]
+        ca = tmp_path / "logs" / "tls" / "ca.crt"
+        assert any(f"ssl=True, root_certificates='{ca}'" in line for line in lines), "".join(lines)
+        # The README's example, with the line `kvmesh up --tls` prints.
+        outputs: list[object] = []
+        client = grpcclient.InferenceServerClient(f"localhost:{port}", ssl=True, root_certificates=str(ca))
+        inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("stream", [1], "BOOL"),
+                  grpcclient.InferInput("sampling_parameters", [1], "BYTES")]  # fmt: skip
+        inputs[0].set_data_from_numpy(np.array([b"Tell me about KV caches"], dtype=object))
+        inputs[1].set_data_from_numpy(np.array([True]))
+        inputs[2].set_data_from_numpy(np.array([b'{"max_tokens": 16}'], dtype=object))
+        client.start_stream(callback=lambda result, error: outputs.append(error or result.as_numpy("text_output")))
+        client.async_stream_infer("kvmesh-mock", inputs, enable_empty_final_response=True)
+        client.stop_stream()
+        texts = [o for o in outputs if o is not None]
+        assert texts and all(isinstance(o, np.ndarray) for o in texts), outputs
+        assert b"".join(o[0] for o in texts), outputs  # type: ignore[index]
+        with grpcclient.InferenceServerClient(f"localhost:{port}") as plain, pytest.raises(InferenceServerException):
+            plain.is_server_ready(client_timeout=3)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,141 @@
+"""mTLS between daemons, on real daemons and real TLS: no certificate, a foreign CA or plaintext is
+refused at the handshake; a mesh certificate of the wrong role is refused by the role policy
+(``kvmesh.identity``); binds default to loopback; half a TLS configuration exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh_cli import certs as certs_cli
+
+from tests.security.tlsmesh import TlsMesh, channel, credentials, health
+from tests.support.daemons import Daemon, run_cli
+from tests.support.etcd import free_port
+
+pytestmark = pytest.mark.e2e
+SERVING = 1
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("pki")
+    certs_cli.init(base / "certs")
+    certs_cli.init(base / "other")
+    return base / "certs"
+
+
+@pytest.fixture(scope="module")
+def mesh(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
+    root = tmp_path_factory.mktemp("mtls")
+    deployment = TlsMesh(root, f"file://{root / 'discovery'}", f"m{uuid.uuid4().hex[:8]}", certs=pki)
+    try:
+        deployment.standard()
+        yield deployment
+    finally:
+        deployment.close()
+
+
+def _daemon(mesh: TlsMesh, name: str) -> Daemon:
+    return next(d for d in mesh.daemons if d.name == name)
+
+
+@pytest.mark.parametrize("daemon", ["kvmesh-worker", "kvmesh-router"])
+def test_a_client_without_a_mesh_certificate_is_refused(mesh: TlsMesh, pki: Path, daemon: str) -> None:
+    address = _daemon(mesh, daemon).address
+    assert health(address, pki, "operator") == SERVING  # the mesh certificate works
+    assert health(address, pki, role=None) is None  # TLS, but no client certificate
+    assert health(address, None) is None  # plaintext
+    assert health(address, pki.parent / "other", "operator") is None  # a certificate from another CA
+
+
+def test_a_client_that_checks_the_server_refuses_an_impostor(mesh: TlsMesh, pki: Path) -> None:
+    """Role pinning: dialling a worker's address as if it were a router fails the handshake."""
+    address = _daemon(mesh, "kvmesh-worker").address
+    options = [("grpc.ssl_target_name_override", "router.kvmesh")]
+    with grpc.secure_channel(address, credentials(pki), options=options) as ch, pytest.raises(grpc.RpcError) as err:
+        worker_pb2_grpc.WorkerServiceStub(ch).GetModelCard(worker_pb2.GetModelCardRequest(), timeout=3)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_role_policy_refuses_mesh_certificates_of_other_roles(mesh: TlsMesh, pki: Path) -> None:
+    worker, router = _daemon(mesh, "kvmesh-worker").address, _daemon(mesh, "kvmesh-router").address
+    with channel(worker, pki, "client") as ch:  # a KServe client certificate is no daemon
+        with pytest.raises(grpc.RpcError) as err:
+            worker_pb2_grpc.WorkerServiceStub(ch).GetModelCard(worker_pb2.GetModelCardRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with channel(router, pki, "frontend") as ch:  # a frontend may not pose as a router replica
+        call = router_pb2_grpc.RouterServiceStub(ch).ReplicaSync(iter([router_pb2.ReplicaSyncRequest()]), timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(call))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with channel(router, pki, "worker") as ch:  # a worker may not open a routing session
+        call = router_pb2_grpc.RouterServiceStub(ch).Session(iter([router_pb2.SessionRequest()]), timeout=5)
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(call))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with channel(router, pki, "operator") as ch:  # the operator may dump the index
+        router_pb2_grpc.RouterServiceStub(ch).DumpIndex(router_pb2.DumpIndexRequest(), timeout=5)
+
+
+def _listening_hosts(port: int) -> set[str]:
+    """Local addresses listening on ``port`` (from /proc/net/tcp{,6}: no tool needed)."""
+    hosts = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, port_hex = local.rsplit(":", 1)
+            if state == "0A" and int(port_hex, 16) == port:
+                hosts.add(addr)
+    return hosts
+
+
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::ffff:127.0.0.1
+
+
+def test_every_daemon_binds_loopback_by_default(mesh: TlsMesh) -> None:
+    for daemon in mesh.daemons:
+        assert _listening_hosts(daemon.port) <= LOOPBACK and _listening_hosts(daemon.port), daemon.name
+
+
+def test_bind_host_moves_grpc_and_metrics(tmp_path: Path) -> None:
+    plain = TlsMesh(tmp_path, f"file://{tmp_path / 'discovery'}", "bind", certs=None)
+    metrics = free_port()
+    try:
+        worker = plain.start("kvmesh-worker", "worker", "--metrics-port", str(metrics))
+        plain.wait_serving(worker)
+        assert _listening_hosts(metrics) == {"0100007F"}
+        other = plain.start("kvmesh-worker", "worker", "--bind-host", "0.0.0.0", "--metrics-port", str(free_port()))
+        plain.wait_serving(other)
+        assert _listening_hosts(other.port) & {"00000000", "00000000000000000000000000000000"}
+    finally:
+        plain.close()
+
+
+def test_half_a_tls_configuration_exits_2_with_one_line(pki: Path, tmp_path: Path) -> None:
+    for name in ("kvmesh-worker", "kvmesh-router", "kvmesh-frontend"):
+        result = run_cli(name, "--discovery", f"file://{tmp_path}/d", "--tls-cert", str(pki / "worker.crt"))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.count("\n") == 1 and "--tls-key" in result.stderr, result.stderr
+    result = run_cli("kvmesh-worker", "--discovery", f"file://{tmp_path}/d", "--tls-cert", "/nonexistent",
+                     "--tls-key", str(pki / "worker.key"), "--tls-ca", str(pki / "ca.crt"))  # fmt: skip
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "/nonexistent" in result.stderr
+
+
+def test_certs_init_makes_private_keys_and_verifiable_certificates(pki: Path) -> None:
+    assert pki.stat().st_mode & 0o777 == 0o700
+    for role in certs_cli.ROLES:
+        assert (pki / f"{role}.key").stat().st_mode & 0o777 == 0o600
+        verify = subprocess.run(["openssl", "verify", "-CAfile", str(pki / "ca.crt"), str(pki / f"{role}.crt")],
+                                capture_output=True, text=True)  # fmt: skip
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        sans = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(pki / f"{role}.crt")],
+                              capture_output=True, text=True).stdout  # fmt: skip
+        assert f"URI:spiffe://kvmesh/{role}/" in sans and f"DNS:{role}.kvmesh" in sans
+        assert "IP Address:127.0.0.1" in sans
