@@ -1,0 +1,1 @@
+"""``kvmesh-planner``: watches the mesh and scales each worker pool to its latency targets."""
