@@ -13,7 +13,7 @@ from collections import deque
 from typing import Protocol
 
 import numpy as np
-from filterpy.kalman import KalmanFilter  # type: ignore[import-untyped]
+from filterpy.kalman import KalmanFilter
 
 
 class Predictor(Protocol):
