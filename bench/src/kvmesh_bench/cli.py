@@ -16,7 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "frontend": ("kvmesh_bench.frontend_bench", "latency the frontend + router add, streams/s"),
     "replay": ("kvmesh_bench.replay.cli", "replay a Mooncake trace offline (simulated) or live (KServe)"),
     "compare": ("kvmesh_bench.replay.compare", "the same replay per router mode, with ratios to round_robin"),
-    "planner-sim": ("kvmesh_bench.planner_bench", "the planner offline vs static fleets: SLA attainment, engine-seconds"),
+    "planner-sim": ("kvmesh_bench.planner_bench", "the planner offline vs static fleets (SLA, engine-s)"),
 }
 
 

@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("trace", help="Mooncake JSONL trace (e.g. from kvmesh datagen synthesize --rate-profile)")
     p.add_argument("--ttft-ms", type=float, default=600.0)
     p.add_argument("--itl-ms", type=float, default=30.0)
-    p.add_argument("--modes", default="sla:kalman,sla:constant,load:latency", help="planner runs: sla:PREDICTOR, load:PROFILE")
+    p.add_argument(
+        "--modes", default="sla:kalman,sla:constant,load:latency", help="planner runs: sla:PREDICTOR, load:PROFILE"
+    )
     p.add_argument("--statics", default="1-8", help="static fleet sizes, e.g. 1-8 or 2,4,6")
     p.add_argument("--max-engines", type=int, default=8)
     p.add_argument("--min-engines", type=int, default=1)
@@ -82,7 +84,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         results.append(
             run_planner_sim(
-                requests, fleet, cfg, engine_startup_s=args.engine_startup_s, profile=args.profile, label=f"planner {mode}"
+                requests,
+                fleet,
+                cfg,
+                engine_startup_s=args.engine_startup_s,
+                profile=args.profile,
+                label=f"planner {mode}",
             )
         )
     for size in statics:

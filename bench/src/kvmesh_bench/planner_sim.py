@@ -129,7 +129,8 @@ def run_planner_sim(
     bs = econf.block_size
     index = KvIndexer(max_entries=None)
     slots = SlotTracker(16, expiry_s=DEFAULT_EXPIRY_S)
-    admission = Admission(index, slots, config=fleet.policy(), thresholds=BusyThresholds(), rng=random.Random(fleet.seed))
+    rng = random.Random(fleet.seed)
+    admission = Admission(index, slots, config=fleet.policy(), thresholds=BusyThresholds(), rng=rng)
     perf = load_perf_model(fleet.perf_model)
     shape = EngineShape(
         total_kv_tokens=econf.num_gpu_blocks * bs,
@@ -255,9 +256,8 @@ def run_planner_sim(
                     if not e.ready:
                         e.stopped_s = now_s
         live = [e for e in engines.values() if not e.draining]
-        virtual.acknowledge(
-            planner_pb2.PlannerTargetsAck(decision_id=decision.decision_id, actual=pool_sizes({"aggregated": len(live)}))
-        )
+        actual = pool_sizes({"aggregated": len(live)})
+        virtual.acknowledge(planner_pb2.PlannerTargetsAck(decision_id=decision.decision_id, actual=actual))
         timeline.append((now_s, sum(1 for e in live if e.ready), len(live)))
 
     i = 0

@@ -16,6 +16,7 @@ The trace ends at the profile's duration or when the requests run out, whichever
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ class RateProfile:
         return self.times_s[-1]
 
     def rate(self, t: float | np.ndarray) -> np.ndarray:
-        return np.interp(t, self.times_s, self.rates)
+        return np.asarray(np.interp(t, self.times_s, self.rates))
 
     @classmethod
     def parse(cls, spec: str) -> RateProfile:
@@ -64,7 +65,7 @@ class RateProfile:
                 f"--rate-profile {spec!r}: {exc} (expected points:T=R,..., ramp:R0:R1:S, diurnal:LOW:HIGH:PERIOD:S"
                 ", spike:BASE:PEAK:AT:WIDTH:S)"
             ) from None
-        if len(times) < 2 or any(b <= a for a, b in zip(times, times[1:], strict=False)) or min(rates) < 0:
+        if len(times) < 2 or any(b <= a for a, b in itertools.pairwise(times)) or min(rates) < 0:
             raise ValueError(f"--rate-profile {spec!r}: needs increasing times and non-negative rates")
         return cls(tuple(float(t) for t in times), tuple(float(r) for r in rates))
 
