@@ -137,7 +137,9 @@ class EtcdElection:
             return False
         t = self._client.transactions
         ok, _ = await self._client.transaction(
-            compare=[t.value(self._key) == self._me], success=[t.put(self._log_key, entry.SerializeToString())]
+            compare=[t.value(self._key) == self._me],
+            success=[t.put(self._log_key, entry.SerializeToString())],
+            failure=[],
         )
         if not ok:
             self._step_down("the leader key is someone else's")

@@ -145,7 +145,12 @@ class Planner:
         entry = planner_pb2.PlannerDecisionLog(
             decision_id=decision.decision_id, target=pool_sizes(decision.target), planner_id=self.runtime.instance_id
         )
-        if not await self.election.commit(entry):
+        try:
+            committed = await self.election.commit(entry)
+        except Exception:
+            self.core = None  # its state ran ahead of the log: rebuild from the log next tick
+            raise
+        if not committed:
             log.warning("decision %d not committed: no longer the leader; not applying it", decision.decision_id)
             self.core = None
             return
