@@ -34,7 +34,8 @@ cmd="$1"; shift
 case "$cmd" in
   list-units)
     for f in "$STATE"/units/*; do [ -e "$f" ] && echo "$(basename "$f") loaded active running kvmesh worker"; done ;;
-  start) n=$(cat "$STATE/nextpid" 2>/dev/null || echo 1000); echo "$n" > "$STATE/units/$1"; echo $((n+1)) > "$STATE/nextpid" ;;
+  start) n=$(cat "$STATE/nextpid" 2>/dev/null || echo 1000)
+         echo "$n" > "$STATE/units/$1"; echo $((n+1)) > "$STATE/nextpid" ;;
   show) unit="$4"; if [ -e "$STATE/units/$unit" ]; then cat "$STATE/units/$unit"; else echo 0; fi ;;
   stop) unit="$2"; rm -f "$STATE/units/$unit" ;;
   is-active) if [ -e "$STATE/units/$1" ]; then echo active; else echo inactive; exit 3; fi ;;

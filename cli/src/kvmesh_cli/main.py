@@ -16,6 +16,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("kvmesh_cli.up", "register"),
     ("kvmesh_bench.cli", "register"),
     ("kvmesh_bench.datagen.cli", "register"),
+    ("kvmesh_cli.planner", "register"),
 )
 
 

@@ -23,6 +23,7 @@ from kvmesh_frontend.settings import Settings as FrontendSettings
 from kvmesh_router.settings import Settings as RouterSettings
 from kvmesh_worker.settings import Settings as WorkerSettings
 
+from kvmesh_cli import planner as up_planner
 from kvmesh_cli.kserve_demo import demo_request, server_ready
 
 EXAMPLE = """\
@@ -43,6 +44,7 @@ DAEMONS: dict[str, type[DaemonSettings]] = {
     "kvmesh-worker": WorkerSettings,
     "kvmesh-router": RouterSettings,
     "kvmesh-frontend": FrontendSettings,
+    "kvmesh-planner": up_planner.PlannerSettings,
 }
 
 
@@ -80,6 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None, help="where daemon logs go (default: a temp dir)")
     p.add_argument("--no-demo", action="store_true", help="do not send the demo request")
     p.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for ServerReady")
+    up_planner.add_up_flags(p)
     p.set_defaults(func=run)
 
 
@@ -138,7 +141,10 @@ def run(args: argparse.Namespace) -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
-        procs.append(_spawn("kvmesh-worker", worker_args, log_dir))
+        if args.planner:  # the planner starts (and stops) the workers itself
+            procs.append(_spawn("kvmesh-planner", up_planner.planner_argv(args, common, worker_args), log_dir))
+        else:
+            procs.append(_spawn("kvmesh-worker", worker_args, log_dir))
         procs.append(_spawn("kvmesh-router", router_args, log_dir))
         procs.append(_spawn("kvmesh-frontend", [*common, "--grpc-port", str(args.grpc_port)], log_dir))
         address = f"127.0.0.1:{args.grpc_port}"
