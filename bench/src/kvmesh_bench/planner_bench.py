@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, help="engine profile NPZ (default: the shipped mocker profile)")
     p.add_argument("--arrival-speedup", type=float, default=1.0)
     p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per engine (worker flag)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG")
     return p
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TraceError, ValueError, OSError) as exc:
         print(f"kvmesh bench planner-sim: error: {exc}", file=sys.stderr)
         return 2
-    fleet = OfflineConfig()
+    fleet = OfflineConfig(max_num_seqs=args.max_num_seqs)
     results: list[SimResult] = []
     for mode in [m for m in args.modes.split(",") if m]:
         kind, _, variant = mode.partition(":")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sys
 import time
@@ -125,6 +126,9 @@ class Planner:
             self.core = PlannerCore(core_config(self.cfg, self._shape()), self.profile, first_decision_id=first)
             await self.connector.start()
             log.info("leading: decisions continue from id %d", first)
+        shape = self._shape()  # engines register after the core is built: follow their model cards
+        if shape != self.core.config.shape:
+            self.core.config = dataclasses.replace(self.core.config, shape=shape)
         if isinstance(self.connector, VirtualConnector) and self.connector.pending():
             log.info("waiting for the orchestrator to acknowledge the latest decision")
             return
