@@ -182,6 +182,8 @@ def test_sla_correction_factor_adds_engines_when_observed_latency_exceeds_the_ex
 def test_sla_scale_down_sheds_at_most_a_quarter_per_interval():
     core = PlannerCore(sla_cfg(), load_profile(None))
     d = core.decide(Observation(0, (), {"aggregated": 12}, {}, traffic(0.5)))
+    assert d.target["aggregated"] == 12 and "1/2 intervals" in d.reason  # one low interval is not enough
+    d = core.decide(Observation(10, (), {"aggregated": 12}, {}, traffic(0.5)))
     assert d.target["aggregated"] == 9
 
 

@@ -110,6 +110,8 @@ class PlannerConfig:
     """Minimum time from any scale change of a pool to its next scale-down."""
     down_confirmations: int = 3
     """Load mode: consecutive intervals the scale-down condition must hold."""
+    sla_down_confirmations: int = 2
+    """SLA mode: consecutive intervals a lower engine count must be predicted before scaling down."""
     down_projection_margin: float = 0.8
     """Scale down only if the load moved onto one engine fewer stays below this x the scale-up threshold."""
     ttft_ms: float = 500.0

@@ -10,8 +10,10 @@ Invariants (tests: ``tests/planner/test_core.py``):
   engines it already asked for have not absorbed the load yet) nor down.
 - **Anti-oscillation.** A scale-down needs (load mode) ``down_confirmations`` consecutive intervals of
   agreement, the load projected onto one engine fewer to stay below ``down_projection_margin`` x the
-  scale-up threshold, and ``scale_down_cooldown_s`` since the pool's last change. A scale-up only waits for
-  ``scale_up_cooldown_s``: being late to scale up costs SLA, being late to scale down only engine-seconds.
+  scale-up threshold, and ``scale_down_cooldown_s`` since the pool's last change; in SLA mode a lower
+  count must be predicted ``sla_down_confirmations`` intervals in a row (one noisy ISL/OSL sample does
+  not drain an engine). A scale-up only waits for ``scale_up_cooldown_s``: being late to scale up costs
+  SLA, being late to scale down only engine-seconds.
 - **Decision ids** are consecutive from ``first_decision_id``; a decision that changes nothing still gets
   one (the audit trail has every interval), so a new leader continues from the last committed id.
 """
@@ -200,7 +202,13 @@ class PlannerCore:
         n = previous[pool]
         reason = f"{pool}: predicted {rate:.3g} req/s / {per_engine:.3g} req/s per engine -> {needed}"
         if want < n:
-            if obs.starting.get(pool, 0):
+            state.down_streak += 1
+        else:
+            state.down_streak = 0
+        if want < n:
+            if state.down_streak < cfg.sla_down_confirmations:
+                want, reason = n, f"{reason}; lower for {state.down_streak}/{cfg.sla_down_confirmations} intervals"
+            elif obs.starting.get(pool, 0):
                 want, reason = n, f"{reason}; holding while engines start"
             elif obs.now - state.last_change < cfg.scale_down_cooldown_s:
                 want, reason = n, f"{reason}; holding (scale-down cooldown)"
