@@ -24,6 +24,7 @@ pytestmark = pytest.mark.e2e
         (["--predictor", "prophet"], "--predictor (from flag): unknown predictor 'prophet'"),
         (["--connector", "k8s"], "--connector"),
         (["--min-engines", "5", "--max-engines", "2"], "--min-engines is above --max-engines"),
+        (["--connector", "local", "--worker-command", "/nonexistent/kvmesh-worker"], "--worker-command"),
     ],
 )
 def test_bad_settings_exit_2_with_one_line(args, message):

@@ -190,9 +190,12 @@ async def serve(cfg: Settings) -> int:
         runtime.resources.push_async_callback(observer.close)
         connector: Connector
         if cfg.connector == "local":
-            connector = LocalConnector(
-                cfg.worker_command, cfg.discovery, cfg.namespace, cfg.worker_args, drain_timeout=cfg.drain_timeout
-            )
+            try:
+                connector = LocalConnector(
+                    cfg.worker_command, cfg.discovery, cfg.namespace, cfg.worker_args, drain_timeout=cfg.drain_timeout
+                )
+            except ValueError as exc:
+                fail(PROG, f"--worker-command: {exc}")
         elif cfg.connector == "systemd":
             connector = SystemdConnector(cfg.systemctl, cfg.unit_template)
         else:

@@ -54,6 +54,8 @@ class LocalConnector:
             beside = Path(sys.executable).parent / command[0]
             if beside.exists():
                 command[0] = str(beside)
+        if not command or not shutil.which(command[0]):  # fail at start, not at the first scale-up
+            raise ValueError(f"{worker_command!r} is not an executable")
         self._argv = [
             *command,
             "--discovery",
