@@ -63,3 +63,16 @@ def test_serves_health_reflection_status_metrics_and_exits_0_on_sigterm(tmp_path
         d.wait_log(r"decision 1 mode=load aggregated=0->1 reason='aggregated: below its minimum 1'")
         d.signal(signal.SIGTERM)
         assert d.wait(20) == 0
+
+
+def test_the_planner_applies_the_tuned_grpc_experiments():
+    import os
+    import subprocess
+    import sys
+
+    from kvmesh.grpc_core import EXPERIMENTS_ENV, TUNED_EXPERIMENTS
+
+    env = {k: v for k, v in os.environ.items() if k != EXPERIMENTS_ENV}
+    code = f"import os, kvmesh_planner.main; print(os.environ.get({EXPERIMENTS_ENV!r}, '<unset>'))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == TUNED_EXPERIMENTS
