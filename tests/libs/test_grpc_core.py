@@ -23,6 +23,7 @@ ENTRY_POINTS = [
     "kvmesh_frontend.main",
     "kvmesh_router.main",
     "kvmesh_worker.main",
+    "kvmesh_planner.main",
     "kvmesh_cli.main",
     "kvmesh_bench.cli",
 ]

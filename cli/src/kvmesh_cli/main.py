@@ -21,6 +21,7 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("kvmesh_bench.cli", "register"),
     ("kvmesh_bench.datagen.cli", "register"),
     ("kvmesh_bench.profile", "register"),
+    ("kvmesh_cli.planner", "register"),
 )
 
 

@@ -28,6 +28,7 @@ from kvmesh_frontend.settings import Settings as FrontendSettings
 from kvmesh_router.settings import Settings as RouterSettings
 from kvmesh_worker.settings import Settings as WorkerSettings
 
+from kvmesh_cli import planner as up_planner
 from kvmesh_cli.kserve_demo import demo_request, server_ready
 from kvmesh_cli.up_tls import add_tls_argument, daemon_tls_args, kserve_credentials, prepare_tls
 
@@ -49,6 +50,7 @@ DAEMONS: dict[str, type[DaemonSettings]] = {
     "kvmesh-worker": WorkerSettings,
     "kvmesh-router": RouterSettings,
     "kvmesh-frontend": FrontendSettings,
+    "kvmesh-planner": up_planner.PlannerSettings,
 }
 
 
@@ -121,6 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--ready-timeout", type=float, default=None, help="seconds to wait for ServerReady (default: 60, vLLM 240)"
     )
+    up_planner.add_up_flags(p)
     p.set_defaults(func=run)
 
 
@@ -282,7 +285,9 @@ def run(args: argparse.Namespace) -> int:
         worker_args += daemon_tls_args(tls_dir, "worker")
         router_args += daemon_tls_args(tls_dir, "router")
         frontend_args += daemon_tls_args(tls_dir, "frontend")
-        if args.decode_workers:
+        if args.planner:  # the planner starts (and stops) the workers itself, one engine each
+            procs.append(_spawn("kvmesh-planner", up_planner.planner_argv(args, common, worker_args), log_dir))
+        elif args.decode_workers:
             for role, count in (("decode", args.decode_workers), ("prefill", args.prefill_workers)):
                 for i in range(count):
                     role_args = worker(["--num-engines", "1", "--role", role])

@@ -82,8 +82,20 @@ def _synthesize(args: argparse.Namespace) -> int:
         seed=args.seed,
         sampling=args.sampling,
     )
+    profile = None
+    if args.rate_profile:
+        from kvmesh_bench.datagen.rate_profile import RateProfile
+
+        try:
+            profile = RateProfile.parse(args.rate_profile)
+        except ValueError as exc:
+            raise DatagenError(str(exc)) from None
     synthesizer = Synthesizer(source, config)
     requests = synthesizer.generate(args.num_requests)
+    if profile is not None:
+        from kvmesh_bench.datagen.rate_profile import retime
+
+        requests = retime(requests, profile, seed=args.seed)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)  # as --json does
     write_trace(args.output, requests)
     tree = synthesizer.tree
@@ -194,6 +206,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     synth.add_argument(
         "--max-requests", metavar="N", type=positive_int, help="learn from the first N source requests only"
+    )
+    synth.add_argument(
+        "--rate-profile",
+        metavar="SPEC",
+        help="redraw the arrival times as a Poisson process with this time-varying rate (req/s): "
+        "points:T=R,... | ramp:R0:R1:S | diurnal:LOW:HIGH:PERIOD:S | spike:BASE:PEAK:AT:WIDTH:S "
+        "(kvmesh_bench.datagen.rate_profile); --num-requests caps the count, the profile's length ends it",
     )
     synth.set_defaults(func=_guarded(_synthesize))
 

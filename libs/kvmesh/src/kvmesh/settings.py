@@ -33,7 +33,7 @@ ENV_PREFIX = "KVMESH_"
 _NOT_SETTINGS = ("KVMESH_CONFIG",)
 _NOT_SETTINGS_PREFIX = "KVMESH_TEST_"
 # Tables a shared config file may hold: [common] plus one per daemon (each daemon checks its own).
-TABLES = ("common", "frontend", "router", "worker")
+TABLES = ("common", "frontend", "router", "worker", "planner")
 
 
 def fail(prog: str, message: str) -> NoReturn:

@@ -1,0 +1,169 @@
+"""``kvmesh bench planner-sim TRACE``: the planner offline, against static fleets of every size.
+
+Runs ``kvmesh_bench.planner_sim`` once per planner mode and once per static fleet size, prints the table
+(SLA attainment, engine-seconds, scaling events, latency percentiles) with the goal check (>= 95 %
+attainment with <= 75 % of the engine-seconds of the smallest static fleet that reaches 95 %), writes
+``--json PATH`` and a PNG of pool size and latency over time next to it (or ``--plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from kvmesh_planner.core import PlannerConfig, PoolBounds
+
+from kvmesh_bench.planner_sim import SimResult, run_planner_sim
+from kvmesh_bench.replay.offline import OfflineConfig
+from kvmesh_bench.replay.workload import build_requests
+from kvmesh_bench.trace import TraceError, load_trace
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvmesh bench planner-sim", description=__doc__)
+    p.add_argument("trace", help="Mooncake JSONL trace (e.g. from kvmesh datagen synthesize --rate-profile)")
+    p.add_argument("--ttft-ms", type=float, default=600.0)
+    p.add_argument("--itl-ms", type=float, default=30.0)
+    p.add_argument(
+        "--modes", default="sla:kalman,sla:constant,load:latency", help="planner runs: sla:PREDICTOR, load:PROFILE"
+    )
+    p.add_argument("--statics", default="1-8", help="static fleet sizes, e.g. 1-8 or 2,4,6")
+    p.add_argument("--max-engines", type=int, default=8)
+    p.add_argument("--min-engines", type=int, default=1)
+    p.add_argument("--interval", type=float, default=10.0)
+    p.add_argument("--engine-startup-s", type=float, default=20.0)
+    p.add_argument("--scale-down-cooldown", type=float, default=30.0)
+    p.add_argument("--sla-headroom", type=float, default=0.7)
+    p.add_argument("--profile", default=None, help="engine profile NPZ (default: the shipped mocker profile)")
+    p.add_argument("--arrival-speedup", type=float, default=1.0)
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per engine (worker flag)")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG")
+    return p
+
+
+def _sizes(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in spec.split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            out += list(range(int(a), int(b) + 1))
+        elif part:
+            out.append(int(part))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        rows = load_trace(args.trace, max_requests=args.max_requests)
+        requests, _ = build_requests(rows, arrival_speedup=args.arrival_speedup)
+        statics = _sizes(args.statics)
+    except (TraceError, ValueError, OSError) as exc:
+        print(f"kvmesh bench planner-sim: error: {exc}", file=sys.stderr)
+        return 2
+    fleet = OfflineConfig(max_num_seqs=args.max_num_seqs)
+    results: list[SimResult] = []
+    for mode in [m for m in args.modes.split(",") if m]:
+        kind, _, variant = mode.partition(":")
+        cfg = PlannerConfig(
+            mode="sla" if kind == "sla" else "load",
+            load_profile="latency" if variant == "latency" else "throughput",
+            predictor=variant if kind == "sla" and variant else "kalman",
+            pools={"aggregated": PoolBounds(args.min_engines, args.max_engines)},
+            max_engines=args.max_engines,
+            interval_s=args.interval,
+            ttft_ms=args.ttft_ms,
+            itl_ms=args.itl_ms,
+            scale_down_cooldown_s=args.scale_down_cooldown,
+            sla_headroom=args.sla_headroom,
+        )
+        results.append(
+            run_planner_sim(
+                requests,
+                fleet,
+                cfg,
+                engine_startup_s=args.engine_startup_s,
+                profile=args.profile,
+                label=f"planner {mode}",
+            )
+        )
+    for size in statics:
+        results.append(run_planner_sim(requests, fleet, None, static_engines=size))
+    rows_out = [r.summary(args.ttft_ms, args.itl_ms) for r in results]
+    static_ok = [s for s in rows_out if str(s["label"]).startswith("static") and float(s["sla_attainment"]) >= 0.95]  # type: ignore[arg-type]
+    baseline = min((float(s["engine_seconds"]) for s in static_ok), default=float("nan"))  # type: ignore[arg-type]
+    print(f"trace {args.trace}: {len(requests)} requests, TTFT <= {args.ttft_ms:g} ms, ITL <= {args.itl_ms:g} ms, "
+          f"engine start-up {args.engine_startup_s:g} s")
+    print(f"{'run':<24} {'SLA':>7} {'engine-s':>9} {'vs static':>9} {'events':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
+          f"{'ITL p95':>8} {'failed':>6}")
+    for s in rows_out:
+        ratio = float(s["engine_seconds"]) / baseline if baseline == baseline else float("nan")  # type: ignore[arg-type]
+        s["engine_seconds_vs_smallest_static_95"] = ratio
+        s["goal_met"] = bool(float(s["sla_attainment"]) >= 0.95 and ratio <= 0.75)  # type: ignore[arg-type]
+        print(
+            f"{s['label']!s:<24} {float(s['sla_attainment']):>7.1%} {float(s['engine_seconds']):>9.0f} {ratio:>9.2f} "  # type: ignore[arg-type]
+            f"{s['scaling_events']!s:>6} {float(s['ttft_p50_ms']):>9.0f} {float(s['ttft_p95_ms']):>9.0f} "  # type: ignore[arg-type]
+            f"{float(s['itl_p95_ms']):>8.1f} {s['failed']!s:>6}"  # type: ignore[arg-type]
+        )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        planners = [r for r in results if r.label.startswith("planner")]
+        data = {
+            "trace": args.trace,
+            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+            "smallest_static_95_engine_seconds": baseline,
+            "runs": rows_out,
+            "timelines": {r.label: r.timeline for r in planners},
+            "decisions": {r.label: r.decisions for r in planners},
+        }
+        Path(args.json).write_text(json.dumps(data, indent=1, default=float))
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        _plot(results, args, plot)
+    return 0
+
+
+def _plot(results: list[SimResult], args: argparse.Namespace, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    planners = [r for r in results if r.label.startswith("planner")]
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    arrivals = planners[0].arrival_ms / 1000.0 if planners else np.array([])
+    if arrivals.size:
+        bins = np.arange(0, arrivals.max() + 10, 10)
+        counts, _ = np.histogram(arrivals, bins)
+        axes[0].plot(bins[:-1], counts / 10.0, color="black")
+    axes[0].set_ylabel("arrivals (req/s)")
+    for r in planners:
+        t = [x[0] for x in r.timeline]
+        axes[1].step(t, [x[2] for x in r.timeline], where="post", label=f"{r.label} (asked for)")
+        axes[1].step(t, [x[1] for x in r.timeline], where="post", linestyle=":", label=f"{r.label} (ready)")
+        order = np.argsort(r.arrival_ms)
+        ttft = np.minimum(r.ttft_ms[order], 1e5)
+        w = 50
+        if ttft.size > w:
+            roll = np.convolve(ttft, np.ones(w) / w, mode="valid")
+            axes[2].plot(r.arrival_ms[order][w - 1 :] / 1000.0, roll, label=r.label)
+    axes[1].set_ylabel("engines")
+    axes[1].legend(fontsize=7)
+    axes[2].axhline(args.ttft_ms, color="red", linestyle="--", label="TTFT target")
+    axes[2].set_ylabel("TTFT, 50-request mean (ms)")
+    axes[2].set_yscale("log")
+    axes[2].set_xlabel("time (s)")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""``kvmesh planner status`` (the planner's current view), and the ``kvmesh up --planner`` flags.
+
+``status`` finds the planner replicas in discovery, asks each for ``GetStatus`` and prints the leader's
+view: pool sizes observed / desired / starting / draining, and its latest decision with the inputs,
+the prediction and the reason. ``--json`` prints the replies as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+from typing import Any
+
+from kvmesh_planner.settings import Settings as PlannerSettings
+
+__all__ = ["PlannerSettings", "add_up_flags", "planner_argv", "register"]
+
+POOLS = ("aggregated", "prefill", "decode")
+
+
+def add_up_flags(p: argparse.ArgumentParser) -> None:
+    """Flags ``kvmesh up`` gets for ``--planner`` (kept here so up.py's edit stays small)."""
+    p.add_argument(
+        "--planner",
+        action="store_true",
+        help="run kvmesh-planner (local connector) instead of a fixed worker: it starts and stops one "
+        "kvmesh-worker per engine between --min-engines and --max-engines",
+    )
+    p.add_argument("--min-engines", type=int, default=1, help="with --planner: smallest pool (default: 1)")
+    p.add_argument("--max-engines", type=int, default=4, help="with --planner: largest pool (default: 4)")
+    p.add_argument(
+        "--planner-args",
+        default="",
+        help="with --planner: extra kvmesh-planner flags, e.g. '--ttft-ms 500 --itl-ms 30'",
+    )
+
+
+def planner_argv(args: argparse.Namespace, common: list[str], worker_args: list[str]) -> list[str]:
+    """kvmesh-planner's command line: it passes the worker flags on to every worker it starts."""
+    own = {"--discovery", "--namespace"}
+    extra: list[str] = []
+    skip = False
+    for a in worker_args:  # the planner gives each worker --discovery/--namespace itself, one engine each
+        if skip:
+            skip = False
+            continue
+        if a in own or a == "--num-engines":
+            skip = True
+            continue
+        extra.append(a)
+    return [
+        *common,
+        "--connector",
+        "local",
+        "--min-engines",
+        str(args.min_engines),
+        "--max-engines",
+        str(args.max_engines),
+        "--worker-args",
+        shlex.join(extra),
+        *shlex.split(args.planner_args),
+    ]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("planner", help="the planner: kvmesh planner status")
+    sub = p.add_subparsers(dest="planner_command", required=True)
+    s = sub.add_parser("status", help="print the planner's current view and latest decision")
+    s.add_argument("--discovery", default=None, help="discovery URL (default: the per-user file backend)")
+    s.add_argument("--namespace", default="kvmesh", help="discovery namespace (default: kvmesh)")
+    s.add_argument("--address", default=None, help="ask this planner (host:port) instead of looking it up")
+    s.add_argument("--json", action="store_true", help="print the replies as JSON")
+    s.set_defaults(func=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    try:
+        replies = asyncio.run(_fetch(args))
+    except RuntimeError as exc:
+        print(f"kvmesh planner status: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps([{"address": a, **MessageToDict(r)} for a, r in replies], indent=1))
+        return 0
+    for address, reply in replies:
+        print(_format(address, reply))
+    return 0
+
+
+async def _fetch(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    import grpc
+    from kvmesh.discovery import DiscoveryUnavailable, instance_prefix, open_discovery
+    from kvmesh.settings import default_discovery_url
+    from kvmesh.v1 import discovery_pb2, planner_pb2, planner_pb2_grpc
+
+    addresses = [args.address] if args.address else []
+    if not addresses:
+        try:
+            disc = await open_discovery(args.discovery or default_discovery_url(), ttl=10.0, connect_timeout=3.0)
+        except (ValueError, DiscoveryUnavailable) as exc:
+            raise RuntimeError(f"--discovery: {exc}") from None
+        try:
+            recs = await disc.get_prefix(instance_prefix(args.namespace, "planner"))
+        finally:
+            await disc.close()
+        addresses = sorted(discovery_pb2.InstanceRecord.FromString(v).address for v in recs.values())
+    if not addresses:
+        raise RuntimeError(f"no planner registered in namespace {args.namespace!r}")
+    out = []
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                reply = await planner_pb2_grpc.PlannerServiceStub(channel).GetStatus(
+                    planner_pb2.GetStatusRequest(), timeout=3.0
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise RuntimeError(f"planner {address}: {exc.code().name}: {exc.details()}") from None
+        out.append((address, reply))
+    out.sort(key=lambda item: not item[1].leader)
+    return out
+
+
+def _sizes(msg: Any) -> str:
+    return " ".join(f"{p}={getattr(msg, p)}" for p in POOLS if getattr(msg, p)) or "none"
+
+
+def _format(address: str, r: Any) -> str:
+    lines = [
+        f"planner {address}: {'LEADER' if r.leader else 'standby'}, mode {r.mode}, connector {r.connector}",
+        f"  engines observed: {_sizes(r.observed)}; desired: {_sizes(r.desired)}; "
+        f"starting: {_sizes(r.starting)}; draining: {_sizes(r.draining)}",
+    ]
+    if r.HasField("latest"):
+        d = r.latest
+        lines.append(
+            f"  latest decision {d.decision_id}: {_sizes(d.previous)} -> {_sizes(d.target)}"
+            f" (applied: {d.applied}) reason: {d.reason}"
+        )
+        if d.inputs:
+            lines.append("  inputs: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(d.inputs.items())))
+        if d.HasField("prediction"):
+            q = d.prediction
+            lines.append(
+                f"  prediction ({q.predictor}): {q.request_rate:.3g} req/s, ISL {q.isl:.0f}, OSL {q.osl:.0f}; "
+                f"{q.engine_request_rate:.3g} req/s per engine; corrections TTFT x{q.ttft_correction:.2f}, "
+                f"ITL x{q.itl_correction:.2f}"
+            )
+    return "\n".join(lines)

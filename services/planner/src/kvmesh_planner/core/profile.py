@@ -1,0 +1,139 @@
+"""Per-engine performance profile, and the capacity of one engine under latency targets.
+
+Format: the mocker's NPZ profile (``kvmesh_worker.engine.perf_model``, Dynamo's ``--planner-profile-data``):
+``prefill_isl`` -> ``prefill_ttft_ms`` (1-D) and ``decode_active_kv_tokens`` x ``decode_context_length``
+-> ``decode_itl`` (ms, 2-D). The same file drives a mocker engine and the planner, and a profile measured
+against a real engine by ``kvmesh profile`` has the same keys. ``profiles/mocker-polynomial.npz`` ships
+with the planner: the mocker's default polynomial model sampled on a grid (``tests/planner`` checks it
+against the mocker's own model).
+
+Capacity model of one aggregated engine at ``rate`` requests/s (the mocker adds a pass's prefill time to
+its decode time, so prefill work stretches every decode step):
+
+- prefill busy share ``rho = rate * P / 1000``, ``P`` = prefill time of one prompt (chunked by
+  ``max_num_batched_tokens``);
+- ``ITL = D(kv) / (1 - rho)``, ``D`` the decode step at the KV tokens held by ``C`` concurrent requests,
+  ``C = rate * (TTFT + OSL * ITL)`` (Little's law, solved by fixed-point iteration);
+- ``TTFT = D + P + rho * P / (2 (1 - rho))`` (a pass in flight, the prompt, an M/D/1 queue).
+
+``max_rate`` bisects for the highest rate whose predicted means stay within the (corrected) targets.
+"""
+
+from __future__ import annotations
+
+import math
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from kvmesh_planner.core.model import EngineShape
+
+_KEYS = ("prefill_isl", "prefill_ttft_ms", "decode_active_kv_tokens", "decode_context_length", "decode_itl")
+BUILTIN = "mocker-polynomial"
+
+
+class EngineProfile:
+    def __init__(
+        self,
+        prefill_isl: np.ndarray,
+        prefill_ttft_ms: np.ndarray,
+        decode_active_kv_tokens: np.ndarray,
+        decode_context_length: np.ndarray,
+        decode_itl: np.ndarray,
+    ) -> None:
+        order = np.argsort(prefill_isl)
+        self.isl = np.asarray(prefill_isl, dtype=float)[order]
+        self.ttft = np.asarray(prefill_ttft_ms, dtype=float)[order]
+        kv, ctx = np.asarray(decode_active_kv_tokens, dtype=float), np.asarray(decode_context_length, dtype=float)
+        itl = np.asarray(decode_itl, dtype=float)
+        if itl.shape != (kv.size, ctx.size):
+            raise ValueError(f"decode_itl has shape {itl.shape}, expected ({kv.size}, {ctx.size})")
+        ko, co = np.argsort(kv), np.argsort(ctx)
+        self.kv, self.ctx, self.itl = kv[ko], ctx[co], itl[ko][:, co]
+
+    @classmethod
+    def from_npz(cls, path: str | Path) -> EngineProfile:
+        with np.load(path) as data:
+            missing = set(_KEYS) - set(data.files)
+            if missing:
+                raise ValueError(f"{path}: missing arrays {sorted(missing)}")
+            return cls(*(data[k] for k in _KEYS))
+
+    def prefill_pass_ms(self, tokens: float) -> float:
+        return max(0.0, float(np.interp(tokens, self.isl, self.ttft)))
+
+    def prefill_ms(self, isl: float, chunk: int) -> float:
+        """Compute time of one prompt of ``isl`` uncached tokens, in passes of at most ``chunk`` tokens."""
+        if isl <= 0:
+            return 0.0
+        full, rest = divmod(isl, chunk)
+        return full * self.prefill_pass_ms(chunk) + (self.prefill_pass_ms(rest) if rest else 0.0)
+
+    def decode_ms(self, kv_tokens: float, context: float) -> float:
+        """Bilinear on the (KV tokens, context) grid, clamped to its edges."""
+        i, fx = _locate(self.kv, kv_tokens)
+        j, fy = _locate(self.ctx, context)
+        z = self.itl
+        i1, j1 = min(i + 1, z.shape[0] - 1), min(j + 1, z.shape[1] - 1)
+        top = z[i, j] * (1 - fy) + z[i, j1] * fy
+        bottom = z[i1, j] * (1 - fy) + z[i1, j1] * fy
+        return max(0.0, float(top * (1 - fx) + bottom * fx))
+
+    def latency(self, rate: float, isl: float, osl: float, shape: EngineShape) -> tuple[float, float, float]:
+        """Predicted mean (TTFT ms, ITL ms, concurrency) of one engine at ``rate`` req/s; inf when saturated."""
+        p = self.prefill_ms(isl, shape.max_num_batched_tokens)
+        rho = rate * p / 1000.0
+        if rho >= 0.98:
+            return math.inf, math.inf, math.inf
+        context = isl + osl / 2.0
+        itl = self.decode_ms(0.0, context) / (1 - rho)
+        ttft = p
+        conc = 0.0
+        for _ in range(30):
+            conc = rate * (ttft + max(0.0, osl - 1) * itl) / 1000.0
+            kv = conc * context
+            if kv > shape.total_kv_tokens or conc > shape.max_num_seqs:
+                return math.inf, math.inf, conc
+            d = self.decode_ms(kv, context)
+            new_itl = d / (1 - rho)
+            ttft = d + p + rho * p / (2 * (1 - rho))
+            if abs(new_itl - itl) < 1e-6:
+                itl = new_itl
+                break
+            itl = new_itl
+        return ttft, itl, conc
+
+    def max_rate(self, isl: float, osl: float, ttft_ms: float, itl_ms: float, shape: EngineShape) -> float:
+        """Highest request rate one engine serves with mean TTFT <= ``ttft_ms`` and mean ITL <= ``itl_ms``."""
+
+        def ok(rate: float) -> bool:
+            ttft, itl, _ = self.latency(rate, isl, osl, shape)
+            return ttft <= ttft_ms and itl <= itl_ms
+
+        if not ok(1e-6):
+            return 0.0
+        lo, hi = 0.0, 1.0
+        while ok(hi) and hi < 1e6:
+            lo, hi = hi, hi * 2
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return lo
+
+
+def load_profile(spec: str | None) -> EngineProfile:
+    """``None`` or ``mocker-polynomial``: the shipped profile of the mocker's default model; else an NPZ path."""
+    if spec is None or spec in (BUILTIN, "polynomial"):
+        with resources.as_file(resources.files("kvmesh_planner") / "profiles" / f"{BUILTIN}.npz") as path:
+            return EngineProfile.from_npz(path)
+    return EngineProfile.from_npz(spec)
+
+
+def _locate(axis: np.ndarray, value: float) -> tuple[int, float]:
+    if value <= axis[0]:
+        return 0, 0.0
+    if value >= axis[-1]:
+        return axis.size - 1, 0.0
+    i = int(np.searchsorted(axis, value, side="right")) - 1
+    return i, float((value - axis[i]) / (axis[i + 1] - axis[i]))

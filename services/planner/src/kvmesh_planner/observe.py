@@ -1,0 +1,278 @@
+"""What the planner watches, turned into the core's ``Observation`` (the I/O half of the planner).
+
+Sources, each through a contract or a scrape:
+
+- **engines**: worker instance records and model cards in discovery (who exists, pid, role, KV capacity,
+  context length), and one ``WorkerService.WatchLoad`` stream per worker process with
+  ``forward_pass_metrics`` on (active blocks, queued prefill tokens, waiting/running, per-pass metrics);
+- **router**: ``RouterService.GetActiveLoad`` of one router replica per interval (requests booked per engine);
+- **traffic and latency**: a scrape of every frontend's Prometheus endpoint (``metrics_address`` in its
+  instance record): the deltas over the interval of ``kvmesh_frontend_input_tokens`` /
+  ``output_tokens`` (request count, mean ISL and OSL) and ``time_to_first_token_seconds`` /
+  ``inter_token_latency_seconds`` (mean TTFT and ITL). A scrape, as Dynamo's planner scrapes Prometheus;
+  the frontend has no contract for it and needs none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from kvmesh.discovery import (
+    Discovery,
+    Removed,
+    Snapshot,
+    apply_watch_event,
+    instance_prefix,
+    model_prefix,
+    parse_model_key,
+)
+from kvmesh.grpc_options import CLIENT_OPTIONS
+from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmesh_planner.connectors.base import EngineRef
+from kvmesh_planner.core.model import EngineObservation, Pool, TrafficObservation
+
+log = logging.getLogger(__name__)
+
+_ROLE: dict[int, Pool] = {
+    discovery_pb2.WORKER_ROLE_UNSPECIFIED: "aggregated",
+    discovery_pb2.WORKER_ROLE_AGGREGATED: "aggregated",
+    discovery_pb2.WORKER_ROLE_PREFILL: "prefill",
+    discovery_pb2.WORKER_ROLE_DECODE: "decode",
+}
+_FAMILIES = {
+    "kvmesh_frontend_input_tokens": "isl",
+    "kvmesh_frontend_output_tokens": "osl",
+    "kvmesh_frontend_time_to_first_token_seconds": "ttft",
+    "kvmesh_frontend_inter_token_latency_seconds": "itl",
+}
+
+
+@dataclass(slots=True)
+class _Totals:
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+
+
+def parse_frontend_metrics(text: str) -> _Totals:
+    """Sum and count of each watched histogram, over every label set."""
+    out = _Totals()
+    for family in text_string_to_metric_families(text):
+        key = _FAMILIES.get(family.name)
+        if key is None:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                out.sums[key] = out.sums.get(key, 0.0) + sample.value
+            elif sample.name.endswith("_count"):
+                out.counts[key] = out.counts.get(key, 0.0) + sample.value
+    return out
+
+
+def traffic_from(previous: _Totals, current: _Totals, interval_s: float) -> TrafficObservation:
+    """The interval's traffic from two scrapes (counter resets, e.g. a restarted frontend, count as 0)."""
+
+    def delta(kind: str, key: str) -> float:
+        now = float(getattr(current, kind).get(key, 0.0))
+        before = float(getattr(previous, kind).get(key, 0.0))
+        return now - before if now >= before else now
+
+    n_isl, n_osl = delta("counts", "isl"), delta("counts", "osl")
+    n_ttft, n_itl = delta("counts", "ttft"), delta("counts", "itl")
+    return TrafficObservation(
+        interval_s=interval_s,
+        requests=int(n_isl),
+        mean_isl=delta("sums", "isl") / n_isl if n_isl else 0.0,
+        mean_osl=delta("sums", "osl") / n_osl if n_osl else 0.0,
+        ttft_ms=1000 * delta("sums", "ttft") / n_ttft if n_ttft else None,
+        itl_ms=1000 * delta("sums", "itl") / n_itl if n_itl else None,
+    )
+
+
+@dataclass(slots=True)
+class _Engine:
+    record: discovery_pb2.InstanceRecord
+    card: discovery_pb2.ModelCard | None = None
+    load: worker_pb2.EngineLoad | None = None
+
+
+class Observer:
+    def __init__(self, discovery: Discovery, namespace: str) -> None:
+        self._disc, self._ns = discovery, namespace
+        self.engines: dict[int, _Engine] = {}
+        self._records: dict[str, discovery_pb2.InstanceRecord] = {}
+        self._cards: dict[int, discovery_pb2.ModelCard] = {}
+        self._streams: dict[str, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._scrapes: dict[str, _Totals] = {}
+        self._router_active: dict[int, int] = {}
+        self.passes = 0
+        """Forward passes reported since start (the FPM stream is alive)."""
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._watch_instances()),
+            loop.create_task(self._watch_cards()),
+        ]
+
+    async def close(self) -> None:
+        for task in [*self._tasks, *self._streams.values()]:
+            task.cancel()
+        for task in [*self._tasks, *self._streams.values()]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # -- discovery ------------------------------------------------------------------------------
+    async def _watch_instances(self) -> None:
+        async for ev in self._disc.list_and_watch(instance_prefix(self._ns)):
+            known = list(self._records)
+
+            def put(key: str, value: bytes) -> None:
+                self._records[key] = discovery_pb2.InstanceRecord.FromString(value)
+
+            def delete(key: str) -> None:
+                self._records.pop(key, None)
+
+            apply_watch_event(ev, known, put, delete)
+            self._sync_engines()
+
+    async def _watch_cards(self) -> None:
+        async for ev in self._disc.list_and_watch(model_prefix(self._ns)):
+            if isinstance(ev, Snapshot):
+                self._cards = {
+                    parse_model_key(k).instance_id: discovery_pb2.ModelCard.FromString(v) for k, v in ev.records.items()
+                }
+            elif isinstance(ev, Removed):
+                self._cards.pop(parse_model_key(ev.key).instance_id, None)
+            else:
+                self._cards[parse_model_key(ev.key).instance_id] = discovery_pb2.ModelCard.FromString(ev.value)
+            for eid, engine in self.engines.items():
+                engine.card = self._cards.get(eid)
+
+    def records(self, component: str) -> list[discovery_pb2.InstanceRecord]:
+        return [r for r in self._records.values() if r.component == component]
+
+    def _sync_engines(self) -> None:
+        workers = {r.instance_id: r for r in self.records("worker") if r.endpoint == "engine"}
+        for eid in [e for e in self.engines if e not in workers]:
+            del self.engines[eid]
+        for eid, rec in workers.items():
+            if eid in self.engines:
+                self.engines[eid].record = rec
+            else:
+                self.engines[eid] = _Engine(rec, self._cards.get(eid))
+        addresses = {r.address for r in workers.values()}
+        loop = asyncio.get_running_loop()
+        for address in [a for a in self._streams if a not in addresses]:
+            self._streams.pop(address).cancel()
+        for address in addresses - set(self._streams):
+            self._streams[address] = loop.create_task(self._watch_load(address))
+
+    async def _watch_load(self, address: str) -> None:
+        """One WatchLoad stream per worker process; reopened while the worker is registered."""
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+                    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+                    call = stub.WatchLoad(worker_pb2.WatchLoadRequest(forward_pass_metrics=True))
+                    async for msg in call:
+                        for load in msg.loads:
+                            engine = self.engines.get(load.engine_id)
+                            if engine is not None:
+                                engine.load = load
+                        self.passes += len(msg.passes)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("WatchLoad %s: %s", address, exc.code())
+            await asyncio.sleep(0.5)
+
+    # -- per-interval polls ---------------------------------------------------------------------
+    async def poll_router(self) -> None:
+        """The router's active load (requests booked per engine), from the first replica that answers."""
+        for rec in self.records("router"):
+            try:
+                async with grpc.aio.insecure_channel(rec.address, options=CLIENT_OPTIONS) as channel:
+                    stub = router_pb2_grpc.RouterServiceStub(channel)
+                    reply = await stub.GetActiveLoad(router_pb2.GetActiveLoadRequest(), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                continue
+            self._router_active = {e.engine_id: e.active_requests for e in reply.engines}
+            return
+
+    async def scrape_frontends(self, interval_s: float) -> TrafficObservation | None:
+        """Traffic over the interval, summed over every frontend; None until two scrapes exist."""
+        addresses = sorted({r.metrics_address for r in self.records("frontend") if r.metrics_address})
+        if not addresses:
+            return None
+        texts = await asyncio.gather(*(asyncio.to_thread(_fetch, a) for a in addresses), return_exceptions=True)
+        previous, current = _Totals(), _Totals()
+        fresh = True
+        for address, text in zip(addresses, texts, strict=True):
+            if isinstance(text, BaseException):
+                log.debug("scrape %s: %s", address, text)
+                continue
+            totals = parse_frontend_metrics(text)
+            before = self._scrapes.get(address)
+            self._scrapes[address] = totals
+            if before is None:
+                fresh = False
+                continue
+            _add(previous, before)
+            _add(current, totals)
+        if not fresh and not current.counts:
+            return None
+        return traffic_from(previous, current, interval_s)
+
+    # -- the core's view ------------------------------------------------------------------------
+    def engine_observations(self) -> tuple[EngineObservation, ...]:
+        out = []
+        for eid, e in sorted(self.engines.items()):
+            if e.load is None:
+                continue
+            bs = e.card.block_size if e.card is not None and e.card.block_size else 64
+            ctx = e.card.context_length if e.card is not None and e.card.context_length else e.load.total_blocks * bs
+            out.append(
+                EngineObservation(
+                    engine_id=eid,
+                    pool=_ROLE.get(e.record.role, "aggregated"),
+                    kv_active_tokens=e.load.active_blocks * bs,
+                    kv_total_tokens=e.load.total_blocks * bs,
+                    queued_prefill_tokens=e.load.queued_prefill_tokens,
+                    context_length=ctx,
+                    running=e.load.running,
+                    waiting=e.load.waiting,
+                    router_active_requests=self._router_active.get(eid, 0),
+                )
+            )
+        return tuple(out)
+
+    def engine_refs(self, observations: Iterable[EngineObservation]) -> list[EngineRef]:
+        """Registered engines, least loaded first (the drain order)."""
+        refs = []
+        for o in observations:
+            rec = self.engines[o.engine_id].record
+            load = o.kv_utilization + o.prefill_queue_ratio + o.router_active_requests + o.running + o.waiting
+            refs.append(EngineRef(o.engine_id, o.pool, rec.pid, rec.hostname, load))
+        return sorted(refs, key=lambda r: (r.load, r.engine_id))
+
+    def registered_pids(self) -> set[int]:
+        return {e.record.pid for e in self.engines.values()}
+
+
+def _fetch(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=2.0) as reply:
+        return str(reply.read().decode())
+
+
+def _add(into: _Totals, more: _Totals) -> None:
+    for k, v in more.sums.items():
+        into.sums[k] = into.sums.get(k, 0.0) + v
+    for k, v in more.counts.items():
+        into.counts[k] = into.counts.get(k, 0.0) + v

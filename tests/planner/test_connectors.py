@@ -1,0 +1,231 @@
+"""Each connector against the real thing it drives: systemctl (a recording executable), worker processes, discovery.
+
+systemd is not PID 1 on these machines, so the unit files are checked with ``systemd-analyze verify`` and the
+systemd connector's exact command sequence with a ``systemctl`` executable on PATH that records its argv
+and keeps the units' state in a directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kvmesh.discovery import instance_prefix, open_discovery
+from kvmesh.v1 import discovery_pb2, planner_pb2
+from kvmesh_planner.connectors.base import EngineRef
+from kvmesh_planner.connectors.local import LocalConnector
+from kvmesh_planner.connectors.systemd import SystemdConnector
+from kvmesh_planner.connectors.virtual import VirtualConnector, ack_key, pool_sizes, targets_key
+
+REPO = Path(__file__).resolve().parents[2]
+UNITS = REPO / "packaging" / "systemd"
+BIN = Path(sys.executable).parent
+
+FAKE_SYSTEMCTL = r"""#!/bin/sh
+# Records its argv, one call per line, and keeps each unit's state as a file under $STATE.
+echo "$*" >> "$STATE/argv.log"
+cmd="$1"; shift
+case "$cmd" in
+  list-units)
+    for f in "$STATE"/units/*; do [ -e "$f" ] && echo "$(basename "$f") loaded active running kvmesh worker"; done ;;
+  start) n=$(cat "$STATE/nextpid" 2>/dev/null || echo 1000)
+         echo "$n" > "$STATE/units/$1"; echo $((n+1)) > "$STATE/nextpid" ;;
+  show) unit="$4"; if [ -e "$STATE/units/$unit" ]; then cat "$STATE/units/$unit"; else echo 0; fi ;;
+  stop) unit="$2"; rm -f "$STATE/units/$unit" ;;
+  is-active) if [ -e "$STATE/units/$1" ]; then echo active; else echo inactive; exit 3; fi ;;
+  *) echo "unexpected: $cmd" >&2; exit 1 ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_systemctl(tmp_path, monkeypatch):
+    state = tmp_path / "systemd"
+    (state / "units").mkdir(parents=True)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    exe = bindir / "systemctl"
+    exe.write_text(FAKE_SYSTEMCTL)
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("STATE", str(state))
+    return state
+
+
+def calls(state: Path) -> list[str]:
+    return (state / "argv.log").read_text().splitlines()
+
+
+async def test_systemd_connector_command_sequence(fake_systemctl):
+    state = fake_systemctl
+    (state / "units" / "kvmesh-worker@2.service").write_text("900\n")  # already running: adopted, not restarted
+    conn = SystemdConnector("systemctl")
+    try:
+        await _systemd_sequence(conn, state)
+    finally:
+        await conn.close()
+
+
+async def _systemd_sequence(conn: SystemdConnector, state: Path) -> None:
+    await conn.start()
+    assert conn.actual() == {"aggregated": 1}
+    assert calls(state) == [
+        "list-units --plain --no-legend --state=active kvmesh-worker@*.service",
+        "show --property MainPID --value kvmesh-worker@2.service",
+    ]
+    await conn.apply(1, {"aggregated": 3}, [])
+    assert calls(state)[2:] == [
+        "start kvmesh-worker@1.service",
+        "start kvmesh-worker@3.service",
+        "show --property MainPID --value kvmesh-worker@1.service",
+        "show --property MainPID --value kvmesh-worker@3.service",
+    ]
+    assert conn.actual() == {"aggregated": 3}
+    assert conn.starting({900}) == {"aggregated": 2}  # 1000 and 1001 are not registered yet
+    # Scale down by 2: the least-loaded registered engines' units, in the order given.
+    engines = [
+        EngineRef(7, "aggregated", 1001, "h", 0.0),  # @3, idle
+        EngineRef(5, "aggregated", 900, "h", 0.2),  # @2
+        EngineRef(6, "aggregated", 1000, "h", 0.9),  # @1, busiest: kept
+    ]
+    await conn.apply(2, {"aggregated": 1}, engines)
+    stops = [c for c in calls(state)[6:] if not c.startswith("is-active")]  # the drain watch runs meanwhile
+    assert stops == ["stop --no-block kvmesh-worker@3.service", "stop --no-block kvmesh-worker@2.service"]
+    assert conn.actual() == {"aggregated": 1} and conn.draining() == {"aggregated": 2}
+    for _ in range(300):
+        if conn.draining() == {"aggregated": 0}:
+            break
+        await asyncio.sleep(0.1)
+    assert conn.draining() == {"aggregated": 0}
+    assert "is-active kvmesh-worker@3.service" in calls(state)
+    assert sorted(os.listdir(state / "units")) == ["kvmesh-worker@1.service"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_files_verify(tmp_path):
+    """systemd-analyze verify, with ExecStart pointed at this checkout's scripts (verify checks they exist)."""
+    for unit in UNITS.glob("*.service"):
+        text = unit.read_text().replace("/opt/kvmesh/.venv/bin/", f"{BIN}/")
+        (tmp_path / unit.name).write_text(text)
+    (tmp_path / "kvmesh-worker@1.service").symlink_to(tmp_path / "kvmesh-worker@.service")
+    for name in ("kvmesh-worker@1.service", "kvmesh-planner.service"):
+        result = subprocess.run(
+            ["systemd-analyze", "verify", str(tmp_path / name)], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0 and result.stderr.strip() == "", f"{name}: {result.stderr}"
+    worker = (UNITS / "kvmesh-worker@.service").read_text()
+    assert "KillSignal=SIGTERM" in worker and "TimeoutStopSec=45" in worker and "--drain-timeout 30" in worker
+
+
+async def test_virtual_connector_publishes_targets_and_waits_for_the_ack(tmp_path):
+    url = f"file://{tmp_path / 'disc'}"
+    disc = await open_discovery(url, ttl=5.0)
+    orchestrator = await open_discovery(url, ttl=5.0)
+    try:
+        lease = await disc.grant_lease()
+        conn = VirtualConnector(disc, lease, "ns", ack_timeout=60)
+        await conn.start()
+        await conn.apply(4, {"aggregated": 3}, [])
+        got = await orchestrator.get_prefix(targets_key("ns"))
+        msg = planner_pb2.PlannerTargets.FromString(got[targets_key("ns")])
+        assert msg.decision_id == 4 and msg.target.aggregated == 3
+        assert conn.pending() and conn.actual() == {"aggregated": 3}
+        olease = await orchestrator.grant_lease()
+        ack = planner_pb2.PlannerTargetsAck(decision_id=4, actual=pool_sizes({"aggregated": 3}))
+        await olease.put(ack_key("ns"), ack.SerializeToString())
+        for _ in range(50):
+            if not conn.pending():
+                break
+            await asyncio.sleep(0.1)
+        assert not conn.pending()
+        await conn.close()
+        await lease.revoke()
+        assert await orchestrator.get_prefix(targets_key("ns")) == {}  # the targets die with the planner
+    finally:
+        await disc.close()
+        await orchestrator.close()
+
+
+async def _engines(url: str) -> list[discovery_pb2.InstanceRecord]:
+    disc = await open_discovery(url, ttl=5.0)
+    try:
+        recs = await disc.get_prefix(instance_prefix("kvmesh", "worker"))
+    finally:
+        await disc.close()
+    return [discovery_pb2.InstanceRecord.FromString(v) for v in recs.values()]
+
+
+async def _wait_engines(url: str, n: int, timeout: float = 60.0) -> list[discovery_pb2.InstanceRecord]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        recs = await _engines(url)
+        if len(recs) == n:
+            return recs
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"expected {n} engines, have {len(await _engines(url))}")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+async def test_local_connector_starts_workers_and_drains_the_least_loaded_with_no_failed_request(tmp_path):
+    """Scale 0 -> 2 -> 1 with real kvmesh-worker processes; the drained engine finishes its in-flight request."""
+    import grpc
+    from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+    url = f"file://{tmp_path / 'disc'}"
+    conn = LocalConnector("kvmesh-worker", url, "kvmesh", "--speedup-ratio 1", drain_timeout=30, log_dir=str(tmp_path))
+    try:
+        await conn.apply(1, {"aggregated": 2}, [])
+        assert conn.actual() == {"aggregated": 2} and conn.starting(set()) == {"aggregated": 2}
+        recs = await _wait_engines(url, 2)
+        assert conn.starting({r.pid for r in recs}) == {"aggregated": 0}
+        busy, idle = recs
+        # A long request on `busy`; then ask for one engine fewer, naming `busy` as least loaded so the drain
+        # has in-flight work to finish (the order is the planner's to choose; the connector follows it).
+        channel = grpc.aio.insecure_channel(busy.address)
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        call = stub.GenerateStream(timeout=60)
+        req = worker_pb2.GenerateRequest(
+            request_id="long",
+            engine_id=busy.instance_id,
+            token_ids=list(range(1, 200)),
+            sampling=worker_pb2.SamplingOptions(max_tokens=300, ignore_eos=True),
+        )
+        await call.write(worker_pb2.GenerateStreamRequest(requests=[req]))
+        await call.done_writing()
+        first = await call.read()
+        assert first.outputs
+        refs = [
+            EngineRef(busy.instance_id, "aggregated", busy.pid, busy.hostname, 0.0),
+            EngineRef(idle.instance_id, "aggregated", idle.pid, idle.hostname, 1.0),
+        ]
+        await conn.apply(2, {"aggregated": 1}, refs)
+        assert conn.actual() == {"aggregated": 1} and conn.draining() == {"aggregated": 1}
+        # Deregistered at once: no new request is routed there.
+        left = await _wait_engines(url, 1, timeout=5)
+        assert left[0].instance_id == idle.instance_id
+        tokens = sum(len(o.response.token_ids) for o in first.outputs)
+        finish = None
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            for o in msg.outputs:
+                assert not o.error_code, o.error_message
+                tokens += len(o.response.token_ids)
+                if o.response.finish_reason:
+                    finish = o.response.finish_reason
+        assert tokens == 300 and finish == worker_pb2.FINISH_REASON_LENGTH  # finished, not failed
+        await channel.close()
+        for _ in range(100):
+            if conn.draining() == {"aggregated": 0}:
+                break
+            await asyncio.sleep(0.1)
+        assert conn.draining() == {"aggregated": 0}
+    finally:
+        await conn.close()
+    assert conn.actual() == {"aggregated": 0}

@@ -1,0 +1,78 @@
+"""kvmesh-planner follows the runtime rules of every daemon: settings, health, reflection, metrics, SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from kvmesh.v1 import planner_pb2, planner_pb2_grpc
+
+from tests.support.daemons import Daemon, run_cli, running
+from tests.support.etcd import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ttft-ms", "100"], "--ttft-ms and --itl-ms go together"),
+        (["--predictor", "prophet"], "--predictor (from flag): unknown predictor 'prophet'"),
+        (["--connector", "k8s"], "--connector"),
+        (["--min-engines", "5", "--max-engines", "2"], "--min-engines is above --max-engines"),
+        (["--connector", "local", "--worker-command", "/nonexistent/kvmesh-worker"], "--worker-command"),
+    ],
+)
+def test_bad_settings_exit_2_with_one_line(args, message):
+    result = run_cli("kvmesh-planner", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_serves_health_reflection_status_metrics_and_exits_0_on_sigterm(tmp_path):
+    port, metrics = free_port(), free_port()
+    args = [
+        "--discovery", f"file://{tmp_path / 'disc'}", "--grpc-port", str(port), "--metrics-port", str(metrics),
+        "--interval", "0.2", "--connector", "virtual", "--ack-timeout", "0.1",
+    ]  # fmt: skip
+    with running(Daemon("kvmesh-planner", args, tmp_path, port)) as (d,):
+        d.wait_serving()
+        with grpc.insecure_channel(d.address) as ch:
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            reply = next(iter(refl.ServerReflectionInfo(iter([ask]))))
+            names = {s.name for s in reply.list_services_response.service}
+            assert {"kvmesh.v1.PlannerService", "grpc.health.v1.Health"} <= names
+            stub = planner_pb2_grpc.PlannerServiceStub(ch)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                status = stub.GetStatus(planner_pb2.GetStatusRequest(), timeout=2)
+                if status.leader and status.latest.decision_id:
+                    break
+                time.sleep(0.1)
+            assert status.leader and status.connector == "virtual" and status.mode == "load"
+            assert status.latest.target.aggregated == 1  # the minimum, from an empty fleet
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+        assert "kvmesh_planner_leader 1.0" in text and 'kvmesh_planner_pool_target{pool="aggregated"} 1.0' in text
+        d.wait_log(r"decision 1 mode=load aggregated=0->1 reason='aggregated: below its minimum 1'")
+        d.signal(signal.SIGTERM)
+        assert d.wait(20) == 0
+
+
+def test_the_planner_applies_the_tuned_grpc_experiments():
+    import os
+    import subprocess
+    import sys
+
+    from kvmesh.grpc_core import EXPERIMENTS_ENV, TUNED_EXPERIMENTS
+
+    env = {k: v for k, v in os.environ.items() if k != EXPERIMENTS_ENV}
+    code = f"import os, kvmesh_planner.main; print(os.environ.get({EXPERIMENTS_ENV!r}, '<unset>'))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == TUNED_EXPERIMENTS

@@ -1,0 +1,99 @@
+"""Exactly one planner acts: two real kvmesh-planner processes on a real etcd, the leader kill -9'd."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+from kvmesh.v1 import planner_pb2, planner_pb2_grpc
+
+from tests.support.daemons import Daemon, running
+from tests.support.etcd import EtcdServer, etcd_available, free_port
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.etcd,
+    pytest.mark.skipif(not etcd_available(), reason="etcd not installed"),
+]
+
+TTL = 2.0
+
+
+def status(d: Daemon) -> planner_pb2.GetStatusResponse | None:
+    with grpc.insecure_channel(d.address) as ch:
+        try:
+            return planner_pb2_grpc.PlannerServiceStub(ch).GetStatus(planner_pb2.GetStatusRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return None
+
+
+def planner(etcd: EtcdServer, tmp_path) -> Daemon:
+    port = free_port()
+    args = [
+        "--discovery", etcd.url, "--grpc-port", str(port), "--lease-ttl", str(TTL), "--interval", "0.3",
+        "--connector", "virtual", "--ack-timeout", "0.1", "--min-engines", "1", "--log-level", "debug",
+    ]  # fmt: skip
+    return Daemon("kvmesh-planner", args, tmp_path, port)
+
+
+@pytest.mark.timeout(120)
+def test_standby_takes_over_within_two_ttl_and_no_decision_id_is_reused(tmp_path):
+    with EtcdServer(tmp_path / "etcd") as etcd, running(planner(etcd, tmp_path)) as (a,):
+        a.wait_serving()
+        deadline = time.monotonic() + 10
+        while not ((s := status(a)) and s.leader and s.latest.decision_id) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s is not None and s.leader, a.log_text()
+        with running(planner(etcd, tmp_path)) as (b,):
+            b.wait_serving()
+            time.sleep(3 * 0.3)
+            sb = status(b)
+            assert sb is not None and not sb.leader and not sb.HasField("latest")  # a standby decides nothing
+            last_a = status(a).latest.decision_id  # type: ignore[union-attr]
+            a.signal(signal.SIGKILL)
+            killed = time.monotonic()
+            a.wait(5)
+            while time.monotonic() - killed < 4 * TTL:
+                sb = status(b)
+                if sb is not None and sb.leader:
+                    break
+                time.sleep(0.05)
+            took = time.monotonic() - killed
+            assert sb is not None and sb.leader, b.log_text()
+            assert took <= 2 * TTL, f"standby led {took:.2f} s after the leader died (2 x TTL = {2 * TTL} s)"
+            deadline = time.monotonic() + 5
+            while not ((sb := status(b)) and sb.latest.decision_id) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sb is not None and sb.latest.decision_id > last_a, (sb.latest.decision_id, last_a)
+            assert sb.latest.planner_id != 0
+            b.wait_log(r"leading: decisions continue from id \d+")
+
+
+@pytest.mark.timeout(60)
+def test_file_backend_runs_one_planner_and_the_second_waits(tmp_path):
+    disc = f"file://{tmp_path / 'disc'}"
+
+    def make() -> Daemon:
+        port = free_port()
+        args = ["--discovery", disc, "--grpc-port", str(port), "--interval", "0.3", "--connector", "virtual"]
+        return Daemon("kvmesh-planner", args, tmp_path, port)
+
+    with running(make(), make()) as (a, b):
+        a.wait_serving()
+        b.wait_serving()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            sa, sb = status(a), status(b)
+            if sa and sb and (sa.leader or sb.leader):
+                break
+            time.sleep(0.1)
+        assert sa is not None and sb is not None and sa.leader != sb.leader
+        leader, standby = (a, b) if sa.leader else (b, a)
+        leader.signal(signal.SIGTERM)
+        assert leader.wait(15) == 0
+        deadline = time.monotonic() + 5
+        while not ((s := status(standby)) and s.leader) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s is not None and s.leader
