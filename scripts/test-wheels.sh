@@ -6,7 +6,7 @@
 # generates its stubs from it at build time).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DISTS=(libs/kvmesh services/worker services/router services/frontend bench cli)
+DISTS=(libs/kvmesh services/worker services/router services/frontend services/planner bench cli)
 work="$(mktemp -d /tmp/kvmesh-wheels.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
 for dist in "${DISTS[@]}"; do
@@ -17,7 +17,7 @@ ls "$work/dist"
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install -q -c constraints.txt "$work"/dist/*.whl
 cd "$work"  # nothing from the checkout on sys.path
-for daemon in kvmesh-worker kvmesh-router kvmesh-frontend; do
+for daemon in kvmesh-worker kvmesh-router kvmesh-frontend kvmesh-planner; do
   "$work/venv/bin/$daemon" --help >/dev/null
 done
 mkdir -m 700 "$work/discovery"
