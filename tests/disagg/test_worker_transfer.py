@@ -89,7 +89,9 @@ def test_decode_pulls_only_missing_blocks_verifies_them_and_nothing_stays_held(t
             assert params.model_bytes_per_block == 128 * 1024 * BLOCK
             assert report.modelled_ms == pytest.approx(10 * params.model_bytes_per_block / 1e9 * 1e3)
             assert tokens_of(responses) == reference  # same prompt and seed: the same tokens on any engine
-            # Released by the decode worker after its pull: a second release finds nothing.
+            # Released by the decode worker after its pull (asynchronously: poll the prefill engine's
+            # held blocks rather than race it); then a second release finds nothing.
+            assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=10).active_blocks == 0
             assert not pstub.ReleaseKv(
                 worker_pb2.ReleaseKvRequest(engine_id=pcard.engine_id, transfer_id=params.transfer_id)
             ).released

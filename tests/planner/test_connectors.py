@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import stat
-import subprocess
 import sys
 from pathlib import Path
 
@@ -107,20 +105,13 @@ async def _systemd_sequence(conn: SystemdConnector, state: Path) -> None:
     assert sorted(os.listdir(state / "units")) == ["kvmesh-worker@1.service"]
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-def test_unit_files_verify(tmp_path):
-    """systemd-analyze verify, with ExecStart pointed at this checkout's scripts (verify checks they exist)."""
-    for unit in UNITS.glob("*.service"):
-        text = unit.read_text().replace("/opt/kvmesh/.venv/bin/", f"{BIN}/")
-        (tmp_path / unit.name).write_text(text)
-    (tmp_path / "kvmesh-worker@1.service").symlink_to(tmp_path / "kvmesh-worker@.service")
-    for name in ("kvmesh-worker@1.service", "kvmesh-planner.service"):
-        result = subprocess.run(
-            ["systemd-analyze", "verify", str(tmp_path / name)], capture_output=True, text=True, timeout=60
-        )
-        assert result.returncode == 0 and result.stderr.strip() == "", f"{name}: {result.stderr}"
+def test_the_worker_unit_drains_on_stop():
+    """A scale-down is `systemctl stop`: SIGTERM (the worker deregisters and drains, 30 s by default) and
+    systemd waits longer than the drain before it would SIGKILL. `make lint` verifies every unit
+    (scripts/verify-units.sh)."""
     worker = (UNITS / "kvmesh-worker@.service").read_text()
-    assert "KillSignal=SIGTERM" in worker and "TimeoutStopSec=45" in worker and "--drain-timeout 30" in worker
+    assert "KillSignal=SIGTERM" in worker and "TimeoutStopSec=45" in worker
+    assert "--drain-timeout" not in worker  # the daemon's default, 30 s < 45 s
 
 
 async def test_virtual_connector_publishes_targets_and_waits_for_the_ack(tmp_path):
