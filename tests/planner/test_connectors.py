@@ -95,7 +95,8 @@ async def _systemd_sequence(conn: SystemdConnector, state: Path) -> None:
     await conn.apply(2, {"aggregated": 1}, engines)
     stops = [c for c in calls(state)[6:] if not c.startswith("is-active")]  # the drain watch runs meanwhile
     assert stops == ["stop --no-block kvmesh-worker@3.service", "stop --no-block kvmesh-worker@2.service"]
-    assert conn.actual() == {"aggregated": 1} and conn.draining() == {"aggregated": 2}
+    assert conn.actual() == {"aggregated": 1}
+    assert conn.draining()["aggregated"] <= 2  # both stopped units drain; the watch may already have seen them go
     for _ in range(300):
         if conn.draining() == {"aggregated": 0}:
             break

@@ -61,6 +61,19 @@ def _script(name: str) -> str:
 
 
 # -- processes ---------------------------------------------------------------------------------
+def _lost_a_port_race(proc: Proc, wait_s: float = 10.0) -> bool:
+    """Whether ``proc`` exited because a port it was given was taken meanwhile (else: it serves or starts)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if not proc.alive:
+            return proc.proc.returncode == 2 and "cannot bind" in proc.log.read_text(errors="replace")
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", proc.port)) == 0:
+                return False
+        time.sleep(0.1)
+    return False
+
+
 class Proc:
     """One child process with its log; only ever signals itself."""
 
@@ -158,11 +171,16 @@ class Mesh:
         self.frontend: Proc | None = None
 
     def _spawn(self, kind: str, *args: str) -> Proc:
-        port, metrics = _free_port(), _free_port()
-        argv = [_script(f"kvmesh-{kind}"), "--discovery", self.etcd.url, "--namespace", self.namespace,
-                "--grpc-port", str(port), "--metrics-port", str(metrics), "--lease-ttl", f"{self.lease_ttl:g}",
-                "--drain-timeout", "2", "--log-level", self.log_level, *args]  # fmt: skip
-        proc = Proc(kind, argv, self.workdir / f"{kind}-{port}.log", port, metrics)
+        """Start a daemon on free ports; a port taken between the probe and the bind (another process on a
+        shared machine) is one line and exit 2 from the daemon: then try again on new ports."""
+        for _attempt in range(3):
+            port, metrics = _free_port(), _free_port()
+            argv = [_script(f"kvmesh-{kind}"), "--discovery", self.etcd.url, "--namespace", self.namespace,
+                    "--grpc-port", str(port), "--metrics-port", str(metrics), "--lease-ttl", f"{self.lease_ttl:g}",
+                    "--drain-timeout", "2", "--log-level", self.log_level, *args]  # fmt: skip
+            proc = Proc(kind, argv, self.workdir / f"{kind}-{port}.log", port, metrics)
+            if not _lost_a_port_race(proc):
+                break
         self.procs.append(proc)
         return proc
 
