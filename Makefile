@@ -18,7 +18,7 @@ help:
 	@echo "make setup  - the Python venv and stubs that make run needs (idempotent)"
 	@echo "make setup-dev - setup, plus the test tools: etcd, bazel, node + buf, systemd-analyze (idempotent)"
 
-# `make run` needs only Python; the test tools (etcd, bazel, node for buf) come with setup-dev.
+# `make run` needs only Python; the test tools (etcd, bazel, node for buf, systemd-analyze, perf tools) come with setup-dev.
 setup: system-deps $(STAMP) protos
 
 setup-dev: setup dev-deps node_modules/.stamp perf-tools
