@@ -26,10 +26,10 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+from kvmesh import perf_profile
 
 from kvmesh_planner.core.model import EngineShape
 
-_KEYS = ("prefill_isl", "prefill_ttft_ms", "decode_active_kv_tokens", "decode_context_length", "decode_itl")
 BUILTIN = "mocker-polynomial"
 
 
@@ -54,11 +54,7 @@ class EngineProfile:
 
     @classmethod
     def from_npz(cls, path: str | Path) -> EngineProfile:
-        with np.load(path) as data:
-            missing = set(_KEYS) - set(data.files)
-            if missing:
-                raise ValueError(f"{path}: missing arrays {sorted(missing)}")
-            return cls(*(data[k] for k in _KEYS))
+        return cls(*perf_profile.read_npz(path))
 
     def prefill_pass_ms(self, tokens: float) -> float:
         return max(0.0, float(np.interp(tokens, self.isl, self.ttft)))

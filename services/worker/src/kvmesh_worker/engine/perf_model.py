@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from kvmesh import perf_profile
 
 
 class PerfModel(Protocol):
@@ -76,23 +77,7 @@ class InterpolatedPerfModel:
 
     @classmethod
     def from_npz(cls, path: str | Path) -> InterpolatedPerfModel:
-        with np.load(path) as data:
-            missing = {
-                "prefill_isl",
-                "prefill_ttft_ms",
-                "decode_active_kv_tokens",
-                "decode_context_length",
-                "decode_itl",
-            } - set(data.files)
-            if missing:
-                raise ValueError(f"{path}: missing arrays {sorted(missing)}")
-            return cls(
-                data["prefill_isl"],
-                data["prefill_ttft_ms"],
-                data["decode_active_kv_tokens"],
-                data["decode_context_length"],
-                data["decode_itl"],
-            )
+        return cls(*perf_profile.read_npz(path))
 
     def prefill_ms(self, new_tokens: int) -> float:
         return max(0.0, float(np.interp(new_tokens, self._isl, self._ttft)))
