@@ -63,14 +63,9 @@ class InterpolatedPerfModel:
         decode_itl: np.ndarray,
     ) -> None:
         self._isl, self._ttft = _sorted_axis(prefill_isl, np.asarray(prefill_ttft_ms, dtype=float), "prefill_isl")
-        kv = np.asarray(decode_active_kv_tokens, dtype=float)
-        ctx = np.asarray(decode_context_length, dtype=float)
-        itl = np.asarray(decode_itl, dtype=float)
-        if itl.shape != (kv.size, ctx.size):
-            raise ValueError(f"decode_itl has shape {itl.shape}, expected ({kv.size}, {ctx.size})")
-        kv_order, ctx_order = np.argsort(kv), np.argsort(ctx)
-        self._kv, self._ctx = kv[kv_order], ctx[ctx_order]
-        self._itl = itl[kv_order][:, ctx_order]
+        self._kv, self._ctx, self._itl = perf_profile.sorted_decode_grid(
+            decode_active_kv_tokens, decode_context_length, decode_itl
+        )
         for name, axis in (("decode_active_kv_tokens", self._kv), ("decode_context_length", self._ctx)):
             if axis.size == 0 or np.any(np.diff(axis) <= 0):
                 raise ValueError(f"{name} must be non-empty with distinct values")
