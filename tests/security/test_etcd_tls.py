@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from kvmesh import tls
 from kvmesh.discovery import DiscoveryUnavailable, open_discovery
-from kvmesh_cli import certs as certs_cli
 
 from tests.security.tlsmesh import TlsMesh, tls_args
 from tests.support.daemons import run_cli
@@ -61,13 +60,6 @@ class TlsEtcd(EtcdServer):
                         return
             time.sleep(0.05)
         raise RuntimeError(f"etcd not healthy within {timeout}s: {self.log_text()[-2000:]}")
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pki") / "certs"
-    certs_cli.init(out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -24,14 +24,6 @@ SERVING = 1
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("pki")
-    certs_cli.init(base / "certs")
-    certs_cli.init(base / "other")
-    return base / "certs"
-
-
-@pytest.fixture(scope="module")
 def mesh(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsMesh]:
     root = tmp_path_factory.mktemp("mtls")
     deployment = TlsMesh(root, f"file://{root / 'discovery'}", f"m{uuid.uuid4().hex[:8]}", certs=pki)

@@ -28,7 +28,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -45,19 +44,10 @@ import grpc
 from inference import grpc_service_pb2 as kserve
 from inference import grpc_service_pb2_grpc as kserve_grpc
 
+from kvmesh_bench.local_procs import free_port, script
+
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime; types-grpcio omits it
 MODEL = "kvmesh-mock"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _script(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else (shutil.which(name) or name)
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -122,7 +112,7 @@ class Etcd:
 
     def __init__(self, workdir: Path) -> None:
         self.dir = workdir / "etcd"
-        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.client_port, self.peer_port = free_port(), free_port()
         self.proc: Proc | None = None
 
     @property
@@ -174,8 +164,8 @@ class Mesh:
         """Start a daemon on free ports; a port taken between the probe and the bind (another process on a
         shared machine) is one line and exit 2 from the daemon: then try again on new ports."""
         for _attempt in range(3):
-            port, metrics = _free_port(), _free_port()
-            argv = [_script(f"kvmesh-{kind}"), "--discovery", self.etcd.url, "--namespace", self.namespace,
+            port, metrics = free_port(), free_port()
+            argv = [script(f"kvmesh-{kind}"), "--discovery", self.etcd.url, "--namespace", self.namespace,
                     "--grpc-port", str(port), "--metrics-port", str(metrics), "--lease-ttl", f"{self.lease_ttl:g}",
                     "--drain-timeout", "2", "--log-level", self.log_level, *args]  # fmt: skip
             proc = Proc(kind, argv, self.workdir / f"{kind}-{port}.log", port, metrics)

@@ -43,7 +43,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from kvmesh.discovery import model_prefix, open_discovery
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from tokenizers import Tokenizer
 
+from kvmesh_bench.local_procs import free_port, script
 from kvmesh_bench.streams import drain, read_message
 from kvmesh_bench.tables import write_json
 
@@ -108,17 +108,6 @@ class Result:
 
 
 # -- the deployment ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _script(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else (shutil.which(name) or name)
-
-
 class Deployment:
     def __init__(self, workdir: Path, engines: int, block_size: int, pythonpath: str | None = None) -> None:
         self.workdir = workdir
@@ -126,7 +115,7 @@ class Deployment:
         self.procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
         self.engines = engines
         self.block_size = block_size
-        self.frontend_port = _free_port()
+        self.frontend_port = free_port()
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if pythonpath:  # the daemons import these first (another checkout's services/*/src)
             self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")]))
@@ -135,12 +124,12 @@ class Deployment:
         log = self.workdir / f"{name}.log"
         common = ["--discovery", self.url, "--namespace", NAMESPACE, "--log-level", "warning"]
         with open(log, "wb") as out:
-            proc = subprocess.Popen([_script(name), *common, *args], stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([script(name), *common, *args], stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, env=self.env)  # fmt: skip
         self.procs.append((name, proc, log))
 
     def start_relay(self, engines: list[tuple[int, str]]) -> int:
-        port = _free_port()
+        port = free_port()
         log = self.workdir / "relay.log"
         targets = [f"{engine_id}@{address}" for engine_id, address in engines]
         command = [sys.executable, "-m", "kvmesh_bench.frontend_bench", "--serve-relay", str(port), *targets]

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
-from kvmesh_cli import certs as certs_cli
 from tritonclient.utils import InferenceServerException
 
 from tests.security.kserve.test_rogue_engine import send_requests
@@ -17,13 +16,6 @@ from tests.security.tlsmesh import TlsMesh
 
 pytestmark = pytest.mark.e2e
 TOKEN = "s3cret-token"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("pki") / "certs"
-    certs_cli.init(out)
-    return out
 
 
 @pytest.fixture(scope="module")

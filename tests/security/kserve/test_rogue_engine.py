@@ -17,21 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from kvmesh_cli import certs as certs_cli
 
 from tests.security.tlsmesh import TlsMesh
 
 pytestmark = pytest.mark.e2e
 ROGUE = Path(__file__).with_name("rogue_engine.py")
 REQUESTS = 40
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("pki")
-    certs_cli.init(base / "certs")
-    certs_cli.init(base / "other")  # a CA the mesh does not trust
-    return base / "certs"
 
 
 def _inputs(i: int) -> list[grpcclient.InferInput]:

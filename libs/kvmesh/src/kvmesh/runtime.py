@@ -31,13 +31,14 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import grpc
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -135,6 +136,16 @@ class _Admin(admin_pb2_grpc.AdminServiceServicer):
         log.warning("drain requested by %s: %s", context.peer(), request.reason or "no reason given")
         runtime._stop.set()
         return admin_pb2.DrainResponse(instance_id=f"{runtime.instance_id:x}", started=started)
+
+
+_S = TypeVar("_S", bound=DaemonSettings)
+
+
+def run_daemon(prog: str, settings: _S, serve: Callable[[_S], Coroutine[Any, Any, int | None]]) -> int:
+    """A daemon's ``main`` after parsing its settings: logging and tracing set up, then ``serve`` on uvloop."""
+    telemetry.setup_logging(prog, settings.log_level, settings.log_format)
+    telemetry.setup_tracing(prog, settings.otel_exporter, settings.otel_endpoint)
+    return uvloop.run(serve(settings)) or 0
 
 
 class DaemonRuntime:

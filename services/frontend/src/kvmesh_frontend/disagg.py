@@ -25,7 +25,6 @@ and its reason land in the final response (``kvmesh.prefill_worker_id``, ``kvmes
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +32,8 @@ from typing import Literal
 
 import grpc
 from kvmesh.channels import ChannelPool
-from kvmesh.v1 import discovery_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.kv_release import KvReleases
+from kvmesh.v1 import discovery_pb2, router_pb2, worker_pb2
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
 
 from kvmesh_frontend.engine_stream import EngineError, EngineStreams
@@ -78,7 +78,7 @@ class Disaggregator:
         self.policy = policy
         self._model_roles = model_roles
         self._pool = ChannelPool()
-        self._releases: set[asyncio.Task[None]] = set()
+        self._releases = KvReleases(self._pool, log, logging.DEBUG)
 
     def applies(self, model: str) -> bool:
         """The model has decode engines: requests go to one of them (with or without a remote prefill)."""
@@ -192,20 +192,8 @@ class Disaggregator:
 
     def release(self, params: KvTransferParams) -> None:
         """Drop the prefill side's hold (idempotent; usually the decode worker did already)."""
-        task = asyncio.get_running_loop().create_task(self._release(params))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _release(self, params: KvTransferParams) -> None:
-        try:
-            stub = worker_pb2_grpc.WorkerServiceStub(self._pool.get(params.source_address, params.source_address))
-            await stub.ReleaseKv(
-                worker_pb2.ReleaseKvRequest(engine_id=params.source_engine_id, transfer_id=params.transfer_id),
-                timeout=2.0,
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.debug("ReleaseKv %s: %s", params.transfer_id, exc.code().name)
+        self._releases.start(params)
 
     async def close(self) -> None:
-        await asyncio.gather(*self._releases, return_exceptions=True)
+        await self._releases.wait()
         await self._pool.close()

@@ -15,14 +15,12 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from pathlib import Path
 
-import uvloop
 from inference import grpc_service_pb2, grpc_service_pb2_grpc
-from kvmesh import telemetry
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import Discovery, WatchEvent, instance_prefix, model_prefix
 from kvmesh.grpc_options import FRONTEND_SERVER_OPTIONS
 from kvmesh.identity import BearerTokenGate
-from kvmesh.runtime import VERSION, DaemonRuntime
+from kvmesh.runtime import VERSION, DaemonRuntime, run_daemon
 from kvmesh.settings import fail
 
 from kvmesh_frontend.disagg import DisaggPolicy
@@ -40,10 +38,7 @@ log = logging.getLogger(PROG)
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = Settings.load(PROG, "KServe v2 / Triton-compatible gRPC frontend of a kvmesh deployment", argv)
-    telemetry.setup_logging(PROG, config.log_level, config.log_format)
-    telemetry.setup_tracing(PROG, config.otel_exporter, config.otel_endpoint)
-    uvloop.run(serve(config))
-    return 0
+    return run_daemon(PROG, config, serve)
 
 
 async def _watch(discovery: Discovery, prefix: str, apply: Callable[[WatchEvent], None]) -> None:

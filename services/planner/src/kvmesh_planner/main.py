@@ -17,9 +17,7 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 
-import uvloop
-from kvmesh import telemetry
-from kvmesh.runtime import DaemonRuntime
+from kvmesh.runtime import DaemonRuntime, run_daemon
 from kvmesh.settings import fail
 from kvmesh.v1 import planner_pb2, planner_pb2_grpc
 
@@ -243,9 +241,7 @@ async def serve(cfg: Settings) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = Settings.load(PROG, "kvmesh planner: scales the worker pools to meet latency targets", argv)
-    telemetry.setup_logging(PROG, cfg.log_level, cfg.log_format)
-    telemetry.setup_tracing(PROG, cfg.otel_exporter, cfg.otel_endpoint)
-    return uvloop.run(serve(cfg))
+    return run_daemon(PROG, cfg, serve)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,8 @@ from collections.abc import Sequence
 
 import grpc
 import prometheus_client
-import uvloop
-from kvmesh import telemetry
 from kvmesh.channels import ChannelPool
-from kvmesh.runtime import DaemonRuntime
+from kvmesh.runtime import DaemonRuntime, run_daemon
 from kvmesh.v1 import router_pb2
 
 from kvmesh_router.engines import EngineInfo
@@ -208,9 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings.load(
         PROG, "kvmesh router: KV-aware routing for frontends (one or more active-active replicas)", argv
     )
-    telemetry.setup_logging(PROG, settings.log_level, settings.log_format)
-    telemetry.setup_tracing(PROG, settings.otel_exporter, settings.otel_endpoint)
-    return uvloop.run(serve(settings))
+    return run_daemon(PROG, settings, serve)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import uvloop
 import xxhash
-from kvmesh import telemetry
 from kvmesh.discovery import model_key
-from kvmesh.runtime import DaemonRuntime
+from kvmesh.runtime import DaemonRuntime, run_daemon
 from kvmesh.settings import fail
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
@@ -161,9 +159,7 @@ async def _serve_until_stop_or_engine_death(runtime: DaemonRuntime, runners: lis
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = Settings.load(PROG, "kvmesh worker: hosts engines (the mocker by default)", argv)
-    telemetry.setup_logging(PROG, cfg.log_level, cfg.log_format)
-    telemetry.setup_tracing(PROG, cfg.otel_exporter, cfg.otel_endpoint)
-    return uvloop.run(serve(cfg))
+    return run_daemon(PROG, cfg, serve)
 
 
 if __name__ == "__main__":

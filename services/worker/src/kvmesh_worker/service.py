@@ -18,6 +18,7 @@ from kvmesh import kv_events_pb
 from kvmesh.channels import ChannelPool
 from kvmesh.kv_events import CacheDump
 from kvmesh.kv_publisher import EventIdTooNew, SubscriberTooSlow
+from kvmesh.kv_release import KvReleases
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
 
@@ -85,7 +86,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._sessions: set[GenerateStreamSession] = set()
         self._draining = False
         self._pool = ChannelPool()  # to other workers, for ReleaseKv after a pull
-        self._releases: set[asyncio.Task[None]] = set()
+        self._releases = KvReleases(self._pool, log, logging.INFO)
         for engine in self.engines.values():
             engine.add_observer(self._on_pass)
 
@@ -132,22 +133,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Tell a transfer's source to drop its hold (fire and forget: its lease is the backstop)."""
         if not params.transfer_id or not params.source_address:
             return
-        task = asyncio.get_running_loop().create_task(self._release(params))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _release(self, params: KvTransferParams) -> None:
-        try:
-            stub = worker_pb2_grpc.WorkerServiceStub(self._pool.get(params.source_address, params.source_address))
-            await stub.ReleaseKv(
-                worker_pb2.ReleaseKvRequest(engine_id=params.source_engine_id, transfer_id=params.transfer_id),
-                timeout=2.0,
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.info("ReleaseKv %s at %s: %s", params.transfer_id, params.source_address, exc.code().name)
+        self._releases.start(params)
 
     async def close(self) -> None:
-        await asyncio.gather(*self._releases, return_exceptions=True)
+        await self._releases.wait()
         await self._pool.close()
 
     def _aborted(self, engine: Engine) -> None:

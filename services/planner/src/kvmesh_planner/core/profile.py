@@ -26,10 +26,10 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+from kvmesh import perf_profile
 
 from kvmesh_planner.core.model import EngineShape
 
-_KEYS = ("prefill_isl", "prefill_ttft_ms", "decode_active_kv_tokens", "decode_context_length", "decode_itl")
 BUILTIN = "mocker-polynomial"
 
 
@@ -45,20 +45,13 @@ class EngineProfile:
         order = np.argsort(prefill_isl)
         self.isl = np.asarray(prefill_isl, dtype=float)[order]
         self.ttft = np.asarray(prefill_ttft_ms, dtype=float)[order]
-        kv, ctx = np.asarray(decode_active_kv_tokens, dtype=float), np.asarray(decode_context_length, dtype=float)
-        itl = np.asarray(decode_itl, dtype=float)
-        if itl.shape != (kv.size, ctx.size):
-            raise ValueError(f"decode_itl has shape {itl.shape}, expected ({kv.size}, {ctx.size})")
-        ko, co = np.argsort(kv), np.argsort(ctx)
-        self.kv, self.ctx, self.itl = kv[ko], ctx[co], itl[ko][:, co]
+        self.kv, self.ctx, self.itl = perf_profile.sorted_decode_grid(
+            decode_active_kv_tokens, decode_context_length, decode_itl
+        )
 
     @classmethod
     def from_npz(cls, path: str | Path) -> EngineProfile:
-        with np.load(path) as data:
-            missing = set(_KEYS) - set(data.files)
-            if missing:
-                raise ValueError(f"{path}: missing arrays {sorted(missing)}")
-            return cls(*(data[k] for k in _KEYS))
+        return cls(*perf_profile.read_npz(path))
 
     def prefill_pass_ms(self, tokens: float) -> float:
         return max(0.0, float(np.interp(tokens, self.isl, self.ttft)))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+from kvmesh import perf_profile
 
 
 class PerfModel(Protocol):
@@ -62,37 +63,16 @@ class InterpolatedPerfModel:
         decode_itl: np.ndarray,
     ) -> None:
         self._isl, self._ttft = _sorted_axis(prefill_isl, np.asarray(prefill_ttft_ms, dtype=float), "prefill_isl")
-        kv = np.asarray(decode_active_kv_tokens, dtype=float)
-        ctx = np.asarray(decode_context_length, dtype=float)
-        itl = np.asarray(decode_itl, dtype=float)
-        if itl.shape != (kv.size, ctx.size):
-            raise ValueError(f"decode_itl has shape {itl.shape}, expected ({kv.size}, {ctx.size})")
-        kv_order, ctx_order = np.argsort(kv), np.argsort(ctx)
-        self._kv, self._ctx = kv[kv_order], ctx[ctx_order]
-        self._itl = itl[kv_order][:, ctx_order]
+        self._kv, self._ctx, self._itl = perf_profile.sorted_decode_grid(
+            decode_active_kv_tokens, decode_context_length, decode_itl
+        )
         for name, axis in (("decode_active_kv_tokens", self._kv), ("decode_context_length", self._ctx)):
             if axis.size == 0 or np.any(np.diff(axis) <= 0):
                 raise ValueError(f"{name} must be non-empty with distinct values")
 
     @classmethod
     def from_npz(cls, path: str | Path) -> InterpolatedPerfModel:
-        with np.load(path) as data:
-            missing = {
-                "prefill_isl",
-                "prefill_ttft_ms",
-                "decode_active_kv_tokens",
-                "decode_context_length",
-                "decode_itl",
-            } - set(data.files)
-            if missing:
-                raise ValueError(f"{path}: missing arrays {sorted(missing)}")
-            return cls(
-                data["prefill_isl"],
-                data["prefill_ttft_ms"],
-                data["decode_active_kv_tokens"],
-                data["decode_context_length"],
-                data["decode_itl"],
-            )
+        return cls(*perf_profile.read_npz(path))
 
     def prefill_ms(self, new_tokens: int) -> float:
         return max(0.0, float(np.interp(new_tokens, self._isl, self._ttft)))

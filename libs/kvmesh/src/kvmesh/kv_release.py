@@ -1,0 +1,47 @@
+"""Fire-and-forget ``ReleaseKv`` to a KV transfer's source worker.
+
+Both the frontend (after a failed or finished disaggregated request) and a decode worker (after
+its pull) tell the prefill side to drop its hold. The call is best effort: the source's lease is
+the backstop, so a failure is only logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from kvmesh.channels import ChannelPool
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
+
+
+class KvReleases:
+    """Starts ``ReleaseKv`` calls in the background; ``wait`` lets the ones under way finish."""
+
+    def __init__(self, pool: ChannelPool, log: logging.Logger, level: int) -> None:
+        self._pool = pool
+        self._log = log
+        self._level = level  # how loud a failed release is logged
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, params: KvTransferParams) -> None:
+        task = asyncio.get_running_loop().create_task(self._release(params))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, params: KvTransferParams) -> None:
+        try:
+            stub = worker_pb2_grpc.WorkerServiceStub(self._pool.get(params.source_address, params.source_address))
+            await stub.ReleaseKv(
+                worker_pb2.ReleaseKvRequest(engine_id=params.source_engine_id, transfer_id=params.transfer_id),
+                timeout=2.0,
+            )
+        except grpc.aio.AioRpcError as exc:
+            self._log.log(
+                self._level, "ReleaseKv %s at %s: %s", params.transfer_id, params.source_address, exc.code().name
+            )
+
+    async def wait(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
