@@ -91,6 +91,16 @@ class VllmMesh:
 @pytest.fixture(scope="session")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmMesh]:
     """A vLLM worker (dummy weights, 48 blocks of 32), a KV router and a frontend."""
+    yield from _vllm_mesh(tmp_path_factory)
+
+
+@pytest.fixture
+def fresh_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmMesh]:
+    """The same mesh, started for one test: for a test that kills the engine or needs its first state."""
+    yield from _vllm_mesh(tmp_path_factory)
+
+
+def _vllm_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmMesh]:
     log_dir = tmp_path_factory.mktemp("logs")
     deployment = VllmMesh(log_dir, f"file://{tmp_path_factory.mktemp('discovery')}", f"vl{uuid.uuid4().hex[:8]}")
     try:

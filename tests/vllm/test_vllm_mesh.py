@@ -269,10 +269,13 @@ def _engine_core_pids(worker_pid: int) -> list[int]:
     return pids
 
 
-def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(
-    mesh: VllmMesh, worker: worker_pb2_grpc.WorkerServiceStub
-) -> None:
+def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(fresh_mesh: VllmMesh) -> None:
+    # Its own mesh: it kills the engine, and after the shared mesh's earlier tests (full cache, dropped
+    # event sequences) the router could place the request on the mocker from the start.
+    mesh = fresh_mesh
     assert mesh.worker is not None and mesh.frontend is not None
+    channel = grpc.insecure_channel(mesh.worker.address)
+    worker = worker_pb2_grpc.WorkerServiceStub(channel)
     # A prefix vLLM holds, so that the KV router sends the long request there and not to the mocker.
     prefix = unique_ids(10 * BLOCK_SIZE, random.Random(7))
     triton(mesh, [{"request_id": "warm", "ids": prefix, "max_tokens": 1}])
@@ -292,9 +295,11 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(
     assert client.stdout.readline().strip() == "sent"
     # Kill only once the request runs on vLLM (a fixed sleep raced on a loaded machine: killed before it was
     # routed, the request went straight to the mocker, with no migration to show).
+    # WatchLoad's first message is the engine's last recorded load, which may still be the warm-up
+    # request's pass: only a later message (a pass after the stream opened) proves "long" runs there.
     watch = worker.WatchLoad(worker_pb2.WatchLoadRequest(forward_pass_metrics=True), timeout=60)
-    for message in watch:
-        if any(load.running >= 1 for load in message.loads):
+    for index, message in enumerate(watch):
+        if index and any(load.running >= 1 for load in message.loads):
             break
     watch.cancel()
     cores = _engine_core_pids(mesh.worker.proc.pid)
@@ -307,3 +312,4 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(
     outcome = json.loads(client.stdout.read().splitlines()[-1])["long"]
     assert (outcome["num_tokens"], outcome["finish_reason"]) == (1000, "length")
     assert outcome["params"]["kvmesh.migrations"] >= 1
+    channel.close()

@@ -1,5 +1,7 @@
 """Admission: the one place where a request is matched, checked for overload, assigned and booked.
 
+(About 400 lines: the decision pipeline is kept in one module on purpose, so that it stays one call.)
+
 :meth:`Admission.decide` is a single synchronous call: candidate filters (:mod:`kvmesh_router.candidates`)
 -> prefix overlaps -> busy filter -> selector (side-effect free) -> booking in the slot tracker (and, in
 approximate mode, the prediction). Because selection and booking happen in one call that never yields,

@@ -1,5 +1,7 @@
 """One ``WorkerService.GenerateStream`` call: many generations multiplexed on one stream.
 
+(About 400 lines: one session's batching, KV-pull hand-off and per-request spans share its state.)
+
 A frontend keeps one such stream per worker process instead of one call per request: no call
 setup, no per-request trailers, and the outputs of every request that progressed in one
 event-loop tick leave as one message. It sees engines only through the ``Engine`` interface.

@@ -1,5 +1,8 @@
 """A vLLM ``AsyncLLM`` behind the worker's ``Engine`` interface (``--engine vllm``).
 
+(About 530 lines: the interface is implemented in one place so that its invariants below can be read
+together; the ZMQ event decoding, stat logging and AMX permission already live in their own modules.)
+
 Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer_init``,
 ``detokenize=False`` and ``RequestOutputKind.DELTA``; the model's EOS id goes into
 ``stop_token_ids`` unless ``ignore_eos``. Invariants:
