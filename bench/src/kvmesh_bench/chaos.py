@@ -29,7 +29,6 @@ import re
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import grpc
 from inference import grpc_service_pb2 as kserve
 from inference import grpc_service_pb2_grpc as kserve_grpc
 
+from kvmesh_bench.frontend_bench import kserve_request as streamed_request
 from kvmesh_bench.local_procs import free_port, script
 
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime; types-grpcio omits it
@@ -226,19 +226,7 @@ class Mesh:
 
 # -- the client ------------------------------------------------------------------------------------
 def kserve_request(request_id: str, tokens: int, prompt: str) -> kserve.ModelInferRequest:
-    request = kserve.ModelInferRequest(model_name=MODEL, id=request_id)
-    raw = []
-    for name, value in (
-        ("text_input", prompt.encode()),
-        ("sampling_parameters", json.dumps({"max_tokens": tokens, "ignore_eos": True}).encode()),
-    ):
-        request.inputs.add(name=name, datatype="BYTES", shape=[1])
-        raw.append(struct.pack("<I", len(value)) + value)
-    for name in ("stream", "exclude_input_in_output"):
-        request.inputs.add(name=name, datatype="BOOL", shape=[1])
-        raw.append(b"\x01")
-    request.raw_input_contents.extend(raw)
-    return request
+    return streamed_request(MODEL, prompt, tokens, request_id)
 
 
 async def one_request(

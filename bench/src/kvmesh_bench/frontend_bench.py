@@ -201,7 +201,7 @@ def _prompts(count: int, words: int) -> list[str]:
     return [" ".join(WORDS[i] for i in rng.integers(0, len(WORDS), words)) + f" #{n}" for n in range(count)]
 
 
-def _kserve_request(model: str, prompt: str, tokens: int, request_id: str) -> kserve.ModelInferRequest:
+def kserve_request(model: str, prompt: str, tokens: int, request_id: str) -> kserve.ModelInferRequest:
     request = kserve.ModelInferRequest(model_name=model, id=request_id)
     raw = []
     for name, value in (
@@ -403,7 +403,7 @@ async def _measure(args: argparse.Namespace, deployment: Deployment) -> Result:
 
     # one runner per path: (stream client or None, run(client, prompt index, request id))
     def fe_run(client: FrontendClient, i: int, rid: str) -> Any:
-        return client.run(_kserve_request(model, prompts[i], tokens, rid))
+        return client.run(kserve_request(model, prompts[i], tokens, rid))
 
     def relay_run(client: FrontendClient, i: int, rid: str) -> Any:
         return client.run(_ids_request(model, ids[i], tokens, rid))
@@ -488,7 +488,7 @@ async def _paired(args: argparse.Namespace, deployments: dict[str, Deployment]) 
         for name in names if index % 2 == 0 else names[::-1]:
             deployment, stub = deployments[name], stubs[name]
             client = FrontendClient(stub)
-            latency = [(await client.run(_kserve_request(model, prompts[i], args.tokens, f"l{index}-{i}")))[0]
+            latency = [(await client.run(kserve_request(model, prompts[i], args.tokens, f"l{index}-{i}")))[0]
                        for i in range(args.paired_latency)]  # fmt: skip
             await client.close()
             clients = [FrontendClient(stub) for _ in range(args.concurrency)]
@@ -498,7 +498,7 @@ async def _paired(args: argparse.Namespace, deployments: dict[str, Deployment]) 
                 slot: int, clients: list[FrontendClient] = clients, ids: Any = ids, index: int = index
             ) -> None:
                 while (i := next(ids)) < args.paired_requests:
-                    request = _kserve_request(model, prompts[i % len(prompts)], args.tokens, f"r{index}-{i}")
+                    request = kserve_request(model, prompts[i % len(prompts)], args.tokens, f"r{index}-{i}")
                     await clients[slot].run(request)
 
             before, start = deployment.cpu_seconds(), time.perf_counter()
