@@ -240,3 +240,63 @@ async def test_a_refused_stream_is_unavailable_even_when_the_client_writes_late(
         await server.stop(None)
         await harness.stop()
     assert set(codes) == {grpc.StatusCode.UNAVAILABLE}, {c: codes.count(c) for c in set(codes)}
+
+
+# -- item 8: a model at its in-flight bound is refused at the gRPC entry, before any work -------------
+async def test_a_model_at_its_bound_is_refused_at_entry_and_reaches_no_router_nor_engine(mesh) -> None:  # noqa: F811
+    fe, worker, router = mesh
+    fe.frontend.admission.factor = 1.0  # the daemon's default (--admission-factor)
+    fe.add_cards(worker, max_num_seqs=1, max_waiting_requests=1)  # each engine holds 2: the model, 4
+    bound = 2 * len(worker.engine_ids)
+    for engine in worker.engine_ids:
+        worker.behaviour[engine].delay = 0.05  # the admitted requests stay in flight while the others arrive
+    call = fe.stub.ModelStreamInfer()
+    admitted = [llm_request("hello world", request_id=f"a{i}", sampling={"max_tokens": 40}) for i in range(bound)]
+    for request in admitted:
+        await call.write(request)
+    deadline = asyncio.get_running_loop().time() + 10
+    while len(worker.active) < bound and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
+    assert len(worker.active) == bound and len(router.queries) == bound
+
+    for i in range(3):  # on the same stream: in-band, and the stream goes on
+        await call.write(llm_request("hello world", request_id=f"over{i}"))
+    unary = fe.stub.ModelInfer(llm_request("hello world", request_id="over-unary"))
+    await expect_status(unary, grpc.StatusCode.RESOURCE_EXHAUSTED, f"model '{MODEL}' is at capacity: {bound} requests")
+    refused: list[str] = []
+    finished: set[str] = set()
+    while len(finished) < bound:
+        message = await asyncio.wait_for(call.read(), 10)
+        if message.error_message:
+            assert message.error_message.startswith(f"RESOURCE_EXHAUSTED: model '{MODEL}' is at capacity")
+            refused.append(message.infer_response.id)
+        elif message.infer_response.parameters["triton_final_response"].bool_param:
+            finished.add(message.infer_response.id)
+    assert sorted(refused) == ["over0", "over1", "over2"] and finished == {r.id for r in admitted}
+    # the refused requests never reached the router nor an engine
+    assert len(router.queries) == bound and len(worker.requests) == bound
+    assert fe.metrics.requests.labels(MODEL, "resource_exhausted")._value.get() == 4
+
+    # the slots are given back as requests end: the next one is admitted
+    assert fe.frontend.admission.inflight(MODEL) == 0
+    await call.write(llm_request("hello world", request_id="after", sampling={"max_tokens": 2}))
+    while True:
+        message = await asyncio.wait_for(call.read(), 10)
+        assert not message.error_message, message.error_message
+        if message.infer_response.parameters["triton_final_response"].bool_param:
+            break
+    await call.done_writing()
+    await no_leaks(worker, router)
+
+
+async def test_no_bound_when_an_engine_queue_is_unbounded(mesh) -> None:  # noqa: F811
+    fe, worker, _router = mesh
+    fe.frontend.admission.factor = 1.0
+    fe.add_cards(worker, max_num_seqs=1, max_waiting_requests=1)
+    entry = fe.registry.get(MODEL)
+    assert entry is not None and fe.frontend.admission.bound(entry) == 2 * len(worker.engine_ids)
+    fe.add_cards(worker, max_num_seqs=1)  # max_waiting_requests 0: the engines queue without bound
+    assert fe.frontend.admission.bound(entry) == 0
+    fe.frontend.admission.factor = 0.0  # --admission-factor 0: off, whatever the cards say
+    fe.add_cards(worker, max_num_seqs=1, max_waiting_requests=1)
+    assert fe.frontend.admission.bound(entry) == 0

@@ -248,6 +248,27 @@ def test_a_pinned_request_checks_only_its_engine():
     assert decided(adm.decide(request("r3", "D", pinned=B_), 0.0)).engine_id == B_
 
 
+def test_an_engine_holding_its_running_plus_waiting_slots_in_bookings_is_busy():
+    # max_requests = max_num_seqs + max_waiting_requests from the card: a further request would only be
+    # refused by the engine's waiting queue, so the router places it elsewhere or rejects it itself.
+    adm = make(engines=(), thresholds=BusyThresholds(requests_frac=1.0))
+    adm.add_engine(EngineSpec(A_, total_blocks=1000, block_size=BS, max_requests=2))
+    adm.add_engine(EngineSpec(B_, total_blocks=1000, block_size=BS, max_requests=1))
+    placed = [decided(adm.decide(request(f"r{i}", "A"), 0.0)).engine_id for i in range(3)]
+    assert sorted(placed) == [A_, A_, B_]
+    rej = adm.decide(request("r3", "A"), 0.0)
+    assert isinstance(rej, Rejection) and rej.reason is RejectReason.ALL_BUSY
+    adm.free("r0")
+    assert not adm.is_busy(placed[0]) and decided(adm.decide(request("r3", "A"), 0.0)).engine_id == placed[0]
+
+
+def test_an_engine_with_an_unbounded_queue_is_never_busy_by_request_count():
+    adm = make(engines=(), thresholds=BusyThresholds(requests_frac=1.0))
+    adm.add_engine(EngineSpec(A_, total_blocks=1000, block_size=BS))  # max_requests None: unbounded
+    for i in range(50):
+        assert decided(adm.decide(request(f"r{i}", "A"), 0.0)).engine_id == A_
+
+
 def test_kv_usage_threshold_uses_booked_blocks_and_engine_reports():
     adm = make(thresholds=BusyThresholds(kv_usage_frac=0.5), total_blocks=8)
     adm.report_kv_usage(A_, 5)  # the engine says 5 of 8 blocks are in use: over 50%

@@ -63,15 +63,21 @@ def test_context_length_limits():
 
 
 def test_duplicate_ids_and_queue_bound():
-    core = EngineCore(config(max_waiting_requests=2))
-    core.add_request(EngineRequest("a", [1, 2, 3], max_tokens=2))
+    # The bound is max_num_seqs running + max_waiting_requests waiting, counted together (as the card says):
+    # requests that arrive between two passes fill the running slots first.
+    core = EngineCore(config(max_num_seqs=1, max_waiting_requests=1))
+    core.add_request(EngineRequest("a", [1, 2, 3], max_tokens=5))
     with pytest.raises(DuplicateRequest, match="'a'"):
-        core.add_request(EngineRequest("a", [1, 2, 3], max_tokens=2))
-    core.add_request(EngineRequest("b", [1, 2, 3], max_tokens=2))
-    with pytest.raises(QueueFull, match="max_waiting_requests=2"):
-        core.add_request(EngineRequest("c", [1, 2, 3], max_tokens=2))
-    core.step()  # both admitted: the queue has room again
-    core.add_request(EngineRequest("c", [1, 2, 3], max_tokens=2))
+        core.add_request(EngineRequest("a", [1, 2, 3], max_tokens=5))
+    core.add_request(EngineRequest("b", [1, 2, 3], max_tokens=5))
+    with pytest.raises(QueueFull, match="max_waiting_requests=1"):
+        core.add_request(EngineRequest("c", [1, 2, 3], max_tokens=5))
+    core.step()  # a runs, b waits: still full
+    with pytest.raises(QueueFull):
+        core.add_request(EngineRequest("c", [1, 2, 3], max_tokens=5))
+    while "a" in {r.request_id for r in core.scheduler.running}:
+        core.step()  # a finishes: b takes its slot, the queue has room again
+    core.add_request(EngineRequest("c", [1, 2, 3], max_tokens=5))
 
 
 def test_unimplemented_modes_are_refused():

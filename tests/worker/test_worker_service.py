@@ -262,6 +262,8 @@ async def test_two_engines_are_distinct_instances_with_their_own_model_cards(wor
         assert card.address == worker.address
         assert (card.block_size, card.context_length, card.total_kv_blocks) == (BLOCK, MAX_MODEL_LEN, NUM_BLOCKS)
         assert card.vocab_size == VOCAB
+        # the default bounds, advertised: frontends and routers bound admission by running + waiting slots
+        assert (card.max_num_seqs, card.max_waiting_requests) == (256, 512)
         assert card.capabilities.kv_events and card.capabilities.engine_kind == "mocker"
         assert list(card.files) == list(SERVED_FILES)
         served = await stub.GetModelCard(worker_pb2.GetModelCardRequest(engine_id=card.engine_id))

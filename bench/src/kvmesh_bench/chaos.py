@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -85,6 +86,15 @@ class Proc:
     def signal(self, sig: int) -> None:
         if self.alive:
             self.proc.send_signal(sig)
+
+    def cpu_s(self) -> float:
+        """User + system CPU seconds the process has used (0 once it is gone)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            return 0.0
 
     def rss_mib(self) -> float:
         try:
@@ -152,10 +162,13 @@ class Etcd:
 class Mesh:
     """Workers, routers and one frontend on a private etcd; closes everything it started."""
 
-    def __init__(self, workdir: Path, lease_ttl: float, log_level: str = "info") -> None:
+    def __init__(
+        self, workdir: Path, lease_ttl: float, log_level: str = "info", frontend_flags: Sequence[str] = ()
+    ) -> None:
         self.workdir = workdir
         self.lease_ttl = lease_ttl
         self.log_level = log_level
+        self.frontend_flags = list(frontend_flags)
         self.namespace = f"chaos{os.getpid()}"
         self.etcd = Etcd(workdir)
         self.procs: list[Proc] = []
@@ -183,7 +196,7 @@ class Mesh:
         return self._spawn("router", "--router-mode", "kv", *extra)
 
     def start_frontend(self, *extra: str) -> Proc:
-        self.frontend = self._spawn("frontend", *extra)
+        self.frontend = self._spawn("frontend", *extra, *self.frontend_flags)
         return self.frontend
 
     @property
@@ -201,6 +214,12 @@ class Mesh:
         for p in self.procs:
             if p.alive:
                 out[p.kind] = round(out.get(p.kind, 0.0) + p.rss_mib(), 1)
+        return out
+
+    def cpu(self) -> dict[Proc | None, float]:
+        """CPU seconds used so far by every live daemon, and by this process (the load generator, key None)."""
+        out: dict[Proc | None, float] = {None: time.process_time()}
+        out.update((p, p.cpu_s()) for p in self.procs if p.alive)
         return out
 
     def metric_sum(self, kind: str, name: str) -> float:
@@ -277,6 +296,12 @@ class Report:
     rss_mib: dict[str, dict[str, float]] = field(default_factory=dict)
     max_gap_s: float = 0.0
     migrations: float = 0.0
+    # Deltas over the load (background stream included), from the daemons' metrics: requests the
+    # frontend admitted, those it refused at its gRPC entry, routing decisions of the live routers.
+    admitted: float = 0.0
+    refused_at_entry: float = 0.0
+    router_decisions: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds over the load, per daemon kind and client
     background_requests: int = 0
     background_failures: dict[str, int] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
@@ -290,10 +315,15 @@ class Report:
             ("leaked KV blocks / bookings", f"{self.leaked_blocks:g} / {self.leaked_bookings:g}"),
             ("migrations (frontend)", f"{self.migrations:g}"),
             (
+                "frontend: admitted / refused at entry; router decisions",
+                f"{self.admitted:g} / {self.refused_at_entry:g}; {self.router_decisions:g}",
+            ),
+            (
                 "background stream: requests, failures",
                 f"{self.background_requests}, {sum(self.background_failures.values())}",
             ),
             ("background stream: largest inter-token gap", f"{self.max_gap_s * 1000:.0f} ms"),
+            ("CPU seconds over the load", ", ".join(f"{k} {v:.1f}" for k, v in sorted(self.cpu_s.items()))),
         ]
         for when, rss in self.rss_mib.items():
             rows.append((f"RSS MiB at {when}", ", ".join(f"{k} {v:.0f}" for k, v in sorted(rss.items()))))
@@ -319,11 +349,15 @@ class Run:
         self._last_token = 0.0
         self._background_task: asyncio.Task[None] | None = None
         self.channel: grpc.aio.Channel | None = None
+        self._counts_at_start: dict[str, float] = {}
+        self._cpu_at_start: dict[Proc | None, float] = {}
 
     async def start(self, engines: int) -> None:
         """Once the scenario's daemons are spawned: wait until ``engines`` are ready, start the background stream."""
         self.channel = grpc.aio.insecure_channel(self.mesh.frontend_address)
         await self.wait_ready(engines)
+        self._counts_at_start = await self.request_counts()
+        self._cpu_at_start = self.mesh.cpu()
         self.sample_rss("start")
         self._background_task = asyncio.get_running_loop().create_task(self._background())
 
@@ -424,6 +458,18 @@ class Run:
                 self.report.leaked_blocks, self.report.leaked_bookings = blocks, bookings
                 return
             await asyncio.sleep(0.25)
+
+    async def request_counts(self, timeout: float = 15.0) -> dict[str, float]:
+        """The frontend's finished and entry-refused requests and the routers' decisions, read once nothing is
+        in flight at the frontend (bounded wait), so that every decision taken belongs to a finished request."""
+        deadline = time.monotonic() + timeout
+        while self.mesh.metric_sum("frontend", "kvmesh_frontend_inflight_requests") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return {
+            "finished": self.mesh.metric_sum("frontend", "kvmesh_frontend_requests_total"),
+            "refused": self.mesh.metric_sum("frontend", "kvmesh_frontend_admission_rejected_total"),
+            "decisions": self.mesh.metric_sum("router", "kvmesh_router_decisions_total"),
+        }
 
     def sample_rss(self, when: str) -> None:
         self.report.rss_mib[when] = self.mesh.rss()
@@ -549,7 +595,7 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
 
 async def run_scenario(args: argparse.Namespace, workdir: Path) -> Report:
     """Run one scenario in ``workdir`` and return its report (the mesh is always torn down)."""
-    mesh = Mesh(workdir, args.lease_ttl, args.daemon_log_level)
+    mesh = Mesh(workdir, args.lease_ttl, args.daemon_log_level, shlex.split(args.frontend_flags))
     await asyncio.to_thread(mesh.etcd.start)
     run = Run(mesh, args)
     try:
@@ -563,6 +609,17 @@ async def run_scenario(args: argparse.Namespace, workdir: Path) -> Report:
             await asyncio.wait([run._background_task], timeout=60)
         await run.settle_leaks()
         run.report.migrations = mesh.metric_sum("frontend", "kvmesh_frontend_migrations_total")
+        if run._counts_at_start:
+            counts = await run.request_counts()
+            delta = {k: v - run._counts_at_start[k] for k, v in counts.items()}
+            run.report.refused_at_entry = delta["refused"]
+            run.report.admitted = delta["finished"] - delta["refused"]
+            run.report.router_decisions = delta["decisions"]
+            # per kind, the daemons alive at the end (one killed meanwhile took its figure with it)
+            for proc, cpu_now in mesh.cpu().items():
+                kind = "client" if proc is None else proc.kind
+                used = cpu_now - run._cpu_at_start.get(proc, 0.0)
+                run.report.cpu_s[kind] = round(run.report.cpu_s.get(kind, 0.0) + used, 2)
         run.sample_rss("end")
         report = run.report
         report.ok = run.statuses.pop("ok", 0)
@@ -610,6 +667,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--outage", type=float, default=60.0, help="etcd-outage / etcd-frozen: seconds etcd is down")
     p.add_argument("--burst", type=int, default=2000, help="overload: requests in the burst")
     p.add_argument("--concurrency", type=int, default=500, help="overload: requests in flight")
+    p.add_argument(
+        "--frontend-flags",
+        default="",
+        help="extra flags of the frontend, one string (e.g. --frontend-flags='--admission-factor 0')",
+    )
     p.add_argument("--daemon-log-level", default="info", help="every daemon's --log-level (logs kept with --keep)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (daemon logs)")
     p.add_argument("--json", type=Path, help="also write the report as JSON here")

@@ -97,7 +97,12 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
     registry.on_address_gone = generator.engines.retire
     registry.on_engine_joined = generator.engines.revive
     frontend = Frontend(
-        registry, generator, metrics, id_prefix=f"{runtime.instance_id:x}", default_max_tokens=config.default_max_tokens
+        registry,
+        generator,
+        metrics,
+        id_prefix=f"{runtime.instance_id:x}",
+        default_max_tokens=config.default_max_tokens,
+        admission_factor=config.admission_factor,
     )
     service_name = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
     runtime.add_service(

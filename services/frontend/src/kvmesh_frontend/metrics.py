@@ -97,6 +97,12 @@ class FrontendMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=registry,
         )
+        self._admission_rejected = Counter(
+            "kvmesh_frontend_admission_rejected",
+            "Requests refused RESOURCE_EXHAUSTED at the gRPC entry (the model at its in-flight bound), before any work",
+            ["model"],
+            registry=registry,
+        )
         self._models: dict[str, ModelMetrics] = {}
         self._outcomes: dict[tuple[str, str], tuple[Any, Any]] = {}
 
@@ -121,6 +127,9 @@ class FrontendMetrics:
             pair = self._outcomes[key] = (self.requests.labels(model, outcome), self.duration.labels(model, outcome))
         pair[0].inc()
         pair[1].observe(seconds)
+
+    def admission_rejected(self, model: str) -> None:
+        self._admission_rejected.labels(model).inc()
 
     def migration(self, model: str) -> None:
         self.model(model).migrations.inc()

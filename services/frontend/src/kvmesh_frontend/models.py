@@ -58,6 +58,9 @@ class ModelEntry:
     eos_token_id: int = 0
     digest: str = ""
     assets: _Assets | None = None
+    # Requests the serving engines hold at most: running plus waiting; 0 = no bound (an engine with an
+    # unbounded queue, or a card without the field). The frontend's admission bound derives from it.
+    capacity: int = 0
 
     @property
     def live(self) -> bool:
@@ -70,6 +73,10 @@ class ModelEntry:
 
     def _refresh(self) -> None:
         cards = list(self.cards.values())
+        # prefill engines hold a request only for its prompt: the decode (or aggregated) engines bound it
+        serving = [c for c in cards if c.role != discovery_pb2.WORKER_ROLE_PREFILL] or cards
+        unbounded = not serving or any(c.max_waiting_requests == 0 for c in serving)
+        self.capacity = 0 if unbounded else sum(c.max_num_seqs + c.max_waiting_requests for c in serving)
         if not cards:
             return
         self.block_size = cards[-1].block_size

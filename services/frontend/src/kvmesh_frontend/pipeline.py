@@ -27,6 +27,7 @@ from kvmesh.hashing import block_hashes
 from kvmesh.telemetry import request_id_var
 from kvmesh.v1 import worker_pb2
 
+from kvmesh_frontend.admission import Admission
 from kvmesh_frontend.errors import FrontendError, internal, invalid, not_found
 from kvmesh_frontend.generation import GenerationState, Generator, PreparedRequest
 from kvmesh_frontend.llm_request import PARAM_WORKER_ID, LlmRequest, parse_llm_request
@@ -67,17 +68,43 @@ class Frontend:
         metrics: FrontendMetrics,
         id_prefix: str,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        admission_factor: float = 0.0,
     ) -> None:
         self.registry = registry
         self.generator = generator
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
+        self.admission = Admission(admission_factor)
         self.stats: dict[str, ModelStats] = {}
         self._prefix = id_prefix
         self._ids = itertools.count(1)
 
     def new_request_id(self) -> str:
         return f"{self._prefix}-{next(self._ids):x}"
+
+    def admit(self, model_name: str) -> tuple[bool, FrontendError | None]:
+        """At the gRPC entry, before the request is even looked at: ``(counted, refusal)``.
+
+        ``refusal`` is the RESOURCE_EXHAUSTED to answer at once when the model is at its in-flight
+        bound (:mod:`kvmesh_frontend.admission`); it is recorded here, as a finished request. When
+        ``counted``, the caller calls :meth:`release` with the same name once the request ends. A name
+        without a live engine is not counted: :meth:`infer` answers it (NOT_FOUND, UNAVAILABLE).
+        """
+        entry = self.registry.get(model_name)
+        if entry is None or not entry.cards:
+            return False, None
+        start = time.perf_counter()
+        refusal = self.admission.enter(entry)
+        if refusal is None:
+            return True, None
+        self.metrics.admission_rejected(entry.name)
+        end = time.perf_counter()
+        self.metrics.finished(entry.name, refusal.code.name.lower(), end - start)
+        self._record(entry.name, False, (start, end, end, end))
+        return False, refusal
+
+    def release(self, model_name: str) -> None:
+        self.admission.leave(model_name)
 
     async def infer(self, request: pb.ModelInferRequest, *, unary: bool) -> AsyncGenerator[Response, None]:
         """The responses of one request: one ModelInferResponse when ``unary``, else ModelStreamInferResponses."""

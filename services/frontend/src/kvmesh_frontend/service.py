@@ -18,6 +18,7 @@ request in flight on it; each request's cleanup cancels its engine stream and fr
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -212,6 +213,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelInferRequest,
         context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
     ) -> pb.ModelInferResponse:
+        counted, refusal = self._frontend.admit(request.model_name)
+        if refusal is not None:
+            _refuse(context, refusal)
+            return pb.ModelInferResponse()
         try:
             result: pb.ModelInferResponse | None = None
             async with aclosing(self._frontend.infer(request, unary=True)) as responses:
@@ -224,6 +229,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         except FrontendError as exc:
             _refuse(context, exc)
             return pb.ModelInferResponse()
+        finally:
+            if counted:
+                self._frontend.release(request.model_name)
 
     # grpc.aio also serves a stream-stream RPC from a coroutine that writes through context.write (one
     # writer per request task here); the generated servicer stub only models generator methods.
@@ -249,11 +257,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                         async with lock:
                             await write(response)
             except FrontendError as exc:
-                error = pb.ModelStreamInferResponse(
-                    error_message=exc.in_band(), infer_response=_error_response(request)
-                )
-                async with lock:
-                    await write(error)
+                await refuse(request, exc)
+
+        async def refuse(request: pb.ModelInferRequest, error: FrontendError) -> None:
+            message = pb.ModelStreamInferResponse(
+                error_message=error.in_band(), infer_response=_error_response(request)
+            )
+            async with lock:
+                await write(message)
+
+        def release(model_name: str, _task: asyncio.Task[None]) -> None:
+            frontend.release(model_name)
 
         def done(task: asyncio.Task[None]) -> None:
             tasks.discard(task)
@@ -262,9 +276,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         try:
             async for request in request_iterator:
+                # Admission first, on the raw request: a model at its bound is refused right here, with
+                # no task, no parsing, no router and no engine involved (kvmesh_frontend/admission.py).
+                counted, refusal = frontend.admit(request.model_name)
+                if refusal is not None:
+                    await refuse(request, refusal)
+                    continue
                 task = loop.create_task(serve(request))
                 tasks.add(task)
                 task.add_done_callback(done)
+                if counted:  # a done callback, not a finally: a task cancelled before its first step runs no finally
+                    task.add_done_callback(functools.partial(release, request.model_name))
             while tasks:  # the client half-closed: finish what is in flight
                 await asyncio.wait(list(tasks))
         finally:

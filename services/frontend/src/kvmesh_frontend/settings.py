@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from kvmesh.settings import DaemonSettings, Port, Seconds
-from pydantic import NonNegativeInt, PositiveInt
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from kvmesh_frontend.pipeline import DEFAULT_MAX_TOKENS
 
@@ -27,6 +27,10 @@ class Settings(DaemonSettings):
     """max_tokens of requests that do not say"""
     model_fetch_timeout: Seconds = 30.0
     """seconds to download a model's tokenizer files from a worker"""
+    admission_factor: NonNegativeFloat = 1.0
+    """requests of a model in flight at this frontend beyond this many times its engines' capacity (sum of
+    max_num_seqs + max_waiting_requests, from their cards) are refused RESOURCE_EXHAUSTED at once, before
+    any work (0 = off; no bound either when an engine's waiting queue is unbounded)"""
 
     # -- disaggregated prefill/decode (docs/disaggregation.md) ----------------------------------------
     disagg_min_tokens: NonNegativeInt = 0

@@ -13,7 +13,11 @@ Busy thresholds (all optional, Dynamo ``worker_monitor.rs``; an engine is busy i
 - ``active_prefill_tokens``: booked prefill tokens > the absolute threshold;
 - ``active_prefill_tokens_frac``: booked prefill tokens > frac * the engine's ``max_num_batched_tokens``
   (10,000,000 if it did not report one);
-- ``kv_usage_frac``: max(booked active blocks, engine-reported used blocks) > frac * ``total_blocks``.
+- ``kv_usage_frac``: max(booked active blocks, engine-reported used blocks) > frac * ``total_blocks``;
+- ``requests_frac``: booked requests >= frac * ``max_requests`` (the engine's ``max_num_seqs +
+  max_waiting_requests``, from its card; engines with an unbounded queue never trip it). At 1.0 the
+  router never sends an engine a request its waiting queue would refuse: it picks another engine, or
+  rejects at once, instead of a round trip to the worker to learn the queue is full.
 
 Busy engines are skipped; the request is rejected (:class:`Rejection`, the frontend's
 RESOURCE_EXHAUSTED) only when *every* eligible engine is busy. A pinned request considers only its
@@ -81,6 +85,7 @@ class EngineSpec:
     block_size: int
     max_num_batched_tokens: int | None = None
     role: str = "aggregated"
+    max_requests: int | None = None  # requests the engine holds at most (running + waiting); None = unbounded
 
     def __post_init__(self) -> None:
         if self.total_blocks <= 0 or self.block_size <= 0:
@@ -98,6 +103,7 @@ class BusyThresholds:
     # disaggregated frontend prefills locally (or answers RESOURCE_EXHAUSTED) when every prefill engine is
     # over it, so the prefill pool never queues without bound.
     prefill_backlog_tokens: int | None = None
+    requests_frac: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -106,6 +112,7 @@ class BusyThresholds:
             or self.active_prefill_tokens_frac is not None
             or self.kv_usage_frac is not None
             or self.prefill_backlog_tokens is not None
+            or self.requests_frac is not None
         )
 
 
@@ -273,7 +280,8 @@ class Admission:
             used = max(slots.active_blocks(e), self._reported_used.get(e, 0))
             if used > t.kv_usage_frac * spec.total_blocks:
                 return True
-        return False
+        limit = spec.max_requests
+        return t.requests_frac is not None and limit is not None and slots.active_requests(e) >= t.requests_frac * limit
 
     # ------------------------------------------------------------------ decisions
 

@@ -35,6 +35,7 @@ class EngineInfo:
     max_num_batched_tokens: int | None = None
     kv_events: bool = True
     role: str = "aggregated"  # cost.ROLES; discovery's WORKER_ROLE_UNSPECIFIED counts as aggregated
+    max_requests: int | None = None  # max_num_seqs + max_waiting_requests; None: the engine's queue is unbounded
 
 
 class EngineRegistry(dict[int, EngineInfo]):

@@ -52,6 +52,7 @@ def engine_info(record: discovery_pb2.InstanceRecord, card: discovery_pb2.ModelC
         max_num_batched_tokens=card.max_num_batched_tokens or None,
         kv_events=card.capabilities.kv_events,
         role=role_name(record.role) or "aggregated",
+        max_requests=card.max_num_seqs + card.max_waiting_requests if card.max_waiting_requests else None,
     )
 
 

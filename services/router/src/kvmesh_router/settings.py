@@ -60,6 +60,10 @@ class RouterSettings(BaseModel):
     busy_kv_usage: OptionalFraction = 0.95
     """busy above this fraction of the engine's KV blocks in use ('none' = off); a query is REJECTED
     (RESOURCE_EXHAUSTED, at once) only when every eligible engine is busy"""
+    busy_requests: OptionalFraction = 1.0
+    """busy when the engine's booked requests reach this fraction of what it holds (max_num_seqs +
+    max_waiting_requests, from its card; engines with an unbounded queue never are; 'none' = off): at 1.0 no
+    request is sent to an engine whose waiting queue would refuse it"""
     kv_events: bool = True
     """follow the engines' KV events (--no-kv-events: approximate mode, the router's own decisions become
     predicted cached blocks with a TTL)"""

@@ -89,7 +89,7 @@ class RouterState:
                 temperature=s.temperature,
             ),
             thresholds=BusyThresholds(
-                s.busy_prefill_tokens, s.busy_prefill_frac, s.busy_kv_usage, s.prefill_backlog_tokens
+                s.busy_prefill_tokens, s.busy_prefill_frac, s.busy_kv_usage, s.prefill_backlog_tokens, s.busy_requests
             ),
             rng=random.Random(s.seed),
             # TimedIndex passes the DecisionPredictor methods through __getattr__, which mypy cannot see
@@ -110,7 +110,12 @@ class RouterState:
         old = self.engines.put(info)
         self.admission.add_engine(
             EngineSpec(
-                info.engine_id, max(info.total_blocks, 1), info.block_size, info.max_num_batched_tokens, info.role
+                info.engine_id,
+                max(info.total_blocks, 1),
+                info.block_size,
+                info.max_num_batched_tokens,
+                info.role,
+                info.max_requests,
             )
         )
         if self.kv_index is not None:

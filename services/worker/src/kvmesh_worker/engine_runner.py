@@ -192,6 +192,7 @@ class EngineRunner:
             total_kv_blocks=config.num_gpu_blocks,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            max_waiting_requests=config.max_waiting_requests or 0,
         )
         self.publisher = KvEventPublisher(core.journal, core.dump_cache)
         self._wakeup = Wakeup()
@@ -265,7 +266,6 @@ class EngineRunner:
                 "FAILED_PRECONDITION", f"engine {self.engine_id:x} is aggregated: it cannot pull KV (--role decode)"
             )
         return await self.kv.pull(request, params)
-
 
     # -- KV journal, load -----------------------------------------------------------------------
     def subscribe(self, start_event_id: int | None) -> tuple[CacheDump | list[KvEvent], KvSubscription]:

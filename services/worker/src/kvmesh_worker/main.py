@@ -53,6 +53,7 @@ def model_card(spec: EngineSpec, model: ModelFiles, engine_id: int, address: str
         total_kv_blocks=spec.total_kv_blocks,
         max_num_seqs=spec.max_num_seqs,
         max_num_batched_tokens=spec.max_num_batched_tokens,
+        max_waiting_requests=spec.max_waiting_requests,
         vocab_size=model.vocab_size,
         eos_token_id=model.eos_token_id,
         files=list(model.files),

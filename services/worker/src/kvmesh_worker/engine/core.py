@@ -110,8 +110,13 @@ class EngineCore:
                 f"context_length={cfg.context_length} (max_model_len={cfg.max_model_len}, "
                 f"KV capacity above the watermark, and the token budget without chunked prefill)"
             )
-        if cfg.max_waiting_requests is not None and len(self.scheduler.waiting) >= cfg.max_waiting_requests:
-            raise QueueFull(f"waiting queue is full (max_waiting_requests={cfg.max_waiting_requests})")
+        # Running + waiting against max_num_seqs + max_waiting_requests, as the vLLM engine counts and the
+        # model card advertises (routers and frontends bound admission by it): counting only the waiting
+        # queue would refuse a burst that arrives between two passes while running slots are free.
+        bound = cfg.max_waiting_requests
+        if bound is not None and len(self.scheduler.waiting) + len(self.scheduler.running) >= cfg.max_num_seqs + bound:
+            held = f"max_num_seqs={cfg.max_num_seqs} running + max_waiting_requests={bound} waiting"
+            raise QueueFull(f"waiting queue is full ({held})")
         self.scheduler.add(Request(request, prompt.astype("<u4"), cfg))
 
     def abort_request(self, request_id: str) -> bool:

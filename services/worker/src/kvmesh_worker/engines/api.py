@@ -81,6 +81,7 @@ class EngineSpec:
     total_kv_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_waiting_requests: int = 0  # beyond max_num_seqs; 0 = unbounded (frontends then admit without a bound)
 
 
 class OutputSink(Protocol):

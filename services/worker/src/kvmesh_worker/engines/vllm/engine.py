@@ -512,6 +512,7 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
         total_kv_blocks=int(config.cache_config.num_gpu_blocks or 0),
         max_num_seqs=int(config.scheduler_config.max_num_seqs),
         max_num_batched_tokens=int(config.scheduler_config.max_num_batched_tokens),
+        max_waiting_requests=settings.max_waiting_requests,
     )
     log.info("vLLM engine ready: %s", spec)
     made: list[VllmEngine] = []
