@@ -22,7 +22,7 @@ import threading
 import time
 
 import pytest
-from kvmesh.v1 import router_pb2
+from kvmesh.v1 import discovery_pb2, router_pb2
 
 from tests.router.test_router_e2e_harness import (
     FINISHED,
@@ -234,3 +234,37 @@ def test_busy_kv_usage_counts_what_the_engine_reports(mesh):
         if runner.is_alive():
             runner.join(30)
         session.close()
+
+
+def test_a_disaggregated_query_books_decode_and_prefill_and_both_are_freed(mesh):
+    decode = mesh.worker("--role", "decode", engines=1)
+    prefill = mesh.worker("--role", "prefill", engines=1)
+    router = mesh.router("--disagg-min-tokens", "32")
+    session = router.session()
+    try:
+        tokens = prompt("A", "B", "C", "D")  # 64 tokens, none cached anywhere: remote
+        decision = session.route("r1", tokens, role=discovery_pb2.WORKER_ROLE_DECODE, excluded_prefill=())
+        assert decision.outcome == ROUTED and decision.engine_id == decode.engine_ids[0], decision
+        plan = decision.prefill
+        assert plan.place == router_pb2.PREFILL_PLACE_REMOTE and plan.reason == "remote", plan
+        assert (plan.engine_id, plan.address, plan.request_id) == (prefill.engine_ids[0], prefill.address, "r1/prefill")
+        assert plan.uncached_tokens == len(tokens)
+        assert sum(n for _, _, n in router.load().values()) == 2  # both legs booked, in one step
+        session.lifecycle("r1/prefill", FIRST_TOKEN)
+        session.lifecycle("r1/prefill", FINISHED)
+        session.lifecycle("r1", FINISHED)
+        wait_until(lambda: all(v == (0, 0, 0) for v in router.load().values()), 5, "both bookings freed")
+
+        short = session.route("r2", prompt("E", "F"), role=discovery_pb2.WORKER_ROLE_DECODE, excluded_prefill=())
+        assert short.prefill.place == router_pb2.PREFILL_PLACE_LOCAL_SHORT, short.prefill
+        assert short.prefill.reason == "local: 32 uncached prompt tokens <= --disagg-min-tokens 32"
+        failed = session.route("r3", tokens, role=discovery_pb2.WORKER_ROLE_DECODE, excluded_prefill=prefill.engine_ids)
+        assert failed.prefill.place == router_pb2.PREFILL_PLACE_LOCAL_NO_ENGINE, failed.prefill
+        session.lifecycle("r2", FINISHED)
+        session.lifecycle("r3", FINISHED)
+
+        session.route("r4", tokens, role=discovery_pb2.WORKER_ROLE_DECODE, excluded_prefill=())
+        assert sum(n for _, _, n in router.load().values()) == 2
+    finally:
+        session.cancel()  # the frontend goes away with r4 and r4/prefill booked: both are freed
+    wait_until(lambda: all(v == (0, 0, 0) for v in router.load().values()), 5, "orphaned bookings freed")

@@ -210,6 +210,8 @@ class SessionClient:
         pinned: int | None = None,
         mode: int = 0,
         excluded: Iterable[int] = (),
+        role: int = 0,
+        excluded_prefill: Iterable[int] | None = None,
     ) -> None:
         query = router_pb2.RouteQuery(
             request_id=request_id,
@@ -222,6 +224,11 @@ class SessionClient:
             query.pinned_engine_id = pinned
         if mode:
             query.overrides.mode = mode  # type: ignore[assignment]  # a raw enum number, as a test may send any
+        if role:
+            query.overrides.role = role  # type: ignore[assignment]
+        if excluded_prefill is not None:  # a disaggregated query: the router decides the prefill too
+            query.disagg.SetInParent()
+            query.disagg.excluded_prefill_engine_ids.extend(excluded_prefill)
         self._out.put(router_pb2.SessionRequest(route=query))
 
     def decision(self, timeout: float = 10.0) -> router_pb2.RouteDecision:

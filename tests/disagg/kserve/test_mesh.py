@@ -22,12 +22,12 @@ pytestmark = pytest.mark.e2e
 LONG = " ".join(f"word{i}" for i in range(120))  # well over a few blocks of 16 tokens
 
 
-def disagg_mesh(mesh: Mesh, prefill: int, decode: int, *frontend_args: str) -> Mesh:
+def disagg_mesh(mesh: Mesh, prefill: int, decode: int, *frontend_args: str, router_args: tuple[str, ...] = ()) -> Mesh:
     for _ in range(decode):
         mesh.worker("--role", "decode")
     for _ in range(prefill):
         mesh.worker("--role", "prefill")
-    mesh.router()
+    mesh.router(*router_args)
     mesh.start_frontend(*frontend_args)
     mesh.wait_model(MODEL)
     return mesh
@@ -98,7 +98,7 @@ def test_1p1d_many_concurrent_requests(mesh_1p1d):
 def test_conditional_disaggregation_takes_both_branches(tmp_path):
     mesh = Mesh(tmp_path, f"file://{tmp_path / 'disc'}", f"pd{uuid.uuid4().hex[:8]}")
     try:
-        disagg_mesh(mesh, 1, 1, "--disagg-min-tokens", "64")
+        disagg_mesh(mesh, 1, 1, router_args=("--disagg-min-tokens", "64"))  # a router policy
         out = stream_requests(mesh.url_frontend, [request("short", "Tell me about KV caches"), request("long", LONG)])
         assert param(out["short"].final, "kvmesh.prefill_worker_id") == 0
         assert param(out["short"].final, "kvmesh.disagg").startswith("local: ")
@@ -106,6 +106,17 @@ def test_conditional_disaggregation_takes_both_branches(tmp_path):
         assert param(out["long"].final, "kvmesh.disagg") == "remote"
         assert param(out["long"].final, "kvmesh.prefill_worker_id") != 0
         assert all(o.num_tokens == 12 for o in out.values())
+        # The same long prompt again: the decode engine caches it now, so the router (which sees that in its
+        # index) counts only the uncached tail and prefills it locally. Its index learns of the new blocks
+        # through KV events, a moment after the first request ended: poll, bounded.
+        deadline = time.monotonic() + 10
+        while True:
+            again = stream_requests(mesh.url_frontend, [request(f"again{time.monotonic_ns()}", LONG)])
+            decision = param(next(iter(again.values())).final, "kvmesh.disagg")
+            if decision != "remote" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert decision.startswith("local: ") and "uncached prompt tokens <= --disagg-min-tokens 64" in decision
         assert_nothing_held(mesh)
     finally:
         mesh.close()

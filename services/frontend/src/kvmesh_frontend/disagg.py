@@ -1,26 +1,28 @@
 """Disaggregated prefill/decode: the frontend orchestrates the two engine calls (as Dynamo's frontend does).
 
-For a model served by decode engines, :class:`~kvmesh_frontend.generation.Generator` asks the router for a
-**decode** engine first (``RouterConfigOverride.role = DECODE``; the router's KV cost credits the decode
-engine's cached prefix, unlike Dynamo's decode router, which zeroes it). Then :meth:`Disaggregator.prefill`
-decides, per request (conditional disaggregation):
+For a model served by decode engines, :class:`~kvmesh_frontend.generation.Generator` sends one query with
+``RouterConfigOverride.role = DECODE`` and ``RouteQuery.disagg`` set. The router picks the decode engine
+(its KV cost credits the decode engine's cached prefix, unlike Dynamo's decode router, which zeroes it)
+and, in the same step, decides where the prompt is prefilled (conditional disaggregation, a router policy:
+``kvmesh_router/disagg.py``): remotely only if ``prompt - decode-side cached prefix > --disagg-min-tokens``
+(a router flag) and a prefill engine is under its busy thresholds (the prefill pool's backlog bound).
+:meth:`Disaggregator.prefill` acts on that ``RouteDecision.prefill``:
 
-- remote prefill only if ``prompt - decode-side cached prefix > --disagg-min-tokens``, else local;
-- a **prefill** engine from the router (``role = PREFILL``); the router's busy thresholds bound the
-  prefill pool's backlog: REJECTED (every prefill engine over its bound) means local prefill, or
-  RESOURCE_EXHAUSTED with ``--disagg-busy reject``; NO_ENGINE (no prefill engine live) means local, or
-  UNAVAILABLE with ``--enforce-disagg``;
-- the prefill leg runs with ``max_tokens=1`` and ``hold_kv_for_transfer``; its last response carries the
-  ``KvTransferParams``, which go (with the prefill worker's address) to the decode engine as
-  ``prefill_result``. Its one token is dropped: the decode engine generates every client token.
+- REMOTE: the prefill leg runs on the chosen engine, booked by the router as ``<request_id>/prefill``,
+  with ``max_tokens=1`` and ``hold_kv_for_transfer``; its last response carries the ``KvTransferParams``,
+  which go (with the prefill worker's address) to the decode engine as ``prefill_result``. Its one token
+  is dropped: the decode engine generates every client token;
+- LOCAL_BUSY (every prefill engine over its bound): local prefill, or RESOURCE_EXHAUSTED with
+  ``--disagg-busy reject``; LOCAL_NO_ENGINE: local, or UNAVAILABLE with ``--enforce-disagg``;
+  LOCAL_SHORT: local.
 
 Invariants: every prefill leg gets exactly one FINISHED (from a ``finally``) and is cancelled if the
 request ends first; a hold the frontend received is released by the frontend too (``ReleaseKv`` is
 idempotent; the decode worker normally releases first, the hold lease is the last backstop); a decode
 leg whose pull failed with ABORTED (source gone, backend error) produced no token, so the request moves
-on with a local prefill on the same decode engine and the failed prefill engine excluded. The decision
-and its reason land in the final response (``kvmesh.prefill_worker_id``, ``kvmesh.kv_transferred_blocks``,
-``kvmesh.disagg``).
+on with the failed prefill engine excluded (``DisaggQuery.excluded_prefill_engine_ids``) and the decode
+engine kept. The decision and its reason land in the final response (``kvmesh.prefill_worker_id``,
+``kvmesh.kv_transferred_blocks``, ``kvmesh.disagg``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
 
 from kvmesh_frontend.engine_stream import EngineError, EngineStreams
 from kvmesh_frontend.errors import exhausted, invalid, unavailable
-from kvmesh_frontend.routing import RouterClient
+from kvmesh_frontend.routing import RouterSession
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ PREFILL = discovery_pb2.WORKER_ROLE_PREFILL
 
 @dataclass(frozen=True, slots=True)
 class DisaggPolicy:
-    min_tokens: int = 0
+    """What the frontend answers when the router's prefill decision is not remote."""
+
     busy: Literal["local", "reject"] = "local"
     enforce: bool = False
 
@@ -68,12 +71,10 @@ class DisaggState:
 class Disaggregator:
     def __init__(
         self,
-        router: RouterClient,
         engines: EngineStreams,
         policy: DisaggPolicy,
         model_roles: Callable[[str], set[int]],
     ) -> None:
-        self._router = router
         self._engines = engines
         self.policy = policy
         self._model_roles = model_roles
@@ -87,64 +88,46 @@ class Disaggregator:
     async def prefill(
         self,
         decision: router_pb2.RouteDecision,
-        query: router_pb2.RouteQuery,
+        session: RouterSession,
         tokens: list[int],
         sampling: worker_pb2.SamplingOptions,
         state: DisaggState,
     ) -> KvTransferParams | None:
-        """Run the remote prefill for the decode ``decision``; None means prefill locally (state says why)."""
+        """Run the remote prefill the router chose beside the decode ``decision``; None means prefill locally
+        (state says why). ``session`` booked both: every prefill leg gets its FINISHED there."""
         policy = self.policy
-        uncached = len(tokens) - decision.overlap_blocks * decision.block_size
-        if uncached <= policy.min_tokens:
-            state.decision = f"local: {uncached} uncached prompt tokens <= --disagg-min-tokens {policy.min_tokens}"
-            return None
-        prefill_id = f"{query.request_id}/prefill"
-        pquery = router_pb2.RouteQuery()
-        pquery.CopyFrom(query)
-        pquery.request_id = prefill_id
-        pquery.expected_output_tokens = 1
-        pquery.ClearField("pinned_engine_id")
-        del pquery.excluded_engine_ids[:]
-        pquery.excluded_engine_ids.extend(state.excluded_prefill)
-        pquery.overrides.role = PREFILL
-        pdecision, session = await self._router.route(pquery)
-        if pdecision.outcome != router_pb2.DECISION_OUTCOME_ROUTED:
-            session.finished(prefill_id)
-            if pdecision.outcome == router_pb2.DECISION_OUTCOME_REJECTED:
-                if policy.busy == "reject":
-                    raise exhausted(
-                        f"every prefill engine is over its busy threshold, retry later ({pdecision.message})"
-                    )
-                state.decision = "local: every prefill engine is busy"
-                return None
-            if policy.enforce:
+        plan = decision.prefill
+        if plan.place != router_pb2.PREFILL_PLACE_REMOTE:
+            if plan.place == router_pb2.PREFILL_PLACE_LOCAL_BUSY and policy.busy == "reject":
+                raise exhausted("every prefill engine is over its busy threshold, retry later")
+            if plan.place == router_pb2.PREFILL_PLACE_LOCAL_NO_ENGINE and policy.enforce:
                 raise unavailable(
                     "no prefill engine can take the request and the frontend enforces disaggregation "
-                    f"(--enforce-disagg): {pdecision.message or 'no prefill engine is live'}"
+                    f"(--enforce-disagg): {plan.reason.removeprefix('local: ') or 'no prefill engine is live'}"
                 )
             state.decision = (
-                "local: no other prefill engine after a failed one"
-                if state.excluded_prefill
-                else "local: no prefill engine"
+                plan.reason or "local: the router decided no prefill (it predates conditional disaggregation)"
             )
             return None
+        prefill_id = plan.request_id
         psampling = worker_pb2.SamplingOptions()
         psampling.CopyFrom(sampling)
         psampling.max_tokens = 1
         psampling.min_tokens = 0
-        call = self._engines.start(
-            pdecision.address,
-            worker_pb2.GenerateRequest(
-                request_id=prefill_id,
-                engine_id=pdecision.engine_id,
-                token_ids=tokens,
-                sampling=psampling,
-                hold_kv_for_transfer=True,
-            ),
-        )
         params: KvTransferParams | None = None
         finished = False
-        try:
+        call = None
+        try:  # from here on, the router's prefill booking gets its FINISHED whatever happens
+            call = self._engines.start(
+                plan.address,
+                worker_pb2.GenerateRequest(
+                    request_id=prefill_id,
+                    engine_id=plan.engine_id,
+                    token_ids=tokens,
+                    sampling=psampling,
+                    hold_kv_for_transfer=True,
+                ),
+            )
             async for response in call:
                 if response.finish_reason:
                     finished = True
@@ -152,24 +135,24 @@ class Disaggregator:
                     if response.HasField("kv_transfer"):
                         params = KvTransferParams()
                         params.CopyFrom(response.kv_transfer)
-                        params.source_address = pdecision.address
+                        params.source_address = plan.address
                     break
         except EngineError as exc:
             if exc.code == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself is bad: no fallback fixes it
-                raise invalid(f"prefill engine {pdecision.engine_id:x} rejected the request: {exc.details}") from None
-            log.warning("prefill engine %x failed (%s): prefilling locally", pdecision.engine_id, exc)
-            state.excluded_prefill.append(pdecision.engine_id)
+                raise invalid(f"prefill engine {plan.engine_id:x} rejected the request: {exc.details}") from None
+            log.warning("prefill engine %x failed (%s): prefilling locally", plan.engine_id, exc)
+            state.excluded_prefill.append(plan.engine_id)
             state.decision = "local: the prefill engine failed"
             return None
         finally:
-            if not finished:
+            if call is not None and not finished:
                 call.cancel()
             session.finished(prefill_id)
         if params is None:
             state.decision = "local: the prefill engine held no KV"
             return None
         state.decision = "remote"
-        state.prefill_engine_id = pdecision.engine_id
+        state.prefill_engine_id = plan.engine_id
         return params
 
     @staticmethod

@@ -98,7 +98,7 @@ class Generator:
         self._router = router
         self.engines = EngineStreams(pool, address_live, down_s)
         self._engine_addresses = engine_addresses
-        self.disagg = Disaggregator(router, self.engines, disagg_policy or DisaggPolicy(), model_roles)
+        self.disagg = Disaggregator(self.engines, disagg_policy or DisaggPolicy(), model_roles)
         self.migration_limit = migration_limit
         self._on_migration = on_migration
         self._engine_alive = engine_alive
@@ -133,8 +133,9 @@ class Generator:
             if req.pinned_engine_id is not None:
                 query.pinned_engine_id = req.pinned_engine_id
             disaggregated = self.disagg.applies(req.model)
-            if disaggregated:
+            if disaggregated:  # the router decides the prefill too (RouteDecision.prefill)
                 query.overrides.role = DECODE
+                query.disagg.excluded_prefill_engine_ids.extend(state.disagg.excluded_prefill)
             span = telemetry.start_span(
                 "route", attributes={"kvmesh.request_id": request_id, "kvmesh.attempt": attempt}
             )
@@ -161,7 +162,7 @@ class Generator:
             kv = None
             if disaggregated:
                 try:
-                    kv = await self.disagg.prefill(decision, query, tokens, sampling, state.disagg)
+                    kv = await self.disagg.prefill(decision, session, tokens, sampling, state.disagg)
                 except BaseException:
                     session.finished(request_id)
                     raise

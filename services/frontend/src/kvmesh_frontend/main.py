@@ -86,7 +86,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         on_migration=metrics.migration,
         engine_alive=registry.engine_alive,
         address_live=registry.address_live,
-        disagg_policy=DisaggPolicy(config.disagg_min_tokens, config.disagg_busy, config.enforce_disagg),
+        disagg_policy=DisaggPolicy(config.disagg_busy, config.enforce_disagg),
         model_roles=registry.roles,
         engine_addresses=registry.engine_addresses,
         down_s=config.lease_ttl + 1.0,  # by then discovery has dropped a dead worker

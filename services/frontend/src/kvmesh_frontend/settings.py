@@ -33,9 +33,6 @@ class Settings(DaemonSettings):
     any work (0 = off; no bound either when an engine's waiting queue is unbounded)"""
 
     # -- disaggregated prefill/decode (docs/disaggregation.md) ----------------------------------------
-    disagg_min_tokens: NonNegativeInt = 0
-    """prefill remotely only when the prompt minus the decode engine's cached prefix exceeds this many
-    tokens; shorter ones are prefilled on the decode engine"""
     disagg_busy: Literal["local", "reject"] = "local"
     """when every prefill engine is over the router's busy thresholds: prefill on the decode engine
     (local) or answer RESOURCE_EXHAUSTED (reject)"""

@@ -115,6 +115,9 @@ class SessionHandler:
             decision.message = f"internal router error: {exc!r}"
         if decision.outcome == ROUTED:
             active[rid] = key
+            prefill = decision.prefill.request_id  # a remote prefill, booked beside the decode engine
+            if prefill:
+                active[prefill] = key + prefill[len(rid) :]
 
     def _update(self, active: dict[str, str], update: router_pb2.LifecycleUpdate) -> None:
         stage = update.stage

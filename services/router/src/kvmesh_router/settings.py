@@ -75,6 +75,9 @@ class RouterSettings(BaseModel):
     """seconds after which a booking with no FINISHED is dropped (lost-update backstop)"""
     seed: int | None = None
     """seed of the router's random choices (tie-breaks, random modes); default: random"""
+    disagg_min_tokens: Annotated[int, Field(ge=0)] = 0
+    """conditional disaggregation: prefill remotely only when the prompt minus the decode engine's cached
+    prefix exceeds this many tokens; shorter ones are prefilled on the decode engine"""
     prefill_backlog_tokens: Annotated[Annotated[int, Field(ge=0)] | None, BeforeValidator(_off_is_none)] = 65536
     """disaggregation: a prefill engine with more booked, not yet computed prompt tokens is busy; when every
     prefill engine is, requests prefill on their decode engine (or are refused, frontend --disagg-busy reject)

@@ -30,9 +30,18 @@ from collections.abc import Callable, Iterable
 from kvmesh import telemetry
 from kvmesh.v1 import router_pb2
 
-from kvmesh_router.admission import Admission, BusyThresholds, EngineSpec, Rejection, RejectReason
+from kvmesh_router.admission import (
+    Admission,
+    BusyThresholds,
+    Decision,
+    EngineSpec,
+    Rejection,
+    RejectReason,
+    RouteRequest,
+)
 from kvmesh_router.approx import ApproxIndexer
 from kvmesh_router.cost import RouterPolicyConfig
+from kvmesh_router.disagg import PREFILL_SUFFIX, PrefillPlace, plan_prefill
 from kvmesh_router.engines import EngineInfo, EngineRegistry
 from kvmesh_router.indexer import KvIndexer
 from kvmesh_router.metrics import RouterMetrics, TimedIndex, index_stats
@@ -54,6 +63,12 @@ from kvmesh_router.translate import (
 __all__ = ["RouterState"]
 
 DEFAULT_BLOCK_SIZE = 16
+_PLACES = {
+    PrefillPlace.REMOTE: router_pb2.PREFILL_PLACE_REMOTE,
+    PrefillPlace.LOCAL_SHORT: router_pb2.PREFILL_PLACE_LOCAL_SHORT,
+    PrefillPlace.LOCAL_BUSY: router_pb2.PREFILL_PLACE_LOCAL_BUSY,
+    PrefillPlace.LOCAL_NO_ENGINE: router_pb2.PREFILL_PLACE_LOCAL_NO_ENGINE,
+}
 
 
 class RouterState:
@@ -222,7 +237,49 @@ class RouterState:
         out.best_overlap_blocks = result.best_overlap_blocks
         out.block_size = info.block_size
         self.bookings.added(key)
+        if query.HasField("disagg") and request.override is not None and request.override.role == "decode":
+            self._plan_prefill(key, query, request, result, info.block_size, out.prefill)
         return result.mode
+
+    def _plan_prefill(
+        self,
+        key: str,
+        query: router_pb2.RouteQuery,
+        request: RouteRequest,
+        decode: Decision,
+        block_size: int,
+        out: router_pb2.PrefillDecision,
+    ) -> None:
+        """Conditional disaggregation (:mod:`kvmesh_router.disagg`), right after the decode booking."""
+        t0 = time.perf_counter()
+        excluded = frozenset(query.disagg.excluded_prefill_engine_ids)
+        try:
+            plan = plan_prefill(
+                self.admission, request, decode, block_size, self.settings.disagg_min_tokens, excluded, self.clock()
+            )
+        except RoutingError as exc:  # e.g. "<id>/prefill" booked already: prefill on the decode engine
+            out.place = router_pb2.PREFILL_PLACE_LOCAL_NO_ENGINE
+            out.reason = f"local: {exc}"
+            return
+        out.place = _PLACES[plan.place]
+        out.uncached_tokens = plan.uncached_tokens
+        out.reason = plan.reason
+        if plan.place is PrefillPlace.LOCAL_SHORT:
+            return
+        chosen = plan.decision
+        outcome = (
+            "routed" if chosen is not None else "rejected" if plan.place is PrefillPlace.LOCAL_BUSY else "no_engine"
+        )
+        overlap = chosen.overlap_blocks if chosen is not None else 0
+        best = chosen.best_overlap_blocks if chosen is not None else 0
+        self.metrics.observe_decision(decode.mode, outcome, time.perf_counter() - t0, overlap, best)
+        if chosen is None:
+            return
+        out.engine_id = chosen.engine_id
+        out.address = self.engines[chosen.engine_id].address
+        out.request_id = query.request_id + PREFILL_SUFFIX
+        out.overlap_blocks = chosen.overlap_blocks
+        self.bookings.added(key + PREFILL_SUFFIX)
 
     def prefill_completed(self, key: str) -> bool:
         return self.bookings.prefill_completed(key)
