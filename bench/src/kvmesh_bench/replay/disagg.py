@@ -32,6 +32,7 @@ import numpy as np
 from kvmesh.hashing import block_hashes
 from kvmesh_router.admission import BusyThresholds, Decision, EngineSpec, RouteRequest
 from kvmesh_router.cost import RouterConfigOverride
+from kvmesh_router.disagg import plan_prefill
 from kvmesh_worker.engine import EngineCore, EngineError, EngineRequest, load_perf_model
 
 from kvmesh_bench.replay.offline import HIT_SOURCE, OfflineConfig, SimRouter
@@ -41,7 +42,6 @@ from kvmesh_bench.replay.workload import ReplayRequest, TokenMapper
 __all__ = ["DisaggConfig", "run_offline_disagg"]
 
 _DECODE = RouterConfigOverride(role="decode")
-_PREFILL = RouterConfigOverride(role="prefill")
 # kvmesh-mock's config.json (Llama-3-8B shaped): 32 layers x 2 x 8 KV heads x 128 x 2 bytes per token.
 DEFAULT_MODEL_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
 
@@ -213,22 +213,21 @@ def run_offline_disagg(
         i += 1
         tokens = req.prompt(mapper)
         local, hashes = block_hashes(tokens, bs)
-        decision = admission.decide(
-            RouteRequest(req.request_id, hashes, int(tokens.size), req.max_tokens, override=decode_override),
-            now=ta / 1000.0,
+        decode_request = RouteRequest(
+            req.request_id, hashes, int(tokens.size), req.max_tokens, override=decode_override
         )
+        decision = admission.decide(decode_request, now=ta / 1000.0)
         if not isinstance(decision, Decision):
             errors.append(f"{req.request_id}: not routed ({decision.message})")
             continue
         d = decision.engine_id
         engine_of[k] = d
-        uncached = int(tokens.size) - decision.overlap_blocks * bs
-        if n_p and uncached > disagg.min_tokens:
-            prefill_id = f"{req.request_id}/prefill"
-            pd = admission.decide(
-                RouteRequest(prefill_id, hashes, int(tokens.size), 1, override=_PREFILL), now=ta / 1000.0
-            )
-            if isinstance(pd, Decision):
+        if n_p:  # the router's own policy (kvmesh_router.disagg), as the live router decides it
+            pd = plan_prefill(
+                admission, decode_request, decision, bs, disagg.min_tokens, frozenset(), ta / 1000.0
+            ).decision
+            if pd is not None:
+                prefill_id = pd.request_id
                 plan[k] = (tokens, local, hashes, d, pd.engine_id)
                 remote[k] = True
                 if submit(pd.engine_id, prefill_id, tokens, 1, ta):

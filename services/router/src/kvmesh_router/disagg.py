@@ -62,7 +62,10 @@ def plan_prefill(
     if uncached <= min_tokens:
         why = f"local: {uncached} uncached prompt tokens <= --disagg-min-tokens {min_tokens}"
         return PrefillPlan(PrefillPlace.LOCAL_SHORT, uncached, why)
-    override = replace(decode.override or RouterConfigOverride(), role="prefill")
+    # the client's choices (mode, cost policy) carry over; the decode leg's own weights do not (a Dynamo-style
+    # decode override zeroes the overlap credit, which a prefill engine must keep)
+    asked = decode.override or RouterConfigOverride()
+    override = RouterConfigOverride(mode=asked.mode, role="prefill", cost_policy=asked.cost_policy)
     prefill = replace(
         decode,
         request_id=decode.request_id + PREFILL_SUFFIX,
