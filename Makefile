@@ -57,8 +57,9 @@ system-deps:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null)
 
 # systemd-analyze (make verify-units, tests/ops): a minimal bookworm (container, debootstrap) has no systemd.
+# ip, nft, faketime: the multi-host harness (tests/multihost, kvmesh bench chaos --topology multihost).
 dev-deps:
-	$(call apt_need,etcd:etcd-server etcdctl:etcd-client bazel:bazel-bootstrap node:nodejs npm:npm systemd-analyze:systemd)
+	$(call apt_need,etcd:etcd-server etcdctl:etcd-client bazel:bazel-bootstrap node:nodejs npm:npm systemd-analyze:systemd ip:iproute2 nft:nftables faketime:faketime)
 
 $(STAMP): constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS))
 	@test -x $(PY) || python3 -m venv $(VENV)
