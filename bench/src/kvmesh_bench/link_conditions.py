@@ -35,8 +35,26 @@ import secrets
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-__all__ = ["Condition", "Link", "LinkError", "applied", "apply", "backend", "clear", "clear_all", "netem_available"]
+if TYPE_CHECKING:
+    from kvmesh_bench.multihost import Network
+
+__all__ = [
+    "CAPPED_HOST",
+    "CONDITIONS",
+    "Condition",
+    "Link",
+    "LinkError",
+    "applied",
+    "apply",
+    "apply_condition",
+    "backend",
+    "clear",
+    "clear_all",
+    "netem_available",
+    "network_links",
+]
 
 
 class LinkError(RuntimeError):
@@ -75,6 +93,16 @@ class _State:
     nft_table: str | None = None
     qdiscs: list[tuple[str | None, str]] = field(default_factory=list)  # (netns, dev) with a root qdisc
 
+
+#: The issue-18 conditions: each holds between every pair of hosts, the cap on one link (``CAPPED_HOST``).
+CONDITIONS: tuple[Condition, ...] = (
+    Condition("rtt 1 ms", rtt_ms=1.0),
+    Condition("rtt 10 ms", rtt_ms=10.0),
+    Condition("loss 0.1 %", loss_pct=0.1),
+    Condition("loss 1 %", loss_pct=1.0),
+    Condition("cap 20 Mbit/s", rate_mbit=20.0),
+)
+CAPPED_HOST = "frontend1"  # the client's frontend: every request and response crosses its link
 
 _applied: dict[Link, _State] = {}
 
@@ -262,3 +290,11 @@ def apply_condition(links: list[Link], condition: Condition, capped: Link | None
             apply(link, delay_ms=condition.rtt_ms / 2, loss_pct=condition.loss_pct, rate_mbit=rate)
         else:
             clear(link)
+
+
+def network_links(network: Network) -> dict[str, Link]:
+    """The link of every host of a :class:`kvmesh_bench.multihost.Network`, by host name."""
+    return {
+        name: Link(host.ns, "eth0", host.veth, network.bridge, None)  # the harness names the inside end eth0
+        for name, host in network.hosts.items()
+    }
