@@ -1,8 +1,8 @@
 """The stock-tritonclient suite, unchanged, against a frontend on the multi-host mesh under each link condition.
 
 The tests are those of ``tests/kserve_clients`` (generation and errors), imported here and run with a
-``mesh`` whose frontend is ``frontend1`` of a :class:`~kvmesh_bench.multihost.Cluster` (3 etcd members,
-2 routers, 2 frontends, 3 workers, each on its own host) while one condition of
+``mesh`` whose frontend is ``frontend1`` of the directory's shared :class:`~kvmesh_bench.multihost.Cluster`
+(conftest: 3 etcd members, 2 routers, 2 frontends, 3 workers, each on its own host) while one condition of
 :data:`~kvmesh_bench.link_conditions.CONDITIONS` holds between every pair of hosts: 1 ms and 10 ms RTT,
 0.1 % and 1 % loss, a 20 Mbit/s cap on frontend1's link. Needs root; fails in one line without.
 """
@@ -12,12 +12,11 @@ from __future__ import annotations
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
 from kvmesh_bench import link_conditions as lc
-from kvmesh_bench.multihost import Cluster, Daemon, missing_requirements
+from kvmesh_bench.multihost import Cluster, Daemon
 from tritonclient.utils import InferenceServerException
 
 from tests.kserve_clients.mesh import MODEL
@@ -92,30 +91,11 @@ class ClusterMesh:
         raise AssertionError(f"ModelReady({model}) != {ready} within {timeout}s on {self.url_frontend}")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    problem = missing_requirements()
-    if problem:
-        pytest.fail(problem, pytrace=False)
-    with Cluster(Path(tmp_path_factory.mktemp("mh-cond"))) as mesh:
-        # the kserve_clients mesh's worker: 2 engines, as fast as the mocker goes
-        for i in (1, 2, 3):
-            mesh.worker(f"worker{i}", engines=2, speedup=0.0, wait=False)
-        for i in (1, 2):
-            mesh.router(f"router{i}", wait=False)
-            mesh.frontend(f"frontend{i}", wait=False)
-        for daemon in mesh.daemons:
-            mesh.wait_serving(daemon)
-        ClusterMesh(mesh).wait_model()
-        try:
-            yield mesh
-        finally:
-            lc.clear_all()
-
-
 @pytest.fixture(scope="module", params=lc.CONDITIONS, ids=lambda c: c.name.replace(" ", ""))
 def mesh(request: pytest.FixtureRequest, cluster: Cluster) -> Iterator[ClusterMesh]:
     condition: lc.Condition = request.param
+    cluster.heal()
+    cluster.check()
     links = lc.network_links(cluster.net)
     lc.apply_condition(list(links.values()), condition, capped=links[lc.CAPPED_HOST])
     try:
