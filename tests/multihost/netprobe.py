@@ -6,10 +6,12 @@ JSON line. Stdlib only, so it runs under any interpreter in any namespace.
 - ``echo PORT`` / ``rtt HOST PORT N``: TCP (NODELAY) 1-byte ping-pong, N round trips, their times.
 - ``udp-sink PORT SECONDS`` / ``udp-send HOST PORT N``: N numbered datagrams, paced; how many arrived.
 - ``tcp-sink PORT`` / ``tcp-send HOST PORT SECONDS``: bulk TCP; bytes and seconds seen by the sink.
+- ``udp-rate PORT SECONDS`` / ``udp-flood HOST PORT SECONDS``: unpaced 64-byte datagrams; packets/s received.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -76,6 +78,39 @@ def udp_send(host: str, port: int, n: int) -> None:
     print(json.dumps({"sent": n}), flush=True)
 
 
+def udp_rate(port: int, seconds: float) -> None:
+    sock = _listen(socket.SOCK_DGRAM, port)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    sock.settimeout(seconds + 5)
+    count, first, last = 0, 0.0, 0.0
+    while True:
+        try:
+            data = sock.recv(64)
+        except TimeoutError:
+            break
+        if data == b"end":
+            break
+        last = time.perf_counter()
+        first = first or last
+        count += 1
+    print(json.dumps({"received": count, "pps": count / max(last - first, 1e-9)}), flush=True)
+
+
+def udp_flood(host: str, port: int, seconds: float) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    payload, sent = b"\0" * 64, 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for _ in range(100):
+            with contextlib.suppress(OSError):
+                sock.sendto(payload, (host, port))
+                sent += 1
+    time.sleep(0.5)
+    for _ in range(5):
+        sock.sendto(b"end", (host, port))
+    print(json.dumps({"sent": sent, "pps": sent / seconds}), flush=True)
+
+
 def tcp_sink(port: int) -> None:
     conn, _ = _listen(socket.SOCK_STREAM, port).accept()
     total, first, last = 0, 0.0, 0.0
@@ -106,6 +141,10 @@ def main(argv: list[str]) -> None:
         udp_sink(int(args[0]), float(args[1]))
     elif cmd == "udp-send":
         udp_send(args[0], int(args[1]), int(args[2]))
+    elif cmd == "udp-rate":
+        udp_rate(int(args[0]), float(args[1]))
+    elif cmd == "udp-flood":
+        udp_flood(args[0], int(args[1]), float(args[2]))
     elif cmd == "tcp-sink":
         tcp_sink(int(args[0]))
     elif cmd == "tcp-send":
