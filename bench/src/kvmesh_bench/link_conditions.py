@@ -16,7 +16,8 @@ part still applied to packets in the kernel's path, never as an application slee
   (:mod:`kvmesh_bench.link_wire`) that hands it to the bridge ``delay_ms`` later through a port of
   its own; frames to the host stay in the kernel (a static FDB entry keeps them on the old port).
 - **loss**: an nftables ``netdev`` ingress chain on the bridge port that carries the host's frames
-  drops ``numgen random mod 10000 < loss*100`` of them. The drop is after the sender's stack let
+  drops ``numgen random mod 10000 < loss*100`` of them, one MTU packet each (``gso_max_segs 1`` on the
+  host's veth while loss is on: a 64 KiB GSO frame is not lost as a whole). The drop is after the sender's stack let
   the packet go, so TCP sees a real loss (a drop in the sender's own output hook would be reported
   back to TCP as a local error and retried, which is not what a lossy link does).
 - **rate**: a ``tbf`` qdisc on both ends of the veth.
@@ -92,6 +93,7 @@ class _State:
     wire_devs: tuple[str, str, str] | None = None  # (redirect target, wire's output, host MAC)
     nft_table: str | None = None
     qdiscs: list[tuple[str | None, str]] = field(default_factory=list)  # (netns, dev) with a root qdisc
+    gso_max_segs: int | None = None  # the host veth's value before loss set it to 1
 
 
 #: The issue-18 conditions: each holds between every pair of hosts, the cap on one link (``CAPPED_HOST``).
@@ -195,6 +197,11 @@ def _apply_fallback(link: Link, state: _State) -> None:
     if state.delay_ms:
         port = _insert_wire(link, state)
     if state.loss_pct:
+        # One frame is one MTU packet, as on a wire: a 64 KiB GSO frame would be lost whole (44 segments).
+        # The device limit segments at transmit time, so connections made before this count too.
+        shown = json.loads(_run(["ip", "-d", "-j", "link", "show", "dev", link.dev], link.netns))[0]
+        state.gso_max_segs = int(shown.get("gso_max_segs", 65535))
+        _run(["ip", "link", "set", "dev", link.dev, "gso_max_segs", "1"], link.netns)
         table = f"kvmloss{secrets.token_hex(4)}"
         threshold = round(state.loss_pct * 100)  # out of 10000: 0.01 % resolution
         ruleset = (
@@ -256,6 +263,9 @@ def clear(link: Link) -> None:
     for netns, dev in state.qdiscs:
         with contextlib.suppress(LinkError):
             _run(["tc", "qdisc", "del", "dev", dev, "root"], netns)
+    if state.gso_max_segs is not None:
+        with contextlib.suppress(LinkError):
+            _run(["ip", "link", "set", "dev", link.dev, "gso_max_segs", str(state.gso_max_segs)], link.netns)
     if state.nft_table is not None:
         with contextlib.suppress(LinkError):
             _run(["nft", "delete", "table", "netdev", state.nft_table], link.switch_netns)
