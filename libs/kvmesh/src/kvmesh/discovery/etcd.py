@@ -9,8 +9,12 @@
 * Every unary RPC is bounded by ``op_timeout`` (``connect_timeout``); gRPC keepalive pings
   (10 s, 5 s timeout) detect a dead server under a silent watch stream.
 * Leases: the keeper's heartbeat thread sends one LeaseKeepAlive round trip per beat on a
-  *blocking* gRPC channel of its own (to the endpoint in use), so a busy event loop cannot delay
-  it; a TTL of 0 means the lease is gone. TTLs are whole seconds on etcd (ceil of the requested TTL, at least 1).
+  *blocking* gRPC channel of its own, so a busy event loop cannot delay it; a TTL of 0 means the
+  lease is gone. The heartbeat picks its endpoint itself: it starts on the connection's and moves
+  to the next one after a beat that got no answer. Why: a daemon that only holds a lease (a worker
+  watches nothing) makes no other etcd call that would notice a dead member, and its lease expired
+  on the surviving members while every beat went to the dead one (issue 18, kill -9 of a member).
+  TTLs are whole seconds on etcd (ceil of the requested TTL, at least 1).
 * TLS: with ``kvmesh.tls.configure_etcd`` (a daemon's ``--etcd-tls``) every client is a
   :class:`TlsClient` (aetcd has no TLS): mTLS with the daemon's certificate, so an etcd started with
   ``--client-cert-auth`` refuses anyone without a certificate from its CA; the heartbeat's blocking
@@ -253,6 +257,7 @@ class EtcdDiscovery(Discovery):
         self._conn = _Connection(endpoints, op_timeout)
         self._sync_lock = threading.Lock()
         self._sync: tuple[str, grpc.Channel, rpc_pb2_grpc.LeaseStub] | None = None
+        self._beat_index: int | None = None  # the heartbeat's endpoint (under _sync_lock)
 
     @classmethod
     async def open(
@@ -366,11 +371,14 @@ class EtcdDiscovery(Discovery):
     _blocking_keepalive = True
 
     def _lease_keepalive_blocking(self, lease_id: int, timeout: float) -> float:
-        """One LeaseKeepAlive round trip on a blocking channel to the endpoint in use (heartbeat thread)."""
-        endpoint = self._conn.endpoint
+        """One LeaseKeepAlive round trip on a blocking channel (heartbeat thread); a beat without an answer
+        moves the next one to the next endpoint."""
         with self._sync_lock:
             if self._closed:
                 raise DiscoveryError(f"{self!r} is closed")
+            if self._beat_index is None:
+                self._beat_index = self._conn.index
+            endpoint = _fmt(self._conn.endpoints[self._beat_index])
             if self._sync is None or self._sync[0] != endpoint:
                 if self._sync is not None:
                     self._sync[1].close()
@@ -386,8 +394,20 @@ class EtcdDiscovery(Discovery):
             for reply in stub.LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)]), timeout=timeout):
                 return float(reply.TTL)
         except grpc.RpcError as exc:
+            self._next_beat_endpoint(endpoint)
             raise DiscoveryUnavailable(f"etcd {endpoint}: lease keepalive failed: {_one_line(exc)}") from exc
+        self._next_beat_endpoint(endpoint)
         raise DiscoveryUnavailable(f"etcd {endpoint}: lease keepalive ended without an answer")
+
+    def _next_beat_endpoint(self, failed: str) -> None:
+        n = len(self._conn.endpoints)
+        if n < 2:
+            return
+        with self._sync_lock:
+            if self._beat_index is None or _fmt(self._conn.endpoints[self._beat_index]) != failed:
+                return
+            self._beat_index = (self._beat_index + 1) % n
+            log.info("etcd: lease keepalives move from %s to %s", failed, _fmt(self._conn.endpoints[self._beat_index]))
 
     async def _lease_revoke(self, lease_id: int) -> None:
         try:
