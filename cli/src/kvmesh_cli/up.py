@@ -233,9 +233,6 @@ def run(args: argparse.Namespace) -> int:
     if vllm and not args.model_path:
         print("kvmesh up: error: --engine vllm needs --model-path DIR", file=sys.stderr)
         return 2
-    if vllm and (args.prefill_workers or args.decode_workers):
-        print("kvmesh up: error: --engine vllm is aggregated only (no --prefill/--decode-workers)", file=sys.stderr)
-        return 2
     if args.num_engines is None:
         args.num_engines = 1 if vllm else 2
     if args.ready_timeout is None:

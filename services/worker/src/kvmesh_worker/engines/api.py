@@ -81,6 +81,9 @@ class EngineSpec:
     total_kv_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    # Whether the engine moves KV through the worker process's NIXL agent (published in discovery); vLLM's
+    # connector runs an agent of its own.
+    kv_transfer_agent: bool = True
 
 
 class OutputSink(Protocol):
