@@ -182,6 +182,7 @@ class VllmEngine:
         self._rehasher = ReHasher(spec.block_size)
         self._requests: dict[str, _Request] = {}
         self._observers: list[PassObserver] = []
+        self._load_listeners: list[Callable[[int], None]] = []
         self._stats = _Stats()
         self._last_pass = time.monotonic()
         self._dead: asyncio.Future[BaseException] | None = None
@@ -328,6 +329,8 @@ class VllmEngine:
         finally:
             if self._requests.get(request_id) is state:
                 del self._requests[request_id]
+                if not self._requests:
+                    self._went_idle()
 
     def _deliver(self, request_id: str, state: _Request, out: Any) -> None:
         completion = out.outputs[0] if out.outputs else None
@@ -411,19 +414,40 @@ class VllmEngine:
 
     # -- load -----------------------------------------------------------------------------------
     def load(self) -> EngineLoad:
+        """vLLM's last step figures, bounded by what is in flight now.
+
+        vLLM's stat logger runs once per engine step, and the last step of a request reports it still
+        running with its blocks in use (the stats are taken before it finishes); an idle engine takes
+        no further step. Unbounded, that stale load made the router send a request that shares a
+        prefix with this engine to an idle mocker instead (the engine-death test's flake).
+        """
         total = self.spec.total_kv_blocks
-        active = min(total, round(self._stats.kv_usage * total))
+        in_flight = len(self._requests)
+        running = min(self._stats.running, in_flight)
+        waiting = min(self._stats.waiting, in_flight - running)
+        now = time.monotonic()
+        held = any(until > now for until in self._holds.values())  # held blocks stay in use
+        usage = self._stats.kv_usage if in_flight or held else 0.0
+        active = min(total, round(usage * total))
         return EngineLoad(
             active_blocks=active,
             cached_blocks=max(0, len(self._rehasher.blocks) - active),
             total_blocks=total,
-            num_waiting=self._stats.waiting,
-            num_running=self._stats.running,
+            num_waiting=waiting,
+            num_running=running,
             queued_prefill_tokens=sum(r.num_prompt for r in self._requests.values() if r.first),
         )
 
     def add_observer(self, observer: PassObserver) -> None:
         self._observers.append(observer)
+
+    def add_load_listener(self, listener: Callable[[int], None]) -> None:
+        """``listener(engine_id)`` when the load changed with no engine step to report it (now idle)."""
+        self._load_listeners.append(listener)
+
+    def _went_idle(self) -> None:
+        for listener in self._load_listeners:
+            listener(self.engine_id)
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """One engine step, from the stat logger (loop thread)."""
