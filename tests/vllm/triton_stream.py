@@ -3,7 +3,8 @@
 tritonclient's stubs and kvmesh's declare the same proto package (``inference``), so they cannot
 share the test process. ``triton_stream.py URL`` reads a JSON list of requests on stdin
 (``{"request_id", "prompt" | "ids", "max_tokens", "sampling"}``), sends them on one stream, and
-prints ``{request_id: {"text", "num_tokens", "finish_reason", "params": {kvmesh.*}}}``.
+prints ``{request_id: {"text", "num_tokens", "finish_reason", "params": {kvmesh.*}}}`` (plus
+``logprobs`` and ``output_ids`` when the request's ``flags`` ask for them).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ def _absorb_logprobs(outcome: mesh.Outcome, result: Any) -> None:
     steps = result.as_numpy("logprobs")
     if steps is not None:
         extra["logprobs"].extend(json.loads(steps[0]) or [])  # "null" without sampling_parameters.logprobs
+    ids = result.as_numpy("output_ids")  # with the return_output_ids flag
+    if ids is not None:
+        extra.setdefault("output_ids", []).extend(int(token) for token in ids)
     cumulative = result.as_numpy("cumulative_logprob")
     if cumulative is not None:
         extra["cumulative_logprob"] = float(cumulative[0])

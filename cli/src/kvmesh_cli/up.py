@@ -161,14 +161,19 @@ def _why(proc: subprocess.Popen[bytes], log_dir: Path) -> str:
     return f"{name} exited with {proc.returncode}" + (f": {said.strip()}" if said else "")
 
 
-def _routable(address: str, model: str, credentials: grpc.ChannelCredentials | None) -> bool:
+def _routable(
+    address: str, model: str, credentials: grpc.ChannelCredentials | None, disaggregated: bool = False
+) -> bool:
     """Whether a request gets routed yet (ServerReady says only that an engine is live: the router
-    may still be registering). "kvmesh is up" must mean a client's first request works."""
+    may still be registering). "kvmesh is up" must mean a client's first request works; with prefill
+    workers, that it gets a remote prefill (a vLLM prefill engine may come up well after the decode one)."""
     try:
         outcome = demo_request(address, model, max_tokens=1, credentials=credentials)
-        return not outcome.startswith("demo request failed: UNAVAILABLE")
     except grpc.RpcError:
         return False
+    if outcome.startswith("demo request failed: UNAVAILABLE"):
+        return False
+    return not (disaggregated and "no prefill engine" in outcome)  # the frontend's kvmesh.disagg reason
 
 
 def _spawn(name: str, args: list[str], log_dir: Path, log_name: str | None = None) -> subprocess.Popen[bytes]:
@@ -232,9 +237,6 @@ def run(args: argparse.Namespace) -> int:
     vllm = args.engine == "vllm"
     if vllm and not args.model_path:
         print("kvmesh up: error: --engine vllm needs --model-path DIR", file=sys.stderr)
-        return 2
-    if vllm and (args.prefill_workers or args.decode_workers):
-        print("kvmesh up: error: --engine vllm is aggregated only (no --prefill/--decode-workers)", file=sys.stderr)
         return 2
     if args.num_engines is None:
         args.num_engines = 1 if vllm else 2
@@ -312,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
             if (
                 server_ready(address, credentials=credentials)
                 and all(p.poll() is None for p in procs)
-                and _routable(address, model, credentials)
+                and _routable(address, model, credentials, disaggregated=bool(args.prefill_workers))
             ):
                 break
             time.sleep(0.2)

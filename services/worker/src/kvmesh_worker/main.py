@@ -73,7 +73,7 @@ def model_card(spec: EngineSpec, model: ModelFiles, engine_id: int, address: str
 
 def _agent_fields(spec: EngineSpec) -> dict[str, Any]:
     """The process's NIXL agent name and metadata, when an engine of this process moves KV."""
-    if spec.role == "aggregated":
+    if spec.role == "aggregated" or not spec.kv_transfer_agent:
         return {}
     from kvmesh_worker.kv_transfer.nixl_agent import NixlAgent  # loaded only by disaggregated workers
 

@@ -29,6 +29,15 @@ _COUNTERS = (
     ("kvmesh_engine_prefill_tokens", "prompt tokens computed", "prefill_tokens"),
     ("kvmesh_engine_decode_tokens", "tokens decoded", "decode_tokens"),
 )
+# Counters only some engines keep (a vLLM decode engine: what its KV connector says it pulled).
+_OPTIONAL_COUNTERS = (
+    (
+        "kvmesh_engine_kv_pulled_tokens",
+        "prompt tokens whose KV the engine pulled from a prefill engine",
+        "kv_pulled_tokens",
+    ),
+    ("kvmesh_engine_kv_pulled_bytes", "KV bytes the engine pulled from prefill engines", "kv_pulled_bytes"),
+)
 
 
 class EngineCollector(Collector):
@@ -52,6 +61,15 @@ class EngineCollector(Collector):
             for label, _load, engine in loads:
                 family.add_metric([label, self.model], getattr(engine, attr))
             yield family
+        for name, doc, attr in _OPTIONAL_COUNTERS:
+            kept = [
+                (label, value) for label, _load, engine in loads if (value := getattr(engine, attr, None)) is not None
+            ]
+            if kept:
+                family = CounterMetricFamily(name, doc, labels=["engine", "model"])
+                for label, value in kept:
+                    family.add_metric([label, self.model], value)
+                yield family
 
     @staticmethod
     def _gauges(loads: list[tuple[str, EngineLoad, Engine]], model: str) -> Iterator[GaugeMetricFamily]:

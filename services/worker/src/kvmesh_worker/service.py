@@ -89,6 +89,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._releases = KvReleases(self._pool, log, logging.INFO)
         for engine in self.engines.values():
             engine.add_observer(self._on_pass)
+            # Optional: an engine whose load can change with no pass to report it (vLLM going idle).
+            add_load_listener = getattr(engine, "add_load_listener", None)
+            if add_load_listener is not None:
+                add_load_listener(self._load_changed)
 
     def _on_pass(self, engine_id: int, metrics: ForwardPassMetrics, wall_s: float) -> None:
         for watcher in self._watchers:
@@ -141,8 +145,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def _aborted(self, engine: Engine) -> None:
         # No pass may follow an abort (an engine left idle does not step), so tell the watchers here.
+        self._load_changed(engine.engine_id)
+
+    def _load_changed(self, engine_id: int) -> None:
         for watcher in self._watchers:
-            watcher.on_load_changed(engine.engine_id)
+            watcher.on_load_changed(engine_id)
 
     # -- KV journal -----------------------------------------------------------------------------
     async def SubscribeKvEvents(

@@ -19,7 +19,10 @@ Invariants every implementation keeps (all calls come from the worker's event-lo
 - ``abort`` frees the request's KV at once (it stays cached); unknown or finished ids are ignored;
 - ``subscribe`` returns the replay or snapshot and registers the subscriber in the same call
   (``KvEventPublisher.subscribe``): no gap, no duplicate;
-- observers are called once per forward pass, after its outputs were delivered;
+- observers are called once per forward pass, after its outputs were delivered; an engine whose load
+  can change with no pass to report it (vLLM going idle) may also offer
+  ``add_load_listener(listener)`` and call ``listener(engine_id)`` then (optional: the service looks
+  it up with ``getattr``);
 - ``release_kv`` frees what a prefill role holds for a transfer (False: unknown, already released
   or expired); an engine that never holds KV for transfers (aggregated) raises :class:`KvNotHeld`.
 
@@ -82,6 +85,9 @@ class EngineSpec:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_waiting_requests: int = 0  # beyond max_num_seqs; 0 = unbounded (frontends then admit without a bound)
+    # Whether the engine moves KV through the worker process's NIXL agent (published in discovery); vLLM's
+    # connector runs an agent of its own.
+    kv_transfer_agent: bool = True
 
 
 class OutputSink(Protocol):

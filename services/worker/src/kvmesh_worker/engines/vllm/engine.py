@@ -1,7 +1,7 @@
 """A vLLM ``AsyncLLM`` behind the worker's ``Engine`` interface (``--engine vllm``).
 
-(About 530 lines: the interface is implemented in one place so that its invariants below can be read
-together; the ZMQ event decoding, stat logging and AMX permission already live in their own modules.)
+(About 620 lines: the interface is implemented in one place so that its invariants below can be read
+together; the ZMQ event decoding, stat logging, AMX permission and P/D params live in their own modules.)
 
 Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer_init``,
 ``detokenize=False`` and ``RequestOutputKind.DELTA``; the model's EOS id goes into
@@ -21,7 +21,9 @@ Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer
   after every engine step);
 - if the engine core dies (``EngineDeadError``, or ``AsyncLLM.errored`` while idle),
   :meth:`wait_dead` returns and the worker stops serving at once, so the frontend migrates its
-  requests elsewhere.
+  requests elsewhere;
+- ``--role prefill|decode``: vLLM's NixlConnector moves the KV, kvmesh carries vLLM's
+  ``kv_transfer_params`` in ``KvTransferParams.engine_params_json`` (``disagg``).
 """
 
 from __future__ import annotations
@@ -52,10 +54,11 @@ from kvmesh_worker.engine import (
     RequestOutput,
 )
 from kvmesh_worker.engine.api import FinishReason
-from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, KvPullFailed, OutputSink, PassObserver
+from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, KvPullFailed, OutputSink, PassObserver, Role
 from kvmesh_worker.engines.registry import EngineBuildError
 from kvmesh_worker.model_files import ModelFiles
 
+from . import disagg
 from .amx import request_amx_permission
 from .zmq_events import ReHasher, VllmCleared, VllmEvent, ZmqKvSubscriber
 
@@ -129,12 +132,15 @@ def token_logprobs(steps: Any, tokens: tuple[int, ...], top: int) -> list[worker
 
 
 class _Request:
-    __slots__ = ("first", "num_prompt", "sink", "task", "top", "total")
+    __slots__ = ("first", "hold", "num_prompt", "sink", "task", "top", "total")
 
-    def __init__(self, sink: OutputSink, num_prompt: int, top: int | None = None) -> None:
+    def __init__(
+        self, sink: OutputSink, num_prompt: int, top: int | None = None, hold: list[int] | None = None
+    ) -> None:
         self.sink = sink
         self.num_prompt = num_prompt
         self.top = top  # SamplingOptions.logprobs (None: no logprobs asked)
+        self.hold = hold  # a prefill leg's prompt: its last output says where vLLM holds the KV
         self.total = 0
         self.first = True
         self.task: asyncio.Task[None] | None = None
@@ -156,11 +162,18 @@ class VllmEngine:
         kv_replay_endpoint: str,
         max_waiting_requests: int,
         stat_hub: StatHub,
+        hold_timeout_s: float = 30.0,
     ) -> None:
         self.engine_id = engine_id
         self.spec = spec
         self.llm = llm
         self.passes = self.prefill_tokens = self.decode_tokens = 0
+        # What vLLM itself says it pulled (a decode role): prompt tokens loaded through its KV connector
+        # (PromptTokenStats.external_kv_transfer) and NIXL's bytes (kv_connector_stats).
+        self.kv_pulled_tokens = self.kv_pulled_bytes = 0
+        self._hold_timeout_s = hold_timeout_s
+        self._holds: dict[str, float] = {}  # transfer id -> when vLLM's lease ends (monotonic)
+        self._remote: dict[str, dict[str, Any]] = {}  # decode: request id -> vLLM kv_transfer_params
         self._eos = eos_token_id
         self._vocab = vocab_size
         self._max_queued = spec.max_num_seqs + max_waiting_requests if max_waiting_requests else 0
@@ -169,6 +182,7 @@ class VllmEngine:
         self._rehasher = ReHasher(spec.block_size)
         self._requests: dict[str, _Request] = {}
         self._observers: list[PassObserver] = []
+        self._load_listeners: list[Callable[[int], None]] = []
         self._stats = _Stats()
         self._last_pass = time.monotonic()
         self._dead: asyncio.Future[BaseException] | None = None
@@ -227,8 +241,10 @@ class VllmEngine:
         prompt = [int(t) for t in request.prompt]
         if not prompt:
             raise InvalidRequest("prompt has no tokens")
-        if request.hold_kv:
-            raise InvalidRequest(f"engine {self.engine_id:x} (vLLM) is aggregated: it cannot hold KV for a transfer")
+        if request.hold_kv and self.spec.role != "prefill":
+            raise InvalidRequest(
+                f"engine {self.engine_id:x} (vLLM) is {self.spec.role}: only --role prefill holds KV for a transfer"
+            )
         if request.request_id in self._requests:
             raise DuplicateRequest(f"request id {request.request_id!r} is already running on this engine")
         bad = next((t for t in prompt if t < 0 or t >= self._vocab), None)
@@ -248,9 +264,15 @@ class VllmEngine:
         return prompt
 
     def submit(self, request: EngineRequest, sink: OutputSink) -> None:
-        prompt = self._check(request)
+        try:
+            prompt = self._check(request)
+        except BaseException:
+            self._remote.pop(request.request_id, None)  # a refused decode leg forgets its pulled params
+            raise
         top = request.sampling.logprobs if request.sampling is not None else None
-        state = self._requests[request.request_id] = _Request(sink, len(prompt), top)
+        state = self._requests[request.request_id] = _Request(
+            sink, len(prompt), top, prompt if request.hold_kv else None
+        )
         loop = asyncio.get_running_loop()
         state.task = loop.create_task(self._generate(request, prompt, state), name=f"vllm-{request.request_id}")
 
@@ -278,6 +300,10 @@ class VllmEngine:
             kwargs["seed"] = request.seed
         if options is not None and options.logprobs is not None:
             kwargs["logprobs"] = options.logprobs
+        if request.hold_kv:
+            kwargs["extra_args"] = disagg.prefill_extra_args()
+        elif (remote := self._remote.pop(request.request_id, None)) is not None:
+            kwargs["extra_args"] = {"kv_transfer_params": remote}  # vLLM's dict, verbatim: the pull
         return SamplingParams(**kwargs)
 
     async def _generate(self, request: EngineRequest, prompt: list[int], state: _Request) -> None:
@@ -303,6 +329,8 @@ class VllmEngine:
         finally:
             if self._requests.get(request_id) is state:
                 del self._requests[request_id]
+                if not self._requests:
+                    self._went_idle()
 
     def _deliver(self, request_id: str, state: _Request, out: Any) -> None:
         completion = out.outputs[0] if out.outputs else None
@@ -318,9 +346,20 @@ class VllmEngine:
             state.first = False
         if state.top is not None and completion is not None and completion.logprobs is not None:
             output.logprobs = token_logprobs(completion.logprobs, tokens, state.top)
+        if out.finished and state.hold is not None and out.kv_transfer_params:
+            output.kv_transfer = disagg.held_params(
+                self.engine_id,
+                request_id,
+                state.hold,
+                self.spec.block_size,
+                out.kv_transfer_params,
+                self._hold_timeout_s,
+            )
+            self._holds[request_id] = time.monotonic() + disagg.lease_seconds(self._hold_timeout_s)
         state.sink.put_nowait(output)
 
     def abort(self, request_id: str) -> None:
+        self._remote.pop(request_id, None)
         state = self._requests.pop(request_id, None)
         if state is None:
             return
@@ -335,10 +374,24 @@ class VllmEngine:
             await self.llm.abort(request_id)
 
     def release_kv(self, transfer_id: str) -> bool:
-        raise KvNotHeld(f"engine {self.engine_id:x} is aggregated: it holds no KV for transfers")
+        """Ends kvmesh's view of a hold; vLLM frees the blocks on the decode side's read notice or its lease."""
+        if self.spec.role == "aggregated":
+            raise KvNotHeld(f"engine {self.engine_id:x} is aggregated: it holds no KV for transfers")
+        now = time.monotonic()
+        for expired in [t for t, until in self._holds.items() if until <= now]:
+            del self._holds[expired]
+        return self._holds.pop(transfer_id, None) is not None
 
     async def pull_kv(self, request: EngineRequest, params: KvTransferParams) -> KvTransferReport:
-        raise KvPullFailed("FAILED_PRECONDITION", f"engine {self.engine_id:x} (vLLM) is aggregated: it cannot pull KV")
+        """Checks vLLM's params and keeps them for ``submit``: vLLM's scheduler does the pull itself."""
+        if self.spec.role != "decode":
+            raise KvPullFailed(
+                "FAILED_PRECONDITION", f"engine {self.engine_id:x} (vLLM) is {self.spec.role}: it cannot pull KV"
+            )
+        cached = {b.block_hash for b in self._rehasher.blocks.values()} if params.block_ids else set()
+        remote, report = disagg.remote_prefill(list(request.prompt), params, self.spec.block_size, cached)
+        self._remote[request.request_id] = remote
+        return report
 
     # -- KV journal -----------------------------------------------------------------------------
     def _from_thread(self, events: list[VllmEvent]) -> None:
@@ -361,19 +414,40 @@ class VllmEngine:
 
     # -- load -----------------------------------------------------------------------------------
     def load(self) -> EngineLoad:
+        """vLLM's last step figures, bounded by what is in flight now.
+
+        vLLM's stat logger runs once per engine step, and the last step of a request reports it still
+        running with its blocks in use (the stats are taken before it finishes); an idle engine takes
+        no further step. Unbounded, that stale load made the router send a request that shares a
+        prefix with this engine to an idle mocker instead (the engine-death test's flake).
+        """
         total = self.spec.total_kv_blocks
-        active = min(total, round(self._stats.kv_usage * total))
+        in_flight = len(self._requests)
+        running = min(self._stats.running, in_flight)
+        waiting = min(self._stats.waiting, in_flight - running)
+        now = time.monotonic()
+        held = any(until > now for until in self._holds.values())  # held blocks stay in use
+        usage = self._stats.kv_usage if in_flight or held else 0.0
+        active = min(total, round(usage * total))
         return EngineLoad(
             active_blocks=active,
             cached_blocks=max(0, len(self._rehasher.blocks) - active),
             total_blocks=total,
-            num_waiting=self._stats.waiting,
-            num_running=self._stats.running,
+            num_waiting=waiting,
+            num_running=running,
             queued_prefill_tokens=sum(r.num_prompt for r in self._requests.values() if r.first),
         )
 
     def add_observer(self, observer: PassObserver) -> None:
         self._observers.append(observer)
+
+    def add_load_listener(self, listener: Callable[[int], None]) -> None:
+        """``listener(engine_id)`` when the load changed with no engine step to report it (now idle)."""
+        self._load_listeners.append(listener)
+
+    def _went_idle(self) -> None:
+        for listener in self._load_listeners:
+            listener(self.engine_id)
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """One engine step, from the stat logger (loop thread)."""
@@ -382,9 +456,11 @@ class VllmEngine:
             self._stats.running = int(scheduler_stats.num_running_reqs)
             self._stats.waiting = int(scheduler_stats.num_waiting_reqs)
             self._stats.kv_usage = float(scheduler_stats.kv_cache_usage)
+            self._connector_stats(scheduler_stats.kv_connector_stats)
         if iteration_stats is None:
             return
         prompt = iteration_stats.prompt_token_stats
+        self.kv_pulled_tokens += int(getattr(prompt, "external_kv_transfer", 0) or 0)
         prefill = int(getattr(prompt, "computed", 0) or 0)
         decode = int(iteration_stats.num_generation_tokens)
         prefill_reqs = len(iteration_stats.time_to_first_tokens_iter)
@@ -404,6 +480,16 @@ class VllmEngine:
         self._last_pass = now
         for observer in self._observers:
             observer(self.engine_id, metrics, wall)
+
+    def _connector_stats(self, stats: Any) -> None:
+        """NIXL's per-step transfer telemetry (``NixlKVConnectorStats.data``): bytes read."""
+        if not stats:
+            return
+        pulled = stats.get("bytes_transferred") if isinstance(stats, dict) else None
+        if isinstance(pulled, list):
+            self.kv_pulled_bytes += int(sum(pulled))
+            if pulled:
+                log.info("vLLM pulled %d bytes of KV in %d NIXL transfer(s)", sum(pulled), len(pulled))
 
 
 class StatHub:
@@ -476,10 +562,9 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
         raise EngineBuildError("--engine vllm hosts one engine per process: use --num-engines 1 (a worker per engine)")
     if not settings.model_path:
         raise EngineBuildError("--engine vllm needs --model-path DIR (an HF model directory)")
-    if getattr(settings, "role", "aggregated") != "aggregated":
-        raise EngineBuildError("--engine vllm serves --role aggregated only (disaggregation runs on the mocker)")
+    role: Role = getattr(settings, "role", "aggregated")
     _require_vllm()
-    from vllm.config import KVEventsConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -494,6 +579,21 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
     except ValueError as exc:
         raise EngineBuildError(f"--vllm-engine-args: {exc}") from exc
     args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
+    if role != "aggregated":
+        from vllm.platforms import current_platform
+
+        try:
+            import nixl._api  # noqa: F401  (a missing NIXL is a one-line startup error, not an engine-core crash)
+        except ImportError as exc:
+            raise EngineBuildError(f"--role {role} needs NIXL (make setup-vllm installs it): {exc}") from None
+        transfer = disagg.kv_transfer_config(
+            role, args.get("kv_transfer_config"), settings.kv_hold_timeout, current_platform.is_cpu()
+        )
+        disagg.side_channel_env(settings.host)
+        try:
+            args["kv_transfer_config"] = KVTransferConfig(**transfer or {})
+        except (TypeError, ValueError) as exc:
+            raise EngineBuildError(f"--vllm-engine-args kv_transfer_config: {exc}") from exc
     try:
         engine_args_ = AsyncEngineArgs(**args)
     except TypeError as exc:
@@ -506,13 +606,14 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
     config = llm.vllm_config
     spec = EngineSpec(
         kind="vllm",
-        role="aggregated",
+        role=role,
         block_size=int(config.cache_config.block_size),
         context_length=int(config.model_config.max_model_len),
         total_kv_blocks=int(config.cache_config.num_gpu_blocks or 0),
         max_num_seqs=int(config.scheduler_config.max_num_seqs),
         max_num_batched_tokens=int(config.scheduler_config.max_num_batched_tokens),
         max_waiting_requests=settings.max_waiting_requests,
+        kv_transfer_agent=False,  # vLLM's NixlConnector runs its own agent, in its engine core
     )
     log.info("vLLM engine ready: %s", spec)
     made: list[VllmEngine] = []
@@ -532,6 +633,7 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
                 kv_replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
                 max_waiting_requests=settings.max_waiting_requests,
                 stat_hub=hub,
+                hold_timeout_s=settings.kv_hold_timeout,
             )
         )
         return made[0]

@@ -1,0 +1,164 @@
+"""Prefill/decode disaggregation with real vLLM engines: vLLM's NixlConnector moves the KV on CPU memory.
+
+A 1P1D mesh (``kvmesh-worker --engine vllm --role prefill`` and ``--role decode``, a KV router, a
+frontend) serves a stock tritonclient request. The frontend runs the prefill leg on the prefill engine,
+carries vLLM's ``kv_transfer_params`` to the decode engine in ``KvTransferParams.engine_params_json``,
+and the decode engine's vLLM pulls the prompt's blocks through NIXL before it samples. Seeded weights
+(made here, nothing downloads) make the tokens depend on the prompt, so "P/D output equals the
+aggregated output" shows that the right KV arrived.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+from tests.support.daemons import Daemon
+from tests.support.etcd import free_port
+from tests.vllm.conftest import BLOCK_SIZE, MODEL, TINY_LLAMA, VllmMesh
+from tests.vllm.test_vllm_mesh import triton, unique_ids
+
+NUM_BLOCKS = 48
+MAX_TOKENS = 8
+
+
+def seeded_model(directory: Path) -> Path:
+    """tiny-llama with seeded random safetensors weights (about 1.6 MB), so outputs depend on the prompt."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_dir = directory / MODEL
+    model_dir.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_LLAMA / name, model_dir / name)
+    config = LlamaConfig.from_pretrained(model_dir)
+    config.initializer_range = 0.5  # sharper logits: greedy tokens that follow the prompt, no near-ties
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(directory / "saved", safe_serialization=True)
+    shutil.copy(directory / "saved" / "model.safetensors", model_dir / "model.safetensors")
+    return model_dir
+
+
+@dataclass
+class PdMesh:
+    mesh: VllmMesh
+    prefill: Daemon
+    decode: Daemon
+    decode_metrics_port: int
+
+    def engine_id(self, daemon: Daemon) -> int:
+        with grpc.insecure_channel(daemon.address) as channel:
+            call = worker_pb2_grpc.WorkerServiceStub(channel).WatchLoad(worker_pb2.WatchLoadRequest(), timeout=10)
+            first = next(call)
+            call.cancel()
+        return int(first.loads[0].engine_id)
+
+    def decode_counters(self) -> dict[str, float]:
+        """The decode worker's Prometheus counters (vLLM's own transfer figures among them)."""
+        url = f"http://127.0.0.1:{self.decode_metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        found: dict[str, float] = {}
+        for name in ("kvmesh_engine_kv_pulled_tokens_total", "kvmesh_engine_kv_pulled_bytes_total",
+                     "kvmesh_engine_prefill_tokens_total"):  # fmt: skip
+            match = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+            found[name] = float(match.group(1)) if match else 0.0
+        return found
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdMesh]:
+    model = seeded_model(tmp_path_factory.mktemp("model"))
+    log_dir = tmp_path_factory.mktemp("logs")
+    mesh = VllmMesh(log_dir, f"file://{tmp_path_factory.mktemp('discovery')}", f"pd{uuid.uuid4().hex[:8]}")
+    metrics_port = free_port()
+    try:
+        workers = []
+        for role in ("prefill", "decode"):  # both engines start at once (25-50 s on 2 cores)
+            port = free_port()
+            extra = ["--metrics-port", str(metrics_port)] if role == "decode" else []
+            args = [
+                *mesh.common(port),
+                "--engine", "vllm",
+                "--role", role,
+                "--model-path", str(model),
+                "--block-size", str(BLOCK_SIZE),
+                "--num-gpu-blocks", str(NUM_BLOCKS),
+                "--max-model-len", str((NUM_BLOCKS - 1) * BLOCK_SIZE),
+                *extra,
+            ]  # fmt: skip
+            daemon = Daemon("kvmesh-worker", args, log_dir, port)
+            mesh.daemons.append(daemon)
+            workers.append(daemon)
+        for daemon in workers:
+            daemon.wait_serving(300)
+        mesh.router = mesh.start("kvmesh-router", ["--router-mode", "kv"])
+        mesh.frontend = mesh.start("kvmesh-frontend", [])
+        yield PdMesh(mesh, workers[0], workers[1], metrics_port)
+    finally:
+        mesh.close()
+
+
+def generate_on(daemon: Daemon, engine_id: int, prompt: list[int], request_id: str) -> list[int]:
+    """An ordinary (aggregated) request straight to one worker: vLLM computes the whole prompt itself."""
+    request = worker_pb2.GenerateRequest(
+        request_id=request_id,
+        engine_id=engine_id,
+        token_ids=prompt,
+        sampling=worker_pb2.SamplingOptions(max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
+    with grpc.insecure_channel(daemon.address) as channel:
+        stream = worker_pb2_grpc.WorkerServiceStub(channel).GenerateStream(
+            iter([worker_pb2.GenerateStreamRequest(requests=[request])]), timeout=120
+        )
+        outputs = [output for message in stream for output in message.outputs]
+    assert not any(o.error_code for o in outputs), outputs
+    return [token for output in outputs for token in output.response.token_ids]
+
+
+@pytest.mark.timeout(600)  # two vLLM engines start in the fixture: 25-50 s each, more on a loaded machine
+def test_a_disaggregated_request_equals_vllms_aggregated_output_and_the_decode_engine_pulled_the_kv(
+    pd: PdMesh,
+) -> None:
+    prompt = unique_ids(3 * BLOCK_SIZE + 7, random.Random(21))  # 3 full blocks and a partial one
+    before = pd.decode_counters()
+    spec = {
+        "request_id": "pd",
+        "ids": prompt,
+        "max_tokens": MAX_TOKENS,
+        "sampling": {"temperature": 0.0},  # greedy (KServe's default is 1.0)
+        "flags": {"return_output_ids": True},
+    }
+    report = triton(pd.mesh, [spec])["pd"]
+    params = report["params"]
+    assert (report["num_tokens"], report["finish_reason"]) == (MAX_TOKENS, "length")
+    assert params["kvmesh.disagg"] == "remote", params
+    assert params["kvmesh.prefill_worker_id"] == pd.engine_id(pd.prefill)
+    assert params["kvmesh.worker_id"] == pd.engine_id(pd.decode)
+    assert params["kvmesh.kv_transferred_blocks"] == 4  # vLLM offers every block of the prompt, partial included
+
+    # The decode engine's vLLM loaded the prompt through its KV connector (NIXL READ), computing at most the
+    # few trailing tokens it recomputes by design, and NIXL moved bytes.
+    after = pd.decode_counters()
+    pulled = after["kvmesh_engine_kv_pulled_tokens_total"] - before["kvmesh_engine_kv_pulled_tokens_total"]
+    computed = after["kvmesh_engine_prefill_tokens_total"] - before["kvmesh_engine_prefill_tokens_total"]
+    assert pulled >= 3 * BLOCK_SIZE, (before, after)
+    assert computed < BLOCK_SIZE, (before, after)
+    assert after["kvmesh_engine_kv_pulled_bytes_total"] > before["kvmesh_engine_kv_pulled_bytes_total"]
+
+    # The aggregated reference: the prefill worker's vLLM runs the same prompt by itself, greedy.
+    reference = generate_on(pd.prefill, pd.engine_id(pd.prefill), prompt, "reference")
+    assert report["output_ids"] == reference
+    # ... and the tokens follow the prompt (the equality is not that of a constant output).
+    other = generate_on(pd.prefill, pd.engine_id(pd.prefill), unique_ids(len(prompt), random.Random(22)), "other")
+    assert other != reference
