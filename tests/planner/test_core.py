@@ -26,9 +26,7 @@ def eng(i: int, util: float = 0.0, queued: int = 0, pool: str = "aggregated", ct
 
 
 def load_cfg(**kw) -> PlannerConfig:
-    base = dict(
-        pools={"aggregated": PoolBounds(1, 4)}, max_engines=4, down_confirmations=2, scale_down_cooldown_s=30.0
-    )
+    base = dict(pools={"aggregated": PoolBounds(1, 4)}, max_engines=4, down_confirmations=2, scale_down_cooldown_s=30.0)
     base.update(kw)
     return PlannerConfig(**base)  # type: ignore[arg-type]
 
@@ -170,13 +168,19 @@ def test_sla_correction_factor_adds_engines_when_observed_latency_exceeds_the_ex
     profile = load_profile(None)
     plain = PlannerCore(sla_cfg(), profile)
     corrected = PlannerCore(sla_cfg(), profile)
-    plain.decide(obs(0, eng(1), traffic=traffic(20)))
-    corrected.decide(obs(0, eng(1), traffic=traffic(20)))
-    a = plain.decide(obs(10, eng(1), traffic=traffic(20)))
-    b = corrected.decide(obs(10, eng(1), traffic=traffic(20, ttft=5000.0, itl=100.0)))
+    fleet = [eng(i) for i in range(4)]  # what 20 req/s needs, all ready: their latency is what is expected
+    plain.decide(obs(0, *fleet, traffic=traffic(20)))
+    corrected.decide(obs(0, *fleet, traffic=traffic(20)))
+    a = plain.decide(obs(10, *fleet, traffic=traffic(20)))
+    b = corrected.decide(obs(10, *fleet, traffic=traffic(20, ttft=5000.0, itl=100.0)))
     assert b.prediction is not None and b.prediction.itl_correction > 1.0
     assert b.target["aggregated"] > a.target["aggregated"]
     assert "observed_itl_ms" in b.inputs
+    # An overloaded fleet (one engine at 20 req/s) is expected to saturate: its latency corrects nothing.
+    lone = PlannerCore(sla_cfg(), profile)
+    lone.decide(obs(0, eng(1), traffic=traffic(20)))
+    c = lone.decide(obs(10, eng(1), starting=3, traffic=traffic(20, ttft=5000.0, itl=100.0)))
+    assert c.prediction is not None and c.prediction.itl_correction == 1.0
 
 
 def test_sla_scale_down_sheds_at_most_a_quarter_per_interval():
@@ -185,6 +189,110 @@ def test_sla_scale_down_sheds_at_most_a_quarter_per_interval():
     assert d.target["aggregated"] == 12 and "1/2 intervals" in d.reason  # one low interval is not enough
     d = core.decide(Observation(10, (), {"aggregated": 12}, {}, traffic(0.5)))
     assert d.target["aggregated"] == 9
+
+
+def test_sla_lookahead_sizes_the_pool_for_the_rate_when_the_new_engines_arrive():
+    """On a rising rate the look-ahead asks now for the engines the trend says are needed a start-up later."""
+    profile = load_profile(None)
+    plain = PlannerCore(sla_cfg(predictor="kalman"), profile)
+    ahead = PlannerCore(sla_cfg(predictor="kalman", lookahead_s=60.0), profile)
+    for t in range(12):  # 2, 4, ... 24 req/s: +2 req/s per interval
+        a = plain.decide(obs(10 * t, eng(1), traffic=traffic(2.0 + 2 * t)))
+        b = ahead.decide(obs(10 * t, eng(1), traffic=traffic(2.0 + 2 * t)))
+    assert a.prediction is not None and b.prediction is not None
+    assert b.prediction.request_rate == pytest.approx(a.prediction.request_rate)  # same next-interval prediction
+    assert b.inputs["rate_ahead"] == pytest.approx(b.prediction.request_rate + 6 * 2.0, rel=0.1)  # 6 more intervals
+    assert b.target["aggregated"] == math.ceil(b.inputs["rate_ahead"] / b.prediction.engine_request_rate)
+    assert b.target["aggregated"] > a.target["aggregated"]
+    assert "60 s later" in b.reason and "rate_ahead" not in a.inputs
+
+
+def test_sla_falling_trend_scales_down_without_waiting_for_confirmations():
+    """A lower count on a falling trend is no blip: it applies at once; on a flat series it must repeat."""
+    profile = load_profile(None)
+    falling = PlannerCore(sla_cfg(predictor="kalman"), profile)
+    for t in range(8):  # 30, 27, ... req/s with a pool of 8 that 30 req/s needs
+        d = falling.decide(Observation(10 * t, (), {"aggregated": 8}, {}, traffic(30.0 - 3 * t)))
+    assert d.target["aggregated"] < 8 and "intervals" not in d.reason
+    flat = PlannerCore(sla_cfg(predictor="kalman"), profile)
+    for t in range(8):
+        d = flat.decide(Observation(10 * t, (), {"aggregated": 8}, {}, traffic(5.0)))
+        if t == 0:
+            assert d.target["aggregated"] == 8 and "1/2 intervals" in d.reason
+
+
+def test_sla_expected_latency_is_that_of_the_engines_ready_now():
+    """While new engines start, the interval is served by the ready ones: the correction compares with them."""
+    profile = load_profile(None)
+    core = PlannerCore(sla_cfg(), profile)
+    d = core.decide(obs(0, eng(1), eng(2), traffic=traffic(14)))
+    assert d.target["aggregated"] > 2
+    expected_ttft, expected_itl, _ = profile.latency(14 / 2, 3000, 300, EngineShape())
+    assert d.inputs["expected_itl_ms"] == pytest.approx(expected_itl)
+    assert d.inputs["expected_ttft_ms"] == pytest.approx(expected_ttft)
+    # The next interval observes exactly that latency: no correction.
+    d = core.decide(obs(10, eng(1), eng(2), starting=1, traffic=traffic(14, ttft=expected_ttft, itl=expected_itl)))
+    assert d.prediction is not None
+    assert d.prediction.itl_correction == pytest.approx(1.0) and d.prediction.ttft_correction == pytest.approx(1.0)
+
+
+def disagg_cfg(**kw) -> PlannerConfig:
+    return sla_cfg(pools={"prefill": PoolBounds(1, 16), "decode": PoolBounds(1, 16)}, max_engines=32, **kw)
+
+
+def test_sla_sizes_prefill_from_isl_and_decode_from_osl():
+    """Prefill engines follow ISL x rate against TTFT, decode engines OSL x rate against ITL, each on its own."""
+    profile, shape = load_profile(None), EngineShape()
+    d = PlannerCore(disagg_cfg(), profile).decide(
+        obs(0, eng(1, pool="prefill"), eng(2, pool="decode"), traffic=traffic(20))
+    )
+    per_prefill = profile.prefill_rate(3000, 600 * 0.7, shape)
+    per_decode = profile.decode_rate(3000, 300, 30 * 0.7, shape)
+    assert d.target == {"prefill": math.ceil(20 / per_prefill), "decode": math.ceil(20 / per_decode)}
+    assert d.inputs["prefill.engine_rate"] == pytest.approx(per_prefill)
+    assert d.inputs["decode.engine_rate"] == pytest.approx(per_decode)
+    assert "prefill: predicted 20 req/s" in d.reason and "decode: predicted 20 req/s" in d.reason
+    # Four times the prompt: more prefill engines. Four times the output: more decode engines, prefill unchanged.
+    long_prompts = PlannerCore(disagg_cfg(), profile).decide(obs(0, traffic=traffic(20, isl=12000)))
+    long_outputs = PlannerCore(disagg_cfg(), profile).decide(obs(0, traffic=traffic(20, osl=1200)))
+    assert long_prompts.target["prefill"] > d.target["prefill"]
+    assert long_outputs.target["decode"] > d.target["decode"]
+    assert long_outputs.target["prefill"] == d.target["prefill"]
+
+
+def test_disaggregated_capacity_meets_its_target_exactly_at_the_edge():
+    profile, shape = load_profile(None), EngineShape()
+    r = profile.prefill_rate(3000, 400.0, shape)
+    assert profile.prefill_ttft(r, 3000, shape) == pytest.approx(400.0, rel=1e-3)
+    assert profile.prefill_ttft(r * 1.05, 3000, shape) > 400.0
+    r = profile.decode_rate(3000, 300, 20.0, shape)
+    assert profile.decode_itl(r, 3000, 300, shape) == pytest.approx(20.0, rel=1e-3)
+    assert profile.decode_itl(r * 1.05, 3000, 300, shape) > 20.0
+    # A prefill engine that only prefills carries more prompts than an aggregated one under the same targets.
+    assert profile.prefill_rate(3000, 420, shape) > profile.max_rate(3000, 300, 420, 21, shape)
+
+
+def test_sla_ttft_over_expectation_grows_the_prefill_pool_only():
+    profile = load_profile(None)
+    plain, corrected = PlannerCore(disagg_cfg(), profile), PlannerCore(disagg_cfg(), profile)
+    fleet = [eng(i, pool="prefill") for i in range(4)] + [eng(10 + i, pool="decode") for i in range(4)]
+    first = plain.decide(obs(0, *fleet, traffic=traffic(40)))
+    corrected.decide(obs(0, *fleet, traffic=traffic(40)))
+    expected_ttft = first.inputs["expected_ttft_ms"]
+    expected_itl = first.inputs["expected_itl_ms"]
+    a = plain.decide(obs(10, *fleet, traffic=traffic(40, ttft=expected_ttft, itl=expected_itl)))
+    b = corrected.decide(obs(10, *fleet, traffic=traffic(40, ttft=10 * expected_ttft, itl=expected_itl)))
+    assert b.prediction is not None and b.prediction.ttft_correction > 1.0
+    assert b.prediction.itl_correction == pytest.approx(1.0)
+    assert b.target["prefill"] > a.target["prefill"] and b.target["decode"] == a.target["decode"]
+
+
+def test_sla_disaggregated_pools_share_the_budget():
+    core = PlannerCore(
+        sla_cfg(pools={"prefill": PoolBounds(1, 16), "decode": PoolBounds(1, 16)}, max_engines=6), load_profile(None)
+    )
+    d = core.decide(obs(0, traffic=traffic(200)))
+    assert sum(d.target.values()) == 6 and min(d.target.values()) >= 1 and "budget of 6" in d.reason
 
 
 # -- predictors -------------------------------------------------------------------------------------
@@ -204,6 +312,8 @@ def test_kalman_follows_a_ramp_ahead_of_the_moving_average():
         m.observe(2.0 + t)
     assert k.predict() == pytest.approx(22.0, rel=0.1)
     assert m.predict() < k.predict()
+    assert k.predict_ahead(3.0) == pytest.approx(24.0, rel=0.1)  # the trend extrapolated
+    assert m.predict_ahead(3.0) == m.predict()  # no trend: flat
     with pytest.raises(ValueError):
         make_predictor("prophet")
 

@@ -38,6 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-startup-s", type=float, default=20.0)
     p.add_argument("--scale-down-cooldown", type=float, default=30.0)
     p.add_argument("--sla-headroom", type=float, default=0.7)
+    p.add_argument(
+        "--lookahead-s",
+        type=float,
+        default=0.0,
+        help="SLA mode: also plan for the rate this many s past the next interval",
+    )
     p.add_argument("--profile", default=None, help="engine profile NPZ (default: the shipped mocker profile)")
     p.add_argument("--arrival-speedup", type=float, default=1.0)
     p.add_argument("--max-requests", type=int, default=None)
@@ -82,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             itl_ms=args.itl_ms,
             scale_down_cooldown_s=args.scale_down_cooldown,
             sla_headroom=args.sla_headroom,
+            lookahead_s=args.lookahead_s,
         )
         results.append(
             run_planner_sim(
@@ -98,10 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows_out = [r.summary(args.ttft_ms, args.itl_ms) for r in results]
     static_ok = [s for s in rows_out if str(s["label"]).startswith("static") and float(s["sla_attainment"]) >= 0.95]  # type: ignore[arg-type]
     baseline = min((float(s["engine_seconds"]) for s in static_ok), default=float("nan"))  # type: ignore[arg-type]
-    print(f"trace {args.trace}: {len(requests)} requests, TTFT <= {args.ttft_ms:g} ms, ITL <= {args.itl_ms:g} ms, "
-          f"engine start-up {args.engine_startup_s:g} s")
-    print(f"{'run':<24} {'SLA':>7} {'engine-s':>9} {'vs static':>9} {'events':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
-          f"{'ITL p95':>8} {'failed':>6}")
+    print(
+        f"trace {args.trace}: {len(requests)} requests, TTFT <= {args.ttft_ms:g} ms, ITL <= {args.itl_ms:g} ms, "
+        f"engine start-up {args.engine_startup_s:g} s"
+    )
+    print(
+        f"{'run':<24} {'SLA':>7} {'engine-s':>9} {'vs static':>9} {'events':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
+        f"{'ITL p95':>8} {'failed':>6}"
+    )
     for s in rows_out:
         ratio = float(s["engine_seconds"]) / baseline if baseline == baseline else float("nan")  # type: ignore[arg-type]
         s["engine_seconds_vs_smallest_static_95"] = ratio
@@ -136,30 +147,42 @@ def _plot(results: list[SimResult], args: argparse.Namespace, path: str) -> None
     import matplotlib.pyplot as plt
 
     planners = [r for r in results if r.label.startswith("planner")]
-    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
     arrivals = planners[0].arrival_ms / 1000.0 if planners else np.array([])
     if arrivals.size:
         bins = np.arange(0, arrivals.max() + 10, 10)
         counts, _ = np.histogram(arrivals, bins)
         axes[0].plot(bins[:-1], counts / 10.0, color="black")
     axes[0].set_ylabel("arrivals (req/s)")
+    w = 50
     for r in planners:
         t = [x[0] for x in r.timeline]
-        axes[1].step(t, [x[2] for x in r.timeline], where="post", label=f"{r.label} (asked for)")
-        axes[1].step(t, [x[1] for x in r.timeline], where="post", linestyle=":", label=f"{r.label} (ready)")
+        line = axes[1].step(t, [x[2] for x in r.timeline], where="post", label=f"{r.label} (asked for)")[0]
+        axes[1].step(
+            t,
+            [x[1] for x in r.timeline],
+            where="post",
+            linestyle=":",
+            color=line.get_color(),
+            label=f"{r.label} (ready)",
+        )
         order = np.argsort(r.arrival_ms)
-        ttft = np.minimum(r.ttft_ms[order], 1e5)
-        w = 50
-        if ttft.size > w:
-            roll = np.convolve(ttft, np.ones(w) / w, mode="valid")
-            axes[2].plot(r.arrival_ms[order][w - 1 :] / 1000.0, roll, label=r.label)
+        when = r.arrival_ms[order][w - 1 :] / 1000.0
+        for ax, values in ((axes[2], r.ttft_ms), (axes[3], r.itl_ms)):
+            v = np.minimum(values[order], 1e5)  # an unserved request (inf) plots as 100 s
+            if v.size > w:
+                ax.plot(when, np.convolve(v, np.ones(w) / w, mode="valid"), color=line.get_color(), label=r.label)
     axes[1].set_ylabel("engines")
     axes[1].legend(fontsize=7)
     axes[2].axhline(args.ttft_ms, color="red", linestyle="--", label="TTFT target")
-    axes[2].set_ylabel("TTFT, 50-request mean (ms)")
+    axes[2].set_ylabel(f"TTFT, {w}-request mean (ms)")
     axes[2].set_yscale("log")
-    axes[2].set_xlabel("time (s)")
     axes[2].legend(fontsize=7)
+    axes[3].axhline(args.itl_ms, color="red", linestyle="--", label="ITL target")
+    axes[3].set_ylabel(f"ITL, {w}-request mean (ms)")
+    axes[3].set_yscale("log")
+    axes[3].set_xlabel("time of arrival (s)")
+    axes[3].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)

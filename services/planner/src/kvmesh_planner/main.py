@@ -52,6 +52,7 @@ def core_config(cfg: Settings, shape: EngineShape | None = None) -> PlannerConfi
         itl_ms=cfg.itl_ms or 50.0,
         sla_headroom=cfg.sla_headroom,
         predictor=cfg.predictor,
+        lookahead_s=cfg.lookahead,
         shape=shape or EngineShape(),
     )
 

@@ -37,6 +37,9 @@ class Settings(DaemonSettings):
     """SLA mode plans mean latencies at this fraction of the targets"""
     predictor: Annotated[str, AfterValidator(_predictor)] = "kalman"
     """SLA mode predictor: constant, moving_average or kalman"""
+    lookahead: Annotated[float, Field(ge=0)] = 0.0
+    """SLA mode: also size the pool for the rate predicted this many seconds past the next interval (the
+    predictor's trend; about the engines' start-up time minus one interval)"""
     profile: str = "mocker-polynomial"
     """engine performance profile: mocker-polynomial (built in) or a path to an NPZ profile"""
     interval: PositiveFloat = 10.0

@@ -111,7 +111,8 @@ class PlannerConfig:
     down_confirmations: int = 3
     """Load mode: consecutive intervals the scale-down condition must hold."""
     sla_down_confirmations: int = 2
-    """SLA mode: consecutive intervals a lower engine count must be predicted before scaling down."""
+    """SLA mode: consecutive intervals a lower engine count must be predicted before scaling down, unless the
+    predictor's trend says the rate is falling (then one interval is enough)."""
     down_projection_margin: float = 0.8
     """Scale down only if the load moved onto one engine fewer stays below this x the scale-up threshold."""
     ttft_ms: float = 500.0
@@ -119,6 +120,10 @@ class PlannerConfig:
     sla_headroom: float = 0.7
     """SLA mode plans for mean latencies of this fraction of the targets (tails exceed means)."""
     predictor: str = "kalman"
+    lookahead_s: float = 0.0
+    """SLA mode also sizes each pool for the rate predicted this many seconds past the next interval (the
+    predictor's trend extrapolated over the engines' start-up time): an engine asked for now serves only
+    then, and one drained now cannot be back sooner."""
     correction_bounds: tuple[float, float] = (0.5, 3.0)
     correction_smoothing: float = 0.5
     """Weight of the newest observed/expected ratio in the correction factors (exponential smoothing)."""

@@ -12,8 +12,16 @@ Invariants (tests: ``tests/planner/test_core.py``):
   agreement, the load projected onto one engine fewer to stay below ``down_projection_margin`` x the
   scale-up threshold, and ``scale_down_cooldown_s`` since the pool's last change; in SLA mode a lower
   count must be predicted ``sla_down_confirmations`` intervals in a row (one noisy ISL/OSL sample does
-  not drain an engine). A scale-up only waits for ``scale_up_cooldown_s``: being late to scale up costs
-  SLA, being late to scale down only engine-seconds.
+  not drain an engine) unless the predictor's trend points down (a falling rate is no blip). A scale-up
+  only waits for ``scale_up_cooldown_s``: being late to scale up costs SLA, late to scale down engine-seconds.
+- **Look-ahead (SLA).** A pool is sized for the larger of the next interval's predicted rate and the rate
+  ``lookahead_s`` later (trend extrapolated): engines asked for now serve only after their start-up.
+- **Corrections compare like with like.** The latency expected for the next interval, against which the
+  observed one corrects the targets, is the latency of the engines that will serve it (those ready now),
+  not of the target fleet (engines still starting serve nothing).
+- **Disaggregated pools (SLA)** are sized apart: prefill engines on the TTFT target from ISL x rate, decode
+  engines on the ITL target from OSL x rate at context ISL + OSL/2; TTFT corrects the prefill pool, ITL the
+  decode pool.
 - **Decision ids** are consecutive from ``first_decision_id``; a decision that changes nothing still gets
   one (the audit trail has every interval), so a new leader continues from the last committed id.
 """
@@ -184,6 +192,7 @@ class PlannerCore:
                 sla.osl.observe(traffic.mean_osl)
             self._correct(traffic.ttft_ms, traffic.itl_ms, inputs)
         rate, isl, osl = sla.rate.predict(), sla.isl.predict(), sla.osl.predict()
+        ahead = sla.rate.predict_ahead(1.0 + cfg.lookahead_s / cfg.interval_s) if cfg.lookahead_s > 0 else rate
         pools = list(cfg.pools)
         if rate is None or isl is None or osl is None:
             for pool in pools:
@@ -194,34 +203,75 @@ class PlannerCore:
         ttft_goal = cfg.ttft_ms * cfg.sla_headroom / min(hi, max(lo, sla.ttft_cf))
         itl_goal = cfg.itl_ms * cfg.sla_headroom / min(hi, max(lo, sla.itl_cf))
         eff_isl = isl * (1.0 - cfg.kv_hit_rate)
-        per_engine = self.profile.max_rate(eff_isl, osl, ttft_goal, itl_goal, shape)
-        needed = cfg.pools[pools[0]].maximum if per_engine <= 0 else math.ceil(rate / per_engine - 1e-9)
-        pool = pools[0]  # aggregated serving: one pool carries prefill and decode
-        want = max(cfg.pools[pool].minimum, needed)
-        state = self._pools[pool]
-        n = previous[pool]
-        reason = f"{pool}: predicted {rate:.3g} req/s / {per_engine:.3g} req/s per engine -> {needed}"
-        if want < n:
-            state.down_streak += 1
-        else:
-            state.down_streak = 0
-        if want < n:
-            if state.down_streak < cfg.sla_down_confirmations:
-                want, reason = n, f"{reason}; lower for {state.down_streak}/{cfg.sla_down_confirmations} intervals"
-            elif obs.starting.get(pool, 0):
-                want, reason = n, f"{reason}; holding while engines start"
-            elif obs.now - state.last_change < cfg.scale_down_cooldown_s:
-                want, reason = n, f"{reason}; holding (scale-down cooldown)"
+        plan_rate = max(rate, ahead if ahead is not None else rate)
+        if cfg.lookahead_s > 0:
+            inputs["rate_ahead"] = plan_rate
+        later = sla.rate.predict_ahead(2.0)
+        falling = later is not None and later < rate  # the trend points down: a lower count is no blip
+        ahead_note = f" ({plan_rate:.3g} {cfg.lookahead_s:g} s later)" if plan_rate > rate else ""
+        reasons: list[str] = []
+        serving: dict[Pool, int] = {}
+        capacity: dict[Pool, float] = {}
+        for pool in pools:
+            # Aggregated engines carry prefill and decode; a prefill engine is sized on TTFT alone, a decode
+            # engine on ITL alone (Dynamo's SLA planner: prefill from ISL x rate, decode from OSL x rate).
+            if pool == "prefill":
+                per_engine = self.profile.prefill_rate(eff_isl, ttft_goal, shape)
+            elif pool == "decode":
+                per_engine = self.profile.decode_rate(isl, osl, itl_goal, shape)
             else:
-                want = max(want, n - max(1, math.ceil(0.25 * n)))  # shed at most a quarter per interval
-        elif want > n and obs.now - state.last_up < cfg.scale_up_cooldown_s:
-            want, reason = n, f"{reason}; holding (scale-up cooldown)"
-        target[pool] = want
-        expected_ttft, expected_itl, _ = self.profile.latency(rate / max(1, want), eff_isl, osl, shape)
+                per_engine = self.profile.max_rate(eff_isl, osl, ttft_goal, itl_goal, shape)
+            capacity[pool] = per_engine
+            inputs[f"{pool}.engine_rate"] = per_engine
+            needed = cfg.pools[pool].maximum if per_engine <= 0 else math.ceil(plan_rate / per_engine - 1e-9)
+            reason = f"{pool}: predicted {rate:.3g} req/s{ahead_note} / {per_engine:.3g} req/s per engine -> {needed}"
+            want, reason = self._guard_sla(
+                pool, max(cfg.pools[pool].minimum, needed), previous[pool], obs, falling, reason
+            )
+            target[pool] = want
+            reasons.append(reason)
+            # The next interval is served by the engines ready now (those asked for are still starting): the
+            # correction factors compare the observed latency with what *they* should give, not the target fleet.
+            ready = sum(1 for e in obs.engines if e.pool == pool)
+            serving[pool] = max(1, min(want, ready) if ready else want)
+        # TTFT is the prefill pool's (or the aggregated one's), ITL the decode pool's (or the aggregated one's).
+        agg = (
+            self.profile.latency(rate / serving["aggregated"], eff_isl, osl, shape) if "aggregated" in serving else None
+        )
+        expected_ttft = expected_itl = math.nan
+        if "prefill" in serving:
+            expected_ttft = self.profile.prefill_ttft(rate / serving["prefill"], eff_isl, shape)
+        elif agg is not None:
+            expected_ttft = agg[0]
+        if "decode" in serving:
+            expected_itl = self.profile.decode_itl(rate / serving["decode"], isl, osl, shape)
+        elif agg is not None:
+            expected_itl = agg[1]
         sla.expected = (expected_ttft, expected_itl)
-        inputs.update(expected_ttft_ms=expected_ttft, expected_itl_ms=expected_itl)
-        prediction = Prediction(rate, isl, osl, sla.ttft_cf, sla.itl_cf, per_engine, sla.rate.name)
-        return target, reason, inputs, prediction
+        inputs.update(
+            {k: v for k, v in (("expected_ttft_ms", expected_ttft), ("expected_itl_ms", expected_itl)) if v == v}
+        )
+        prediction = Prediction(rate, isl, osl, sla.ttft_cf, sla.itl_cf, capacity[pools[0]], sla.rate.name)
+        return target, "; ".join(reasons), inputs, prediction
+
+    def _guard_sla(
+        self, pool: Pool, want: int, n: int, obs: Observation, falling: bool, reason: str
+    ) -> tuple[int, str]:
+        """The SLA mode's anti-oscillation on one pool's wanted size (see the module's invariants)."""
+        cfg = self.config
+        state = self._pools[pool]
+        state.down_streak = state.down_streak + 1 if want < n else 0
+        if want < n:
+            if state.down_streak < cfg.sla_down_confirmations and not falling:
+                return n, f"{reason}; lower for {state.down_streak}/{cfg.sla_down_confirmations} intervals"
+            if obs.starting.get(pool, 0):
+                return n, f"{reason}; holding while engines start"
+            if obs.now - state.last_change < cfg.scale_down_cooldown_s:
+                return n, f"{reason}; holding (scale-down cooldown)"
+            return max(want, n - max(1, math.ceil(0.25 * n))), reason  # shed at most a quarter per interval
+        if want > n and obs.now - state.last_up < cfg.scale_up_cooldown_s:
+            return n, f"{reason}; holding (scale-up cooldown)"
+        return want, reason
 
     def _correct(self, ttft_ms: float | None, itl_ms: float | None, inputs: dict[str, float]) -> None:
         """Observed / expected latency of the interval just ended, smoothed into the correction factors."""

@@ -25,6 +25,10 @@ class Predictor(Protocol):
         """The next interval's value; None before any observation."""
         ...
 
+    def predict_ahead(self, steps: float) -> float | None:
+        """The value ``steps`` intervals ahead (``predict()`` is one step); None before any observation."""
+        ...
+
 
 class ConstantPredictor:
     """The next interval looks like the last one."""
@@ -40,6 +44,9 @@ class ConstantPredictor:
     def predict(self) -> float | None:
         return self._last
 
+    def predict_ahead(self, steps: float) -> float | None:
+        return self._last
+
 
 class MovingAveragePredictor:
     name = "moving_average"
@@ -52,6 +59,9 @@ class MovingAveragePredictor:
 
     def predict(self) -> float | None:
         return sum(self._values) / len(self._values) if self._values else None
+
+    def predict_ahead(self, steps: float) -> float | None:
+        return self.predict()
 
 
 class KalmanPredictor:
@@ -93,10 +103,14 @@ class KalmanPredictor:
         self._kf.update(np.array([[z]]))
 
     def predict(self) -> float | None:
+        return self.predict_ahead(1.0)
+
+    def predict_ahead(self, steps: float) -> float | None:
+        """Level + ``steps`` x trend: the local linear trend extrapolated (the look-ahead over engine start-up)."""
         if self._kf is None or self._n < self._min_points:
             return self._last
-        x = self._kf.F @ self._kf.x
-        return max(0.0, float(x[0, 0]) * self._kf_scale)
+        level, trend = float(self._kf.x[0, 0]), float(self._kf.x[1, 0])
+        return max(0.0, (level + steps * trend) * self._kf_scale)
 
 
 def make_predictor(name: str) -> Predictor:

@@ -17,11 +17,17 @@ its decode time, so prefill work stretches every decode step):
 - ``TTFT = D + P + rho * P / (2 (1 - rho))`` (a pass in flight, the prompt, an M/D/1 queue).
 
 ``max_rate`` bisects for the highest rate whose predicted means stay within the (corrected) targets.
+
+Disaggregated pools (Dynamo's SLA planner sizes them apart): a prefill engine's capacity is the highest
+rate whose TTFT ``P + rho P / (2 (1 - rho))`` meets the TTFT target (``prefill_rate``); a decode engine's,
+the highest rate whose decode step at the KV of ``rate x OSL x ITL`` concurrent requests of context
+``ISL + OSL/2`` meets the ITL target (``decode_rate``). The KV transfer between them is not modelled.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -104,15 +110,54 @@ class EngineProfile:
             ttft, itl, _ = self.latency(rate, isl, osl, shape)
             return ttft <= ttft_ms and itl <= itl_ms
 
-        if not ok(1e-6):
-            return 0.0
-        lo, hi = 0.0, 1.0
-        while ok(hi) and hi < 1e6:
-            lo, hi = hi, hi * 2
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-        return lo
+        return _highest(ok)
+
+    # -- disaggregated pools: a prefill engine only prefills, a decode engine only decodes ----------
+    def prefill_ttft(self, rate: float, isl: float, shape: EngineShape) -> float:
+        """Mean TTFT (ms) of one prefill engine at ``rate`` req/s: the prompt plus an M/D/1 queue; inf if saturated."""
+        p = self.prefill_ms(isl, shape.max_num_batched_tokens)
+        rho = rate * p / 1000.0
+        if rho >= 0.98:
+            return math.inf
+        return p + rho * p / (2 * (1 - rho))
+
+    def decode_itl(self, rate: float, isl: float, osl: float, shape: EngineShape) -> float:
+        """Mean ITL (ms) at one decode engine at ``rate`` req/s: the decode step at the KV held by the
+        ``rate x OSL x ITL`` requests it decodes at once (Little's law, fixed point); inf over its KV or seqs."""
+        context = isl + osl / 2.0
+        itl = self.decode_ms(0.0, context)
+        for _ in range(50):
+            conc = rate * max(0.0, osl - 1) * itl / 1000.0
+            if conc * context > shape.total_kv_tokens or conc > shape.max_num_seqs:
+                return math.inf
+            new_itl = self.decode_ms(conc * context, context)
+            if abs(new_itl - itl) < 1e-6:
+                return new_itl
+            itl = new_itl
+        return itl
+
+    def prefill_rate(self, isl: float, ttft_ms: float, shape: EngineShape) -> float:
+        """Highest request rate one prefill engine serves with mean TTFT <= ``ttft_ms`` (Dynamo's
+        ``p_thpt_per_gpu`` at the TTFT target, in requests)."""
+        return _highest(lambda rate: self.prefill_ttft(rate, isl, shape) <= ttft_ms)
+
+    def decode_rate(self, isl: float, osl: float, itl_ms: float, shape: EngineShape) -> float:
+        """Highest request rate one decode engine serves with mean ITL <= ``itl_ms`` (Dynamo's
+        ``d_thpt_per_gpu`` at the ITL target and context ISL + OSL/2, in requests)."""
+        return _highest(lambda rate: self.decode_itl(rate, isl, osl, shape) <= itl_ms)
+
+
+def _highest(ok: Callable[[float], bool]) -> float:
+    """The highest rate with ``ok(rate)`` (ok is monotone: true up to a point), by doubling then bisection."""
+    if not ok(1e-6):
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while ok(hi) and hi < 1e6:
+        lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
 
 
 def load_profile(spec: str | None) -> EngineProfile:
