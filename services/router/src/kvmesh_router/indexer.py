@@ -86,6 +86,8 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
+from itertools import accumulate, repeat, takewhile
+from operator import and_
 from typing import Protocol
 
 import numpy as np
@@ -145,7 +147,7 @@ class EngineSlots:
     hundreds of engines decodes several times faster that way).
     """
 
-    __slots__ = ("_array", "_cache", "_free", "_slot_of", "names")
+    __slots__ = ("_array", "_cache", "_free", "_scored", "_slot_of", "names")
 
     def __init__(self) -> None:
         self._slot_of: dict[int, int] = {}
@@ -154,6 +156,7 @@ class EngineSlots:
         self.names: list[int | None] = []
         self._array: np.ndarray | None = None  # names as int64, rebuilt lazily after membership changes
         self._cache: dict[int, list[int]] = {}  # mask -> decoded ids, for recurring dense masks
+        self._scored: dict[tuple[int, int], dict[int, int]] = {}  # (mask, depth) -> {id: depth}, see scored
 
     def __contains__(self, engine_id: int) -> bool:
         return engine_id in self._slot_of
@@ -177,6 +180,7 @@ class EngineSlots:
         self._slot_of[engine_id] = slot
         self._array = None
         self._cache.clear()
+        self._scored.clear()
         return slot
 
     def release(self, engine_id: int) -> int | None:
@@ -186,6 +190,7 @@ class EngineSlots:
             heapq.heappush(self._free, slot)
             self._array = None
             self._cache.clear()
+            self._scored.clear()
         return slot
 
     def engines(self) -> list[int]:
@@ -225,6 +230,23 @@ class EngineSlots:
             cache[mask] = out
         return out
 
+    def scored(self, mask: int, depth: int) -> dict[int, int]:
+        """A new ``{engine id: depth}`` for every bit of ``mask`` (ascending slot order), copied from a cache.
+
+        A popular first block (a system prompt most engines hold) gives the same candidate mask and, where
+        requests diverge right after it, the same depth query after query: copying a ready dict is several
+        times cheaper than hashing its keys again (``dict.fromkeys``).
+        """
+        key = (mask, depth)
+        cache = self._scored
+        out = cache.get(key)
+        if out is None:
+            out = dict.fromkeys(self.decode_cached(mask), depth)
+            if len(cache) >= _DECODE_CACHE_SIZE:
+                cache.clear()
+            cache[key] = out
+        return out.copy()
+
 
 _U64 = (1 << 64) - 1
 
@@ -251,38 +273,49 @@ def match_prefix(
     the index of the first block it does not hold. ``get_mask`` is the map's ``get`` (called as
     ``get_mask(h, 0)``); ``slots`` maps bits to engine ids.
     """
-    n = len(seq_hashes)
-    if n == 0:
-        return {}, 0
-    cand = get_mask(seq_hashes[0], 0)
-    if not cand:
+    # The running intersections, computed at C speed (``accumulate``) and cut at the first empty one: the
+    # masks are non-increasing (each is a subset of the previous), so only the few depths where the value
+    # changes need Python work; they are found with ``dict.fromkeys`` (distinct values, in order) and
+    # ``list.index``. Same look-ups as a per-block loop: none past the first block nobody left holds.
+    cands: list[int] = list(takewhile(bool, accumulate(map(get_mask, seq_hashes, repeat(0)), and_)))
+    depth = len(cands)
+    if not depth:
         return {}, 0
     names = slots.names
     scores: dict[int, int] = {}
-    depth = 1
-    while depth < n:
-        nxt = cand & get_mask(seq_hashes[depth], 0)
-        if nxt != cand:
+    cand = cands[0]
+    if cand != cands[-1]:
+        pos = 0
+        for nxt in dict.fromkeys(cands):
+            if nxt == cand:
+                continue
+            pos = cands.index(nxt, pos)
             gone = cand ^ nxt
             if not gone & (gone - 1):
                 # a set bit is always an occupied slot, never None
-                scores[names[gone.bit_length() - 1]] = depth  # type: ignore[index]
+                scores[names[gone.bit_length() - 1]] = pos  # type: ignore[index]
             elif gone.bit_count() <= _DENSE_DECODE_MIN_BITS or gone.bit_count() <= nxt.bit_count():
                 for e in slots.decode(gone):
-                    scores[e] = depth
+                    scores[e] = pos
             else:
-                # Most candidates drop here: score all of them (a cached decode, C-level insert); the few
+                # Most candidates drop here: score all of them (a cached dict, C-level copy); the few
                 # survivors are overwritten with their own depth when they drop later.
-                scores.update(dict.fromkeys(slots.decode_cached(cand), depth))
-            if not nxt:
-                return scores, depth
+                if scores:
+                    scores.update(dict.fromkeys(slots.decode_cached(cand), pos))
+                else:
+                    scores = slots.scored(cand, pos)
             cand = nxt
-        depth += 1
+    # the last candidates hold every block up to ``depth`` (the end of the request, or where all drop)
     if not cand & (cand - 1):
         # a set bit is always an occupied slot, never None
         scores[names[cand.bit_length() - 1]] = depth  # type: ignore[index]
-    else:
+    elif depth < len(seq_hashes) and cand.bit_count() <= _DENSE_DECODE_MIN_BITS:
+        for e in slots.decode(cand):
+            scores[e] = depth
+    elif scores:
         scores.update(dict.fromkeys(slots.decode_cached(cand), depth))
+    else:
+        scores = slots.scored(cand, depth)
     return scores, depth
 
 
