@@ -31,7 +31,8 @@ turns, each keeping its best, so both see the machine in the same state; the rat
 kvmesh / Dynamo. Events/s and find/s are timed in each process's CPU time (``--throughput-clock cpu``,
 the default; ``wall`` for the wall clock) on both sides: on a shared machine the wall clock mostly measures
 how long each process waited for a core (measured: wall-clock ratios swinging 0.3-1.6x between runs of the
-same code), CPU time what the index itself costs. Dynamo's ``apply_event`` parses the JSON it is given (that is its API), kvmesh's gets decoded events.
+same code), CPU time what the index itself costs. Dynamo's ``apply_event`` parses the JSON it is given
+(that is its API), kvmesh's gets decoded events.
 
 Run: ``python -m kvmesh_bench.indexer_microbench --engines 8,128 --max-requests 4000 --json out.json``.
 """

@@ -251,12 +251,17 @@ class EngineSlots:
 _U64 = (1 << 64) - 1
 
 
+#: The "parent" of a sequence's first block in a metadata row: not a u64, so no block hash equals it.
+_NO_PARENT = 1 << 64
+
+
 def _parent_of(packed: int) -> int | None:
-    """Metadata rows are ints, ``(parent + 1) << 64 | tokens_hash`` (parent None -> 0): unlike tuples, ints
-    are not tracked by the cyclic GC, so a dict of them is never traversed (a tuple-valued dict of a million
-    blocks is re-tracked by every insert and costs the next young collection tens of milliseconds)."""
+    """Metadata rows are ints, ``parent << 64 | tokens_hash`` (parent None -> :data:`_NO_PARENT`): unlike
+    tuples, ints are not tracked by the cyclic GC, so a dict of them is never traversed (a tuple-valued dict
+    of a million blocks is re-tracked by every insert and costs the next young collection tens of
+    milliseconds). The sentinel spares the store loop a None test and an addition per block."""
     top = packed >> 64
-    return top - 1 if top else None
+    return None if top == _NO_PARENT else top
 
 
 #: Masks with more set bits than this are decoded with numpy (measured break-even is around 20-30).
@@ -425,7 +430,9 @@ class KvIndexer:
             return self.store_chain(
                 engine_id, parent_hash, [b.block_hash for b in blocks], [b.tokens_hash for b in blocks]
             )
-        slot = self._slot(engine_id)
+        slot = self._slots._slot_of.get(engine_id)  # inlined EngineSlots.get: this is the hot path
+        if slot is None:
+            slot = self._slot(engine_id)
         bit = 1 << slot
         holders = self._holders
         get = holders.get
@@ -434,8 +441,10 @@ class KvIndexer:
             return ApplyError.PARENT_NOT_FOUND
         meta = self._meta
         tracking = self._size >= self._track_from
-        prev = parent_hash
-        added = 0
+        prev = _NO_PARENT if parent_hash is None else parent_hash
+        # added = blocks new to the fleet (the growth of holders) + blocks other engines already held
+        fleet_before = len(holders)
+        shared = 0
         error: ApplyError | None = None
         for block in blocks:
             h = block.block_hash
@@ -446,15 +455,15 @@ class KvIndexer:
             mask = get(h)
             if mask is None:  # a block no engine holds yet: appended, i.e. most recent
                 holders[h] = bit
-                meta[h] = block.tokens_hash if prev is None else (prev + 1) << 64 | block.tokens_hash
-                added += 1
+                meta[h] = prev << 64 | block.tokens_hash
             else:
                 if not mask & bit:
                     holders[h] = mask | bit
-                    added += 1
+                    shared += 1
                 if tracking:  # stored again (here or elsewhere): most recent
                     meta[h] = meta.pop(h)
             prev = h
+        added = len(holders) - fleet_before + shared
         self._size += added
         self._counts[slot] += added
         self.counters.blocks_stored += added
@@ -472,7 +481,9 @@ class KvIndexer:
         offline replay's changes) and a shared helper would cost one of them a conversion per block
         (measured: bulk ``dict.update`` inserts are no faster than this loop on a large index).
         """
-        slot = self._slot(engine_id)
+        slot = self._slots._slot_of.get(engine_id)  # inlined EngineSlots.get: this is the hot path
+        if slot is None:
+            slot = self._slot(engine_id)
         bit = 1 << slot
         holders = self._holders
         get = holders.get
@@ -482,8 +493,9 @@ class KvIndexer:
         meta = self._meta
         dumps = self._dumps
         tracking = self._size >= self._track_from
-        prev = parent_hash
-        added = 0
+        prev = _NO_PARENT if parent_hash is None else parent_hash
+        fleet_before = len(holders)  # see store
+        shared = 0
         error: ApplyError | None = None
         for h, tokens_hash in zip(block_hashes, tokens_hashes, strict=True):
             if h == prev:
@@ -494,15 +506,15 @@ class KvIndexer:
             if mask is None:  # a block no engine holds yet: appended, i.e. most recent
                 holders[h] = bit
                 if dumps:
-                    meta[h] = tokens_hash if prev is None else (prev + 1) << 64 | tokens_hash
-                added += 1
+                    meta[h] = prev << 64 | tokens_hash
             else:
                 if not mask & bit:
                     holders[h] = mask | bit
-                    added += 1
+                    shared += 1
                 if tracking:  # stored again (here or elsewhere): most recent
                     meta[h] = meta.pop(h)
             prev = h
+        added = len(holders) - fleet_before + shared
         self._size += added
         self._counts[slot] += added
         self.counters.blocks_stored += added
