@@ -1,6 +1,6 @@
 """The prefix index: which engines hold which cached KV blocks, fed by the engines' KV events.
 
-(About 600 lines on purpose: the bitmask store, its eviction and the match walk share one private data
+(About 700 lines on purpose: the bitmask store, its eviction and the match walk share one private data
 layout tuned together for the hot path; split, each piece would expose that layout.)
 
 Design (a flat sequence-hash index, not a node-object radix tree)
@@ -13,11 +13,13 @@ Dynamo's radix tree (one node per prefix, annotated with its engines) without no
   (``cand &= holders[h]``), recording an engine's score at the depth where its bit drops out. It stops at
   the first block nobody still in the candidate set holds. Cost: O(matched depth) dict look-ups plus
   O(engines that match at all) to decode bits (the size of the answer), independent of fleet size
-  otherwise.
+  otherwise. The running intersections are computed at C speed (``itertools.accumulate`` over the
+  masks, cut at the first empty one) and only the depths where the candidate set changes run Python code.
 - Each engine gets a dense *slot* (its bit); freed slots are reused, lowest first, so masks stay short.
   Dense masks (hundreds of engines) are decoded with numpy, and when most candidates drop at once (a
   system prompt every engine holds, then divergence) they are all scored from a cached decode of the
-  candidate mask and the few survivors overwritten later.
+  candidate mask and the few survivors overwritten later; when that happens first, the ``{engine: depth}``
+  dict itself is copied from a small cache (``EngineSlots.scored``).
 - There are no per-engine sets: an engine's membership is its bit, so a stored or removed block costs one
   ``holders`` update (plus one metadata row for a block new to the fleet). ``Cleared``, ``remove_engine``
   and ``dump`` scan the index instead (O(distinct blocks)); they are rare (engine restart, leave,
