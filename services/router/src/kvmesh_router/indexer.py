@@ -1,6 +1,6 @@
 """The prefix index: which engines hold which cached KV blocks, fed by the engines' KV events.
 
-(About 600 lines on purpose: the bitmask store, its eviction and the match walk share one private data
+(About 700 lines on purpose: the bitmask store, its eviction and the match walk share one private data
 layout tuned together for the hot path; split, each piece would expose that layout.)
 
 Design (a flat sequence-hash index, not a node-object radix tree)
@@ -13,11 +13,13 @@ Dynamo's radix tree (one node per prefix, annotated with its engines) without no
   (``cand &= holders[h]``), recording an engine's score at the depth where its bit drops out. It stops at
   the first block nobody still in the candidate set holds. Cost: O(matched depth) dict look-ups plus
   O(engines that match at all) to decode bits (the size of the answer), independent of fleet size
-  otherwise.
+  otherwise. The running intersections are computed at C speed (``itertools.accumulate`` over the
+  masks, cut at the first empty one) and only the depths where the candidate set changes run Python code.
 - Each engine gets a dense *slot* (its bit); freed slots are reused, lowest first, so masks stay short.
   Dense masks (hundreds of engines) are decoded with numpy, and when most candidates drop at once (a
   system prompt every engine holds, then divergence) they are all scored from a cached decode of the
-  candidate mask and the few survivors overwritten later.
+  candidate mask and the few survivors overwritten later; when that happens first, the ``{engine: depth}``
+  dict itself is copied from a small cache (``EngineSlots.scored``).
 - There are no per-engine sets: an engine's membership is its bit, so a stored or removed block costs one
   ``holders`` update (plus one metadata row for a block new to the fleet). ``Cleared``, ``remove_engine``
   and ``dump`` scan the index instead (O(distinct blocks)); they are rare (engine restart, leave,
@@ -86,6 +88,8 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
+from itertools import accumulate, repeat, takewhile
+from operator import and_
 from typing import Protocol
 
 import numpy as np
@@ -145,7 +149,7 @@ class EngineSlots:
     hundreds of engines decodes several times faster that way).
     """
 
-    __slots__ = ("_array", "_cache", "_free", "_slot_of", "names")
+    __slots__ = ("_array", "_cache", "_free", "_scored", "_slot_of", "names")
 
     def __init__(self) -> None:
         self._slot_of: dict[int, int] = {}
@@ -154,6 +158,7 @@ class EngineSlots:
         self.names: list[int | None] = []
         self._array: np.ndarray | None = None  # names as int64, rebuilt lazily after membership changes
         self._cache: dict[int, list[int]] = {}  # mask -> decoded ids, for recurring dense masks
+        self._scored: dict[tuple[int, int], dict[int, int]] = {}  # (mask, depth) -> {id: depth}, see scored
 
     def __contains__(self, engine_id: int) -> bool:
         return engine_id in self._slot_of
@@ -177,6 +182,7 @@ class EngineSlots:
         self._slot_of[engine_id] = slot
         self._array = None
         self._cache.clear()
+        self._scored.clear()
         return slot
 
     def release(self, engine_id: int) -> int | None:
@@ -186,6 +192,7 @@ class EngineSlots:
             heapq.heappush(self._free, slot)
             self._array = None
             self._cache.clear()
+            self._scored.clear()
         return slot
 
     def engines(self) -> list[int]:
@@ -225,16 +232,38 @@ class EngineSlots:
             cache[mask] = out
         return out
 
+    def scored(self, mask: int, depth: int) -> dict[int, int]:
+        """A new ``{engine id: depth}`` for every bit of ``mask`` (ascending slot order), copied from a cache.
+
+        A popular first block (a system prompt most engines hold) gives the same candidate mask and, where
+        requests diverge right after it, the same depth query after query: copying a ready dict is several
+        times cheaper than hashing its keys again (``dict.fromkeys``).
+        """
+        key = (mask, depth)
+        cache = self._scored
+        out = cache.get(key)
+        if out is None:
+            out = dict.fromkeys(self.decode_cached(mask), depth)
+            if len(cache) >= _DECODE_CACHE_SIZE:
+                cache.clear()
+            cache[key] = out
+        return out.copy()
+
 
 _U64 = (1 << 64) - 1
 
 
+#: The "parent" of a sequence's first block in a metadata row: not a u64, so no block hash equals it.
+_NO_PARENT = 1 << 64
+
+
 def _parent_of(packed: int) -> int | None:
-    """Metadata rows are ints, ``(parent + 1) << 64 | tokens_hash`` (parent None -> 0): unlike tuples, ints
-    are not tracked by the cyclic GC, so a dict of them is never traversed (a tuple-valued dict of a million
-    blocks is re-tracked by every insert and costs the next young collection tens of milliseconds)."""
+    """Metadata rows are ints, ``parent << 64 | tokens_hash`` (parent None -> :data:`_NO_PARENT`): unlike
+    tuples, ints are not tracked by the cyclic GC, so a dict of them is never traversed (a tuple-valued dict
+    of a million blocks is re-tracked by every insert and costs the next young collection tens of
+    milliseconds). The sentinel spares the store loop a None test and an addition per block."""
     top = packed >> 64
-    return top - 1 if top else None
+    return None if top == _NO_PARENT else top
 
 
 #: Masks with more set bits than this are decoded with numpy (measured break-even is around 20-30).
@@ -251,38 +280,49 @@ def match_prefix(
     the index of the first block it does not hold. ``get_mask`` is the map's ``get`` (called as
     ``get_mask(h, 0)``); ``slots`` maps bits to engine ids.
     """
-    n = len(seq_hashes)
-    if n == 0:
-        return {}, 0
-    cand = get_mask(seq_hashes[0], 0)
-    if not cand:
+    # The running intersections, computed at C speed (``accumulate``) and cut at the first empty one: the
+    # masks are non-increasing (each is a subset of the previous), so only the few depths where the value
+    # changes need Python work; they are found with ``dict.fromkeys`` (distinct values, in order) and
+    # ``list.index``. Same look-ups as a per-block loop: none past the first block nobody left holds.
+    cands: list[int] = list(takewhile(bool, accumulate(map(get_mask, seq_hashes, repeat(0)), and_)))
+    depth = len(cands)
+    if not depth:
         return {}, 0
     names = slots.names
     scores: dict[int, int] = {}
-    depth = 1
-    while depth < n:
-        nxt = cand & get_mask(seq_hashes[depth], 0)
-        if nxt != cand:
+    cand = cands[0]
+    if cand != cands[-1]:
+        pos = 0
+        for nxt in dict.fromkeys(cands):
+            if nxt == cand:
+                continue
+            pos = cands.index(nxt, pos)
             gone = cand ^ nxt
             if not gone & (gone - 1):
                 # a set bit is always an occupied slot, never None
-                scores[names[gone.bit_length() - 1]] = depth  # type: ignore[index]
+                scores[names[gone.bit_length() - 1]] = pos  # type: ignore[index]
             elif gone.bit_count() <= _DENSE_DECODE_MIN_BITS or gone.bit_count() <= nxt.bit_count():
                 for e in slots.decode(gone):
-                    scores[e] = depth
+                    scores[e] = pos
             else:
-                # Most candidates drop here: score all of them (a cached decode, C-level insert); the few
+                # Most candidates drop here: score all of them (a cached dict, C-level copy); the few
                 # survivors are overwritten with their own depth when they drop later.
-                scores.update(dict.fromkeys(slots.decode_cached(cand), depth))
-            if not nxt:
-                return scores, depth
+                if scores:
+                    scores.update(dict.fromkeys(slots.decode_cached(cand), pos))
+                else:
+                    scores = slots.scored(cand, pos)
             cand = nxt
-        depth += 1
+    # the last candidates hold every block up to ``depth`` (the end of the request, or where all drop)
     if not cand & (cand - 1):
         # a set bit is always an occupied slot, never None
         scores[names[cand.bit_length() - 1]] = depth  # type: ignore[index]
-    else:
+    elif depth < len(seq_hashes) and cand.bit_count() <= _DENSE_DECODE_MIN_BITS:
+        for e in slots.decode(cand):
+            scores[e] = depth
+    elif scores:
         scores.update(dict.fromkeys(slots.decode_cached(cand), depth))
+    else:
+        scores = slots.scored(cand, depth)
     return scores, depth
 
 
@@ -392,7 +432,9 @@ class KvIndexer:
             return self.store_chain(
                 engine_id, parent_hash, [b.block_hash for b in blocks], [b.tokens_hash for b in blocks]
             )
-        slot = self._slot(engine_id)
+        slot = self._slots._slot_of.get(engine_id)  # inlined EngineSlots.get: this is the hot path
+        if slot is None:
+            slot = self._slot(engine_id)
         bit = 1 << slot
         holders = self._holders
         get = holders.get
@@ -401,8 +443,10 @@ class KvIndexer:
             return ApplyError.PARENT_NOT_FOUND
         meta = self._meta
         tracking = self._size >= self._track_from
-        prev = parent_hash
-        added = 0
+        prev = _NO_PARENT if parent_hash is None else parent_hash
+        # added = blocks new to the fleet (the growth of holders) + blocks other engines already held
+        fleet_before = len(holders)
+        shared = 0
         error: ApplyError | None = None
         for block in blocks:
             h = block.block_hash
@@ -413,15 +457,15 @@ class KvIndexer:
             mask = get(h)
             if mask is None:  # a block no engine holds yet: appended, i.e. most recent
                 holders[h] = bit
-                meta[h] = block.tokens_hash if prev is None else (prev + 1) << 64 | block.tokens_hash
-                added += 1
+                meta[h] = prev << 64 | block.tokens_hash
             else:
                 if not mask & bit:
                     holders[h] = mask | bit
-                    added += 1
+                    shared += 1
                 if tracking:  # stored again (here or elsewhere): most recent
                     meta[h] = meta.pop(h)
             prev = h
+        added = len(holders) - fleet_before + shared
         self._size += added
         self._counts[slot] += added
         self.counters.blocks_stored += added
@@ -439,7 +483,9 @@ class KvIndexer:
         offline replay's changes) and a shared helper would cost one of them a conversion per block
         (measured: bulk ``dict.update`` inserts are no faster than this loop on a large index).
         """
-        slot = self._slot(engine_id)
+        slot = self._slots._slot_of.get(engine_id)  # inlined EngineSlots.get: this is the hot path
+        if slot is None:
+            slot = self._slot(engine_id)
         bit = 1 << slot
         holders = self._holders
         get = holders.get
@@ -449,8 +495,9 @@ class KvIndexer:
         meta = self._meta
         dumps = self._dumps
         tracking = self._size >= self._track_from
-        prev = parent_hash
-        added = 0
+        prev = _NO_PARENT if parent_hash is None else parent_hash
+        fleet_before = len(holders)  # see store
+        shared = 0
         error: ApplyError | None = None
         for h, tokens_hash in zip(block_hashes, tokens_hashes, strict=True):
             if h == prev:
@@ -461,15 +508,15 @@ class KvIndexer:
             if mask is None:  # a block no engine holds yet: appended, i.e. most recent
                 holders[h] = bit
                 if dumps:
-                    meta[h] = tokens_hash if prev is None else (prev + 1) << 64 | tokens_hash
-                added += 1
+                    meta[h] = prev << 64 | tokens_hash
             else:
                 if not mask & bit:
                     holders[h] = mask | bit
-                    added += 1
+                    shared += 1
                 if tracking:  # stored again (here or elsewhere): most recent
                     meta[h] = meta.pop(h)
             prev = h
+        added = len(holders) - fleet_before + shared
         self._size += added
         self._counts[slot] += added
         self.counters.blocks_stored += added
