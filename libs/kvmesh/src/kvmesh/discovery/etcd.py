@@ -51,7 +51,7 @@ from kvmesh.discovery.base import (
     Snapshot,
     WatchEvent,
 )
-from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, bounded, raise_if_cancelling
+from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, LeaseNotFound, bounded, raise_if_cancelling
 
 __all__ = ["EtcdDiscovery", "parse_etcd_endpoints"]
 
@@ -256,7 +256,9 @@ class EtcdDiscovery(Discovery):
         super().__init__(url, ttl=ttl, keepalive_interval=keepalive_interval, op_timeout=op_timeout)
         self._conn = _Connection(endpoints, op_timeout)
         self._sync_lock = threading.Lock()
-        self._sync: tuple[str, grpc.Channel, rpc_pb2_grpc.LeaseStub] | None = None
+        # the heartbeat's blocking channel per endpoint, kept when it moves on: a channel still connecting
+        # (a loaded machine) finishes in the background instead of starting over (under _sync_lock)
+        self._sync: dict[str, tuple[grpc.Channel, rpc_pb2_grpc.LeaseStub]] = {}
         self._beat_index: int | None = None  # the heartbeat's endpoint (under _sync_lock)
 
     @classmethod
@@ -296,6 +298,8 @@ class EtcdDiscovery(Discovery):
             detail = _one_line(exc) if str(exc) else f"no answer within {self.op_timeout:g}s"
             raise DiscoveryUnavailable(f"etcd {self._conn.endpoint}: {what} failed: {detail}") from exc
         except etcd_errors.ClientError as exc:
+            if "requested lease not found" in str(exc):
+                raise LeaseNotFound(f"etcd {what} failed: {_one_line(exc)}") from exc
             raise DiscoveryError(f"etcd {what} failed: {_one_line(exc)}") from exc
 
     # -- public API ----------------------------------------------------------------------------
@@ -355,9 +359,9 @@ class EtcdDiscovery(Discovery):
     async def _close_backend(self) -> None:
         await self._conn.close()
         with self._sync_lock:
-            sync, self._sync = self._sync, None
-        if sync is not None:
-            sync[1].close()
+            syncs, self._sync = list(self._sync.values()), {}
+        for channel, _stub in syncs:
+            channel.close()
 
     # -- lease primitives ----------------------------------------------------------------------
     async def _lease_grant(self, ttl: float) -> tuple[int, float]:
@@ -379,17 +383,15 @@ class EtcdDiscovery(Discovery):
             if self._beat_index is None:
                 self._beat_index = self._conn.index
             endpoint = _fmt(self._conn.endpoints[self._beat_index])
-            if self._sync is None or self._sync[0] != endpoint:
-                if self._sync is not None:
-                    self._sync[1].close()
+            if endpoint not in self._sync:
                 material, options = tls.etcd_material(), list(CHANNEL_OPTIONS.items())
                 channel = (
                     grpc.secure_channel(endpoint, tls.channel_credentials(material), options=options)
                     if material is not None
                     else grpc.insecure_channel(endpoint, options=options)
                 )
-                self._sync = (endpoint, channel, rpc_pb2_grpc.LeaseStub(channel))
-            stub = self._sync[2]
+                self._sync[endpoint] = (channel, rpc_pb2_grpc.LeaseStub(channel))
+            stub = self._sync[endpoint][1]
         try:
             for reply in stub.LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)]), timeout=timeout):
                 return float(reply.TTL)
