@@ -129,7 +129,7 @@ def test_etcd_minority_member_isolated_from_its_peers(mesh: Cluster) -> None:
     it has no leader, so keepalives and reads through it fail and every daemon moves to etcd2/etcd3, which
     keep the quorum. No lease lost, no record vanishes, 0 failed requests; once healed etcd1 catches up."""
     before = {r["address"]: r["lease"] for r in fleet(mesh)}
-    results = _under_load(mesh, lambda: mesh.isolate_etcd_member(0, clients=False), 2 * LEASE_TTL)
+    results = _under_load(mesh, lambda: mesh.isolate_etcd_member(0, clients=False), 1.5 * LEASE_TTL)
     _report("etcd1 | etcd2+etcd3", results)
     assert [r.status for r in results if r.status != "ok"] == []
     assert {r["address"]: r["lease"] for r in fleet(mesh)} == before
@@ -140,7 +140,7 @@ def test_etcd_minority_member_black_holed(mesh: Cluster) -> None:
     failing, so failover takes a call timeout (keepalives: min(connect timeout, T/3)) but stays well
     within the lease TTL. No lease lost, 0 failed requests."""
     before = {r["address"]: r["lease"] for r in fleet(mesh)}
-    results = _under_load(mesh, lambda: mesh.isolate_etcd_member(0), 2 * LEASE_TTL)
+    results = _under_load(mesh, lambda: mesh.isolate_etcd_member(0), 1.5 * LEASE_TTL)
     _report("etcd1 black-holed", results)
     assert [r.status for r in results if r.status != "ok"] == []
     assert {r["address"]: r["lease"] for r in fleet(mesh)} == before
