@@ -127,12 +127,32 @@ def test_router_replicas_cut_off_from_each_other_then_healed(mesh: Cluster) -> N
 def test_etcd_minority_member_isolated_from_its_peers(mesh: Cluster) -> None:
     """Expected: etcd1 (the first endpoint, the one every daemon uses) loses its peers but stays reachable:
     it has no leader, so keepalives and reads through it fail and every daemon moves to etcd2/etcd3, which
-    keep the quorum. No lease lost, no record vanishes, 0 failed requests; once healed etcd1 catches up."""
+    keep the quorum. Watches too: a member without a leader receives no new revision, so a watch left on
+    it would silently miss every change; a worker killed meanwhile must still leave every frontend's view
+    once etcd2/etcd3 expire its lease (T). No other lease lost, 0 failed requests (the killed worker's
+    requests migrate); once healed etcd1 catches up."""
     before = {r["address"]: r["lease"] for r in fleet(mesh)}
-    results = _under_load(mesh, lambda: mesh.isolate_etcd_member(0, clients=False), 1.5 * LEASE_TTL)
-    _report("etcd1 | etcd2+etcd3", results)
+    victim = mesh.daemon("worker3")
+    with Load([f.address for f in mesh.frontends], rate=RATE) as load:
+        time.sleep(2)
+        mesh.isolate_etcd_member(0, clients=False)
+        time.sleep(1)
+        victim.kill()
+        killed = time.monotonic()
+        seen = {f.address: wait_engines(f.address, 2, timeout=4 * LEASE_TTL) for f in mesh.frontends}
+        dropped_after = time.monotonic() - killed
+        mesh.heal()
+        time.sleep(2)
+    results = load.results
+    victim.restart()
+    mesh.wait_serving(victim)
+    _report("etcd1 | etcd2+etcd3", results, killed_worker_dropped_after_s=round(dropped_after, 1))
     assert [r.status for r in results if r.status != "ok"] == []
-    assert {r["address"]: r["lease"] for r in fleet(mesh)} == before
+    assert len(seen) == 2
+    after = {r["address"]: r["lease"] for r in fleet(mesh)}
+    assert {a: lease for a, lease in after.items() if a != victim.address} == {
+        a: lease for a, lease in before.items() if a != victim.address
+    }
 
 
 def test_etcd_minority_member_black_holed(mesh: Cluster) -> None:

@@ -19,6 +19,9 @@
   :class:`TlsClient` (aetcd has no TLS): mTLS with the daemon's certificate, so an etcd started with
   ``--client-cert-auth`` refuses anyone without a certificate from its CA; the heartbeat's blocking
   channel uses the same credentials.
+* Every call and watch carries etcd's require-leader metadata (``hasleader``): a member cut from its
+  peers answers "no leader" (a connectivity error: failover) and cancels its watch streams, instead
+  of serving a view that silently stops changing.
 * Watches: list (get_prefix at revision R), yield Snapshot, watch from R+1. A lost stream
   (ConnectionFailedError), a compacted start revision (RevisionCompactedError) or a watch that
   ends for any other reason restarts the cycle with a fresh list and a fresh Snapshot.
@@ -81,6 +84,12 @@ _CONNECTIVITY = (
     grpc.aio.UsageError,
 )
 _WATCH_BACKOFF_MAX = 1.0
+# etcd's "require leader" metadata (clientv3.WithRequireLeader): a member without a leader refuses the
+# call with "no leader" instead of serving stale data, and cancels watch streams it holds once it has
+# had no leader for an election timeout. Without it a watch on a member cut from its peers (but not
+# from this daemon) stays open and silently misses every change (issue 18: a worker killed during such
+# a partition stayed in every frontend's view).
+REQUIRE_LEADER = (("hasleader", "true"),)
 
 
 def parse_etcd_endpoints(url: str) -> list[tuple[str, int]]:
@@ -171,15 +180,21 @@ class _Connection:
     def _make(self, index: int) -> aetcd.Client:
         host, port = self.endpoints[index]
         material = tls.etcd_material()
+        client: aetcd.Client
         if material is not None:
-            return TlsClient(
+            client = TlsClient(
                 host=host,
                 port=port,
                 timeout=self.op_timeout,
                 options=dict(CHANNEL_OPTIONS),
                 credentials=tls.channel_credentials(material),
             )
-        return aetcd.Client(host=host, port=port, timeout=self.op_timeout, options=dict(CHANNEL_OPTIONS))
+        else:
+            client = aetcd.Client(host=host, port=port, timeout=self.op_timeout, options=dict(CHANNEL_OPTIONS))
+        # every call and watch of this client (aetcd sends client.metadata with each; set before the
+        # lazy connect, which hands it to the watcher)
+        client.metadata = REQUIRE_LEADER
+        return client
 
     @property
     def endpoint(self) -> str:
