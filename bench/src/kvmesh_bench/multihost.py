@@ -104,6 +104,12 @@ def missing_requirements() -> str | None:
     for tool, package in ((IP, "iproute2"), (NFT, "nftables")):
         if not os.access(tool, os.X_OK):
             return f"the multi-host harness needs {Path(tool).name} (Debian: apt-get install {package}; make setup-dev)"
+    etcd = os.environ.get("KVMESH_TEST_ETCD", "etcd")
+    for tool, package in ((etcd, "etcd-server"), ("etcdctl", "etcd-client"), ("unshare", "util-linux")):
+        if shutil.which(tool) is None:
+            return f"the multi-host harness needs {tool} (Debian: apt-get install {package}; make setup-dev)"
+    if not glob.glob("/usr/lib/*/faketime/libfaketime.so.1"):
+        return "the multi-host harness needs libfaketime (Debian: apt-get install faketime; make setup-dev)"
     probe = f"kmprobe{os.getpid():x}"
     made = _run(IP, "netns", "add", probe, check=False)
     try:
