@@ -277,7 +277,9 @@ async def test_input_ids_and_raw_inputs(mesh) -> None:
     tok = fe.registry.get(MODEL).assets.tokenizer
     assert "".join(text_of(r) for r in responses) == tok.decode(output_tokens()[:4])
     request = llm_request(
-        None, sampling={"max_tokens": 3}, extra=[ids_input([5, 6]), bool_input("return_output_ids", True)],
+        None,
+        sampling={"max_tokens": 3},
+        extra=[ids_input([5, 6]), bool_input("return_output_ids", True)],
     )
     request.outputs.add(name="output_ids")
     response = await fe.stub.ModelInfer(request)
@@ -572,6 +574,32 @@ async def test_router_failover_to_another_replica(mesh) -> None:
         await second.stop()
 
 
+async def test_a_silent_replica_is_hedged_to_another_and_abandoned(mesh) -> None:
+    """A replica behind a dropped link stalls silently: its stream breaks only when gRPC keepalive notices
+    (~5 s, issue 18). After ``--route-hedge`` a query without a decision also goes to another replica, the
+    first decision wins, and the silent replica is told FINISHED for it (whatever it booked is freed)."""
+    fe, _, router = mesh
+    fe.router._hedge = 0.1
+    second = FakeRouter(dict(router.engines))
+    await second.start()
+    try:
+        fe.router_snapshot((router, 0xAA), (second, 0xBB))
+        await stream_all(fe, [llm_request("x", request_id="warm", stream=True, sampling={"max_tokens": 1})])
+        router.silent = True
+        before = len(router.queries)
+        requests = [llm_request("x", request_id=f"h{i}", stream=True, sampling={"max_tokens": 2}) for i in range(4)]
+        messages = await stream_all(fe, requests)
+        assert not [m for m in messages if m.error_message]
+        stalled = {q.request_id for q in router.queries[before:]}
+        assert stalled  # round robin sent some of them to the silent replica first
+        assert stalled <= {q.request_id for q in second.queries}  # each of those was hedged
+        await asyncio.sleep(0.05)
+        finished = {rid for rid, stage in router.lifecycle if stage == router_pb2.LIFECYCLE_STAGE_FINISHED}
+        assert stalled <= finished
+    finally:
+        await second.stop()
+
+
 async def test_router_timeout_frees_the_booking(mesh) -> None:
     fe, _, router = mesh
     fe.router._timeout = 0.2
@@ -632,7 +660,9 @@ async def test_tokenizer_less_model_needs_input_ids() -> None:
         await expect_status(fe.stub.ModelInfer(llm_request("x")), grpc.StatusCode.INVALID_ARGUMENT,
                             "model 'fake-model' serves no tokenizer; send 'input_ids' instead")  # fmt: skip
         request = llm_request(
-            None, sampling={"max_tokens": 2}, extra=[ids_input([1, 2]), bool_input("return_output_ids", True)],
+            None,
+            sampling={"max_tokens": 2},
+            extra=[ids_input([1, 2]), bool_input("return_output_ids", True)],
         )
         request.outputs.add(name="output_ids")
         response = await fe.stub.ModelInfer(request)

@@ -262,3 +262,28 @@ async def _get_or_none(disc: Discovery, prefix: str) -> dict[str, bytes] | None:
         return await disc.get_prefix(prefix)
     except DiscoveryUnavailable:
         return None
+
+
+async def test_a_put_refused_for_a_vanished_lease_re_registers_instead_of_raising(etcd_server: EtcdServer, ns: str):
+    """Issue 18: a daemon starting on a loaded machine saw its first lease expire before its first put;
+    etcd answered "requested lease not found" and the daemon crashed. Now the put is remembered, the
+    keeper re-grants at once and publishes it under the new lease."""
+    disc = await open_discovery(etcd_server.url, ttl=10.0)  # no beat before the put: keepalive every 3.3 s
+    admin = await open_discovery(etcd_server.url, ttl=TTL)
+    renewed = asyncio.Event()
+
+    async def on_renewed(new_id: int) -> None:
+        renewed.set()
+
+    try:
+        lease = await disc.grant_lease(on_renewed=on_renewed)
+        old_id = lease.id
+        await admin._lease_revoke(old_id)  # the lease vanishes behind the keeper's back
+        key = instance_key(ns, "frontend", "kserve", old_id)
+        await lease.put(key, b"registered")  # refused by etcd, not raised
+        await asyncio.wait_for(renewed.wait(), 5)
+        assert lease.id != old_id and lease.losses == 1
+        assert await admin.get_prefix(instance_prefix(ns)) == {key: b"registered"}
+    finally:
+        await disc.close()
+        await admin.close()

@@ -45,8 +45,10 @@ import grpc
 from inference import grpc_service_pb2 as kserve
 from inference import grpc_service_pb2_grpc as kserve_grpc
 
+from kvmesh_bench.chaos_multihost import MultiHostMesh
 from kvmesh_bench.frontend_bench import kserve_request as streamed_request
 from kvmesh_bench.local_procs import free_port, script
+from kvmesh_bench.multihost import Cluster, missing_requirements
 
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime; types-grpcio omits it
 MODEL = "kvmesh-mock"
@@ -82,6 +84,10 @@ class Proc:
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
 
     def signal(self, sig: int) -> None:
         if self.alive:
@@ -336,7 +342,7 @@ class Report:
 class Run:
     """What a scenario drives: the mesh, the load, the report; see :func:`run_scenario`."""
 
-    def __init__(self, mesh: Mesh, args: argparse.Namespace) -> None:
+    def __init__(self, mesh: Mesh | MultiHostMesh, args: argparse.Namespace) -> None:
         self.mesh = mesh
         self.args = args
         self.report = Report(args.scenario)
@@ -494,6 +500,7 @@ def _kill_worker(engines: int) -> Scenario:
 
 
 async def _kill_router(run: Run) -> None:
+    mesh: Any = run.mesh  # Mesh or MultiHostMesh: each reads the metrics of its own kind of process
     run.mesh.worker(2, "--speedup-ratio", str(run.args.speedup))
     routers = [run.mesh.router(), run.mesh.router()]
     run.mesh.start_frontend()
@@ -503,16 +510,16 @@ async def _kill_router(run: Run) -> None:
     run.report.notes["fault"] = "kill -9 of one of two router replicas under load, then a new replica joins"
     await run.load(run.args.duration / 3)
     joined = run.mesh.router()
-    before = Mesh.metric(joined, "kvmesh_router_decisions_total")
+    before = mesh.metric(joined, "kvmesh_router_decisions_total")
     await run.load(run.args.duration / 3)
     await run.drain()
     decisions = {
-        f"{p.port}": Mesh.metric(p, "kvmesh_router_decisions_total")
+        p.address: mesh.metric(p, "kvmesh_router_decisions_total")
         for p in run.mesh.procs
         if p.kind == "router" and p.alive
     }
     run.report.notes["decisions per live router"] = decisions
-    run.report.notes["decisions of the joined router"] = Mesh.metric(joined, "kvmesh_router_decisions_total") - before
+    run.report.notes["decisions of the joined router"] = mesh.metric(joined, "kvmesh_router_decisions_total") - before
 
 
 def _etcd(mode: str) -> Scenario:
@@ -579,6 +586,88 @@ async def _soak(run: Run) -> None:
     await run.load(run.args.duration / 2)
 
 
+# -- multi-host scenarios (--topology multihost) -----------------------------------------------------
+class NeedsMultihost(Exception):
+    """A partition scenario run on the loopback topology."""
+
+
+async def _standard_layout(run: Run) -> Cluster:
+    """3 workers (1 engine each), 2 router replicas, 2 frontends (the load goes to frontend1)."""
+    if not isinstance(run.mesh, MultiHostMesh):
+        raise NeedsMultihost(f"scenario {run.args.scenario} needs --topology multihost")
+    for _ in range(3):
+        run.mesh.worker(1, "--speedup-ratio", str(run.args.speedup))
+    run.mesh.router()
+    run.mesh.router()
+    run.mesh.start_frontend()
+    run.mesh.start_frontend()
+    await run.start(3)
+    return run.mesh.cluster
+
+
+def _partition(side_a: str | list[str], side_b: str | list[str], what: str) -> Scenario:
+    async def scenario(run: Run) -> None:
+        cluster = await _standard_layout(run)
+        await run.load(run.args.duration / 2)
+        cluster.partition(side_a, side_b)
+        run.report.notes["fault"] = f"{what}, for {run.args.outage:g} s, then healed"
+        await run.load(run.args.outage)
+        cluster.heal()
+        await run.load(run.args.duration / 2)
+        if "router1" in (side_a, side_b) and "router2" in (side_a, side_b):
+            await run.drain()
+            run.report.notes["index dumps identical after heal"] = await _dumps_converge(cluster)
+
+    return scenario
+
+
+async def _dumps_converge(cluster: Cluster, timeout: float = 30.0) -> bool:
+    """Whether every router replica's DumpIndex becomes identical (bounded wait)."""
+    from kvmesh.v1 import router_pb2, router_pb2_grpc
+
+    async def dump(address: str) -> dict[int, list[int]]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await router_pb2_grpc.RouterServiceStub(channel).DumpIndex(
+                router_pb2.DumpIndexRequest(), timeout=10
+            )
+        return {e.engine_id: sorted(e.block_hashes) for e in reply.engines}
+
+    deadline = time.monotonic() + timeout
+    while True:
+        dumps = [await dump(r.address) for r in cluster.routers if r.alive]
+        if all(d == dumps[0] for d in dumps):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.5)
+
+
+def _etcd_fault(kind: str) -> Scenario:
+    async def scenario(run: Run) -> None:
+        cluster = await _standard_layout(run)
+        await run.load(run.args.duration / 2)
+        if kind == "kill":
+            await asyncio.to_thread(cluster.move_etcd_leader, 0)
+            cluster.kill_etcd_member(0)
+            run.report.notes["fault"] = (
+                f"kill -9 of etcd member 1 of 3 (leader, every daemon's endpoint), {run.args.outage:g} s"
+            )
+        elif kind == "minority":
+            cluster.isolate_etcd_member(0, clients=False)
+            run.report.notes["fault"] = f"etcd member 1 of 3 cut from its peers for {run.args.outage:g} s"
+        else:
+            cluster.isolate_etcd_member(1)
+            cluster.isolate_etcd_member(2)
+            run.report.notes["fault"] = f"etcd members 2 and 3 of 3 cut from everything for {run.args.outage:g} s"
+        await run.load(run.args.outage)
+        cluster.heal()
+        if kind == "kill":
+            await asyncio.to_thread(cluster.restart_etcd_member, 0)
+        await run.load(run.args.duration / 2)
+
+    return scenario
+
+
 SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "worker-kill-2": ("kill -9 a worker with 2 engines (of 2 workers) under load", _kill_worker(2)),
     "worker-kill-4": ("kill -9 a worker with 4 engines (of 2 workers) under load", _kill_worker(4)),
@@ -589,14 +678,41 @@ SCENARIOS: dict[str, tuple[str, Scenario]] = {
     "overload-open": ("open-loop --rate beyond what 2 engines with --max-num-seqs 8 serve", _overload_open),
     "cancel": ("half the requests cancelled at a random token", _cancel),
     "soak": ("steady load, no fault (memory and leaks over time)", _soak),
+    "partition-worker-router": (
+        "multihost: worker1 cut from router1 for --outage s",
+        _partition("worker1", "router1", "worker1 cut from router1 (not from frontends, etcd)"),
+    ),
+    "partition-frontend-router": (
+        "multihost: frontend1 (the load's) cut from router1 for --outage s",
+        _partition("frontend1", "router1", "frontend1 cut from router1"),
+    ),
+    "partition-worker-etcd": (
+        "multihost: worker1 cut from every etcd member for --outage s",
+        _partition("worker1", ["etcd1", "etcd2", "etcd3"], "worker1 cut from etcd only"),
+    ),
+    "partition-routers": (
+        "multihost: router1 cut from router2 (replica sync) for --outage s, then index dumps compared",
+        _partition("router1", "router2", "router1 cut from router2"),
+    ),
+    "etcd-member-kill": ("multihost: kill -9 the etcd leader (1 of 3) for --outage s", _etcd_fault("kill")),
+    "etcd-minority": ("multihost: one etcd member cut from its peers for --outage s", _etcd_fault("minority")),
+    "etcd-majority": ("multihost: two etcd members of 3 cut off for --outage s", _etcd_fault("majority")),
 }
 """Scenario name -> (help, coroutine). Other fault kinds (fuzzed or oversized inputs) register here."""
 
 
 async def run_scenario(args: argparse.Namespace, workdir: Path) -> Report:
     """Run one scenario in ``workdir`` and return its report (the mesh is always torn down)."""
-    mesh = Mesh(workdir, args.lease_ttl, args.daemon_log_level, shlex.split(args.frontend_flags))
-    await asyncio.to_thread(mesh.etcd.start)
+    mesh: Mesh | MultiHostMesh
+    if args.topology == "multihost":
+        mesh = MultiHostMesh(workdir, args.lease_ttl, args.daemon_log_level, shlex.split(args.frontend_flags))
+    else:
+        mesh = Mesh(workdir, args.lease_ttl, args.daemon_log_level, shlex.split(args.frontend_flags))
+    try:
+        await asyncio.to_thread(mesh.etcd.start)
+    except BaseException:
+        await asyncio.to_thread(mesh.close)
+        raise
     run = Run(mesh, args)
     try:
         _help, scenario = SCENARIOS[args.scenario]
@@ -629,6 +745,9 @@ async def run_scenario(args: argparse.Namespace, workdir: Path) -> Report:
             report.notes["TTFT of ok requests p50 / p99"] = _p50_p99(run.ttft)
         for name, seconds in run.failure_latency.items():
             report.notes[f"{name} latency p50 / p99"] = _p50_p99(seconds)
+        if isinstance(mesh, MultiHostMesh):
+            lost = sum(d.log_text().count(" lost: ") for d in mesh.procs)
+            report.notes["leases lost (daemon logs)"] = lost
         report.background_requests = sum(run.background.values())
         report.background_failures = {k: v for k, v in run.background.items() if k != "ok"}
         return report
@@ -657,6 +776,13 @@ def options(scenario: str, **overrides: Any) -> argparse.Namespace:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh bench chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", choices=sorted(SCENARIOS), help="the fault to inject")
+    p.add_argument(
+        "--topology",
+        choices=("loopback", "multihost"),
+        default="loopback",
+        help="loopback: every daemon on 127.0.0.1; multihost: each on its own network namespace, 3-member etcd "
+        "(root; docs/reliability.md)",
+    )
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
     p.add_argument("--duration", type=float, default=20.0, help="seconds of load (soak: its length)")
     p.add_argument("--rate", type=float, default=4.0, help="requests per second")
@@ -684,9 +810,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, (text, _) in SCENARIOS.items():
             print(f"{name:15} {text}")
         return 0
+    if args.topology == "multihost" and (problem := missing_requirements()):
+        print(f"kvmesh bench chaos: {problem}", file=sys.stderr)
+        return 2
     workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-chaos-{args.scenario}-"))
     try:
         report = asyncio.run(run_scenario(args, workdir))
+    except NeedsMultihost as exc:
+        print(f"kvmesh bench chaos: {exc}", file=sys.stderr)
+        return 2
     finally:
         if args.keep:
             print(f"logs: {workdir}", file=sys.stderr)

@@ -28,10 +28,14 @@ API (stable; the link-conditions work builds on it)::
         mesh.etcd_url                      # "etcd://a1:2379,a2:2379,a3:2379"
         mesh.frontends[0].address          # "10.X.Y.n:7000": what a client dials
         mesh.kill_etcd_member(0)           # kill -9; mesh.restart_etcd_member(0) brings it back
-        mesh.isolate_etcd_member(0)        # partition it from every other host (heal() undoes it)
+        mesh.etcd_leader(); mesh.move_etcd_leader(0)   # which member leads; make member 0 lead
+        mesh.isolate_etcd_member(0)        # partition it from every other host (heal() undoes it);
+                                           # clients=False: from the other members only
         mesh.partition("worker1", "router1"); mesh.heal()
         mesh.metric(mesh.routers[0], "kvmesh_router_decisions_total")
-        mesh.worker("worker4", engines=2, clock_offset="+7s")   # a daemon whose wall clock is off
+        mesh.worker("worker4", engines=2, clock_offset="+7s")   # a new host; its wall clock 7 s ahead
+        mesh.router("router3", monotonic_offset=86400)          # its monotonic clock a day ahead
+        mesh.remove(daemon)                # SIGTERM, wait, forget it (the host stays)
 
 Names are unique per run: a tag made of this process's pid and a random byte names the bridge
 (``kmb<tag>``), the veths (``kmv<tag><i>``) and the namespaces (``kmh-<tag>-<host>``); the subnet is a
@@ -47,6 +51,7 @@ connections stall until their own timeouts (gRPC keepalive, RPC deadlines) notic
 from __future__ import annotations
 
 import contextlib
+import glob
 import ipaddress
 import json
 import os
@@ -99,6 +104,12 @@ def missing_requirements() -> str | None:
     for tool, package in ((IP, "iproute2"), (NFT, "nftables")):
         if not os.access(tool, os.X_OK):
             return f"the multi-host harness needs {Path(tool).name} (Debian: apt-get install {package}; make setup-dev)"
+    etcd = os.environ.get("KVMESH_TEST_ETCD", "etcd")
+    for tool, package in ((etcd, "etcd-server"), ("etcdctl", "etcd-client"), ("unshare", "util-linux")):
+        if shutil.which(tool) is None:
+            return f"the multi-host harness needs {tool} (Debian: apt-get install {package}; make setup-dev)"
+    if not glob.glob("/usr/lib/*/faketime/libfaketime.so.1"):
+        return "the multi-host harness needs libfaketime (Debian: apt-get install faketime; make setup-dev)"
     probe = f"kmprobe{os.getpid():x}"
     made = _run(IP, "netns", "add", probe, check=False)
     try:
@@ -345,22 +356,36 @@ class Daemon:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def pid(self) -> int:
+        """The daemon's own pid: under ``unshare --fork`` (a time namespace) its child, since unshare
+        ignores SIGTERM and SIGINT while it waits."""
+        if self.argv[0] == "unshare":
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                return int(Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()[0])
+        return self.proc.pid
+
     def signal(self, sig: int) -> None:
         if self.alive:
-            self.proc.send_signal(sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (the daemon deregisters and drains), SIGKILL after ``timeout``."""
         if self.alive:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
                 self.proc.kill()
                 self.proc.wait()
 
     def kill(self) -> None:
+        """kill -9 (the daemon itself, not a wrapper)."""
         if self.alive:
+            self.signal(signal.SIGKILL)
             self.proc.kill()
             self.proc.wait()
 
@@ -496,10 +521,15 @@ class Cluster:
         self.etcd[index].restart()
         self.wait_etcd_healthy([index], timeout)
 
-    def isolate_etcd_member(self, index: int) -> None:
-        """Cut etcd member ``index`` off from every other host and the client (until :meth:`heal`)."""
+    def isolate_etcd_member(self, index: int, *, clients: bool = True) -> None:
+        """Cut etcd member ``index`` off from the other members, and with ``clients`` (default) from every
+        host and the client too (a black hole); ``clients=False`` is the classic minority partition: the
+        daemons still reach a member that has no leader. Until :meth:`heal`."""
         name = self.etcd_names[index]
-        self.partition(name, [h for h in self.hosts if h != name] + ["client"])
+        others = [n for n in self.etcd_names if n != name]
+        if clients:
+            others = [h for h in self.hosts if h != name] + ["client"]
+        self.partition(name, others)
 
     def etcd_leader(self) -> int | None:
         """Index of the member that is leader now (from each member's /metrics), None if none answers."""
@@ -507,6 +537,21 @@ class Cluster:
             if member.alive and self._etcd_gauge(member, "etcd_server_is_leader") == 1:
                 return i
         return None
+
+    def move_etcd_leader(self, index: int, timeout: float = 30.0) -> None:
+        """Make member ``index`` the leader (``etcdctl move-leader``, through the current leader)."""
+        deadline = time.monotonic() + timeout
+        while self.etcd_leader() != index:
+            leader = self.etcd_leader()
+            if leader is not None:
+                status = _run("etcdctl", "--endpoints", self.etcd[index].address, "endpoint", "status", "-w", "json",
+                              check=False)  # fmt: skip
+                if status.returncode == 0:
+                    member = json.loads(status.stdout)[0]["Status"]["header"]["member_id"]
+                    _run("etcdctl", "--endpoints", self.etcd[leader].address, "move-leader", f"{member:x}", check=False)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd member {index} did not become leader within {timeout:g} s")
+            time.sleep(0.2)
 
     @staticmethod
     def _etcd_gauge(member: Daemon, name: str) -> float | None:
@@ -517,11 +562,20 @@ class Cluster:
 
     # -- daemons -----------------------------------------------------------------------------------
     def _spawn(
-        self, kind: str, host: str, args: Sequence[str], clock_offset: str | None = None, wait: bool = True
+        self,
+        kind: str,
+        host: str,
+        args: Sequence[str],
+        clock_offset: str | None = None,
+        wait: bool = True,
+        monotonic_offset: int = 0,
     ) -> Daemon:
         """``clock_offset`` (libfaketime, e.g. ``"+7s"``, ``"-30s"``): the daemon's wall clock is that far
         off; its monotonic clock is left alone (``FAKETIME_DONT_FAKE_MONOTONIC``), as on a host whose NTP
-        is wrong."""
+        is wrong. ``monotonic_offset`` (seconds, a time namespace: ``unshare --time``): its monotonic and
+        boot-time clocks start elsewhere, as on a host booted at another time (every namespace here
+        shares the kernel's clocks otherwise). Its Popen is then ``unshare`` (``--kill-child``: the daemon
+        dies with it); :class:`Daemon` signals the daemon itself (:attr:`Daemon.pid`)."""
         h = self.host(host)
         argv = [script(f"kvmesh-{kind}"), "--discovery", self.etcd_url, "--namespace", self.namespace,
                 "--host", h.address, "--bind-host", h.address, "--grpc-port", str(GRPC_PORT),
@@ -529,11 +583,15 @@ class Cluster:
                 "--drain-timeout", "2", "--log-level", self.log_level, *args]  # fmt: skip
         env: dict[str, str] = {}
         if clock_offset:
-            faketime = shutil.which("faketime")
-            if faketime is None:
+            # the library itself, not the `faketime` wrapper: that one forks, and signals would reach it only
+            libs = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+            if not libs:
                 raise RuntimeError("clock_offset needs libfaketime (Debian: apt-get install faketime; make setup-dev)")
-            argv = [faketime, "-f", clock_offset, *argv]
-            env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"
+            env.update(LD_PRELOAD=libs[0], FAKETIME=clock_offset, FAKETIME_DONT_FAKE_MONOTONIC="1")
+        if monotonic_offset:
+            offset = str(monotonic_offset)
+            argv = ["unshare", "--time", "--fork", "--kill-child", "--monotonic", offset,
+                    "--boottime", offset, *argv]  # fmt: skip
         daemon = Daemon(kind, h, argv, self.workdir / f"{kind}-{host}.log", self.net, env)
         self.daemons.append(daemon)
         if wait:
@@ -555,17 +613,27 @@ class Cluster:
 
     def worker(
         self, host: str, *extra: str, engines: int = 1, speedup: float = 4.0, clock_offset: str | None = None,
-        wait: bool = True,
+        wait: bool = True, monotonic_offset: int = 0,
     ) -> Daemon:  # fmt: skip
+        """A worker of ``engines`` mocker engines in ``host`` (created if new); see :meth:`_spawn` for the clocks."""
         args = ["--num-engines", str(engines), "--num-gpu-blocks", "2048", "--block-size", "16",
                 "--speedup-ratio", f"{speedup:g}", *extra]  # fmt: skip
-        return self._spawn("worker", host, args, clock_offset, wait)
+        return self._spawn("worker", host, args, clock_offset, wait, monotonic_offset)
 
-    def router(self, host: str, *extra: str, clock_offset: str | None = None, wait: bool = True) -> Daemon:
-        return self._spawn("router", host, ["--router-mode", "kv", *extra], clock_offset, wait)
+    def router(
+        self, host: str, *extra: str, clock_offset: str | None = None, wait: bool = True, monotonic_offset: int = 0
+    ) -> Daemon:
+        return self._spawn("router", host, ["--router-mode", "kv", *extra], clock_offset, wait, monotonic_offset)
 
-    def frontend(self, host: str, *extra: str, clock_offset: str | None = None, wait: bool = True) -> Daemon:
-        return self._spawn("frontend", host, list(extra), clock_offset, wait)
+    def frontend(
+        self, host: str, *extra: str, clock_offset: str | None = None, wait: bool = True, monotonic_offset: int = 0
+    ) -> Daemon:
+        return self._spawn("frontend", host, list(extra), clock_offset, wait, monotonic_offset)
+
+    def remove(self, daemon: Daemon) -> None:
+        """Stop ``daemon`` (SIGTERM: it deregisters and drains) and forget it; its host stays."""
+        daemon.stop()
+        self.daemons.remove(daemon)
 
     def standard(self, *, engines: int = 1, speedup: float = 4.0) -> Cluster:
         """The issue-18 layout (etcd is already up): 3 workers, 2 router replicas, 2 frontends."""

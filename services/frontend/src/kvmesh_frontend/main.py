@@ -77,7 +77,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
     runtime.resources.push_async_callback(pool.close)
     registry = ModelRegistry(pool, config.namespace, fetch_timeout=config.model_fetch_timeout)
     runtime.resources.push_async_callback(registry.close)
-    router = RouterClient(pool, config.namespace, route_timeout=config.route_timeout)
+    router = RouterClient(pool, config.namespace, route_timeout=config.route_timeout, route_hedge=config.route_hedge)
     metrics = default_metrics()
     generator = Generator(
         router,

@@ -10,7 +10,9 @@ id; lifecycle updates (first token, finished) go to the replica that booked the 
 same ordered stream.
 
 Failover: when the stream breaks (the replica died, or disappeared from discovery) every query
-still waiting for a decision is re-sent on a stream to another replica; the failed replica is
+still waiting for a decision is re-sent on a stream to another replica; a query still without a
+decision after ``--route-hedge`` seconds (a replica behind a dropped link: its stream breaks only
+when gRPC keepalive notices) is also sent to another replica, the first decision wins; the failed replica is
 avoided for a few seconds even if its record is still in discovery (a kill -9'd process keeps its
 record until its lease expires). Bookings made on a dead replica die with it; lifecycle updates
 for them are dropped.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 
 import grpc
@@ -187,18 +190,16 @@ class RouterSession:
         await asyncio.gather(self._writer, return_exceptions=True)
 
 
-def _timeout(future: asyncio.Future[router_pb2.RouteDecision], seconds: float) -> None:
-    if not future.done():
-        future.set_exception(TimeoutError(f"no decision within {seconds:g}s"))
-
-
 class RouterClient:
     """Routes requests through router replicas found in discovery, failing over between them."""
 
-    def __init__(self, pool: ChannelPool, namespace: str, route_timeout: float = 30.0) -> None:
+    def __init__(
+        self, pool: ChannelPool, namespace: str, route_timeout: float = 30.0, route_hedge: float = 1.0
+    ) -> None:
         self._pool = pool
         self._namespace = namespace
         self._timeout = route_timeout
+        self._hedge = route_hedge
         self._replicas: dict[int, str] = {}  # replica id -> address
         self._keys: dict[str, int] = {}
         self._sessions: dict[int, RouterSession] = {}  # replica id -> its open session
@@ -286,37 +287,63 @@ class RouterClient:
         return session
 
     async def route(self, query: router_pb2.RouteQuery) -> tuple[router_pb2.RouteDecision, RouterSession]:
-        """The decision for one query and the session that booked it (UNAVAILABLE if no replica answers)."""
-        tried: set[int] = set()
+        """The decision for one query and the session that booked it (UNAVAILABLE if no replica answers).
+
+        Hedged: a query with no decision after ``route_hedge`` seconds is also sent to another replica
+        (once), and the first decision wins; the other attempt is abandoned (FINISHED frees whatever it
+        booked). Why: a replica behind a dropped link stalls silently until gRPC keepalive notices
+        (~5 s); issue 18 measured that as the TTFT of every query caught on it.
+        """
         loop = asyncio.get_running_loop()
-        while True:
-            session = self._current(tried)
-            try:
-                future = await session.submit(query)
-            except asyncio.CancelledError:
+        deadline = loop.time() + self._timeout
+        tried: set[int] = set()
+        attempts: dict[asyncio.Future[router_pb2.RouteDecision], RouterSession] = {}
+        hedged = self._hedge <= 0
+        broken: SessionBroken | None = None
+        try:
+            while True:
+                if not attempts:
+                    if broken is not None and not [rid for rid in self._replicas if rid not in tried]:
+                        raise unavailable(f"no router replica could route the request: {broken}")
+                    session = self._current(tried)
+                    tried.add(session.replica_id)
+                    attempts[await session.submit(query)] = session
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                done, _ = await asyncio.wait(
+                    list(attempts), timeout=left if hedged else min(left, self._hedge), return_when=FIRST_COMPLETED
+                )
+                if not done:
+                    if not hedged:
+                        hedged = True
+                        if [rid for rid in self._replicas if rid not in tried]:
+                            slow = next(iter(attempts.values()))
+                            self._suspect[slow.replica_id] = time.monotonic()
+                            session = self._current(tried)
+                            tried.add(session.replica_id)
+                            log.info("route query %s: no decision from replica %x within %gs; also asking %x",
+                                     query.request_id, slow.replica_id, self._hedge, session.replica_id)  # fmt: skip
+                            attempts[await session.submit(query)] = session
+                    continue
+                for future in done:
+                    session = attempts.pop(future)
+                    error = future.exception()
+                    if error is None:
+                        for other in attempts.values():
+                            other.abandon(query.request_id)
+                        attempts.clear()
+                        return future.result(), session
+                    if not isinstance(error, SessionBroken):
+                        raise error
+                    broken = error
+                    log.warning("route query %s: %s; trying another replica", query.request_id, error)
+        except TimeoutError:
+            where = ", ".join(f"{s.replica_id:x} at {s.address}" for s in attempts.values())
+            raise unavailable(f"router replica {where} gave no decision within {self._timeout:g}s") from None
+        finally:
+            for session in attempts.values():  # cancelled, timed out or failed: free what they booked
                 session.abandon(query.request_id)
-                raise
-            handle = loop.call_later(self._timeout, _timeout, future, self._timeout)
-            try:
-                decision = await future
-            except SessionBroken as exc:
-                tried.add(session.replica_id)
-                log.warning("route query %s: %s; trying another replica", query.request_id, exc)
-                if not [rid for rid in self._replicas if rid not in tried]:
-                    raise unavailable(f"no router replica could route the request: {exc}") from None
-                continue
-            except TimeoutError:
-                session.abandon(query.request_id)
-                raise unavailable(
-                    f"router replica {session.replica_id:x} at {session.address} gave no decision within "
-                    f"{self._timeout:g}s"
-                ) from None
-            except asyncio.CancelledError:
-                session.abandon(query.request_id)
-                raise
-            finally:
-                handle.cancel()
-            return decision, session
 
     async def close(self) -> None:
         sessions, self._sessions = list(self._sessions.values()), {}

@@ -23,6 +23,8 @@ class Settings(DaemonSettings):
     """times a request may move to another engine when its engine dies mid-stream (0 = off)"""
     route_timeout: Seconds = 30.0
     """seconds to wait for a router decision before answering UNAVAILABLE"""
+    route_hedge: Seconds = 1.0
+    """seconds without a router decision before the query is also sent to another replica (0 = never)"""
     default_max_tokens: PositiveInt = DEFAULT_MAX_TOKENS
     """max_tokens of requests that do not say"""
     model_fetch_timeout: Seconds = 30.0

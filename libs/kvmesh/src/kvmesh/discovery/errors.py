@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-__all__ = ["DiscoveryError", "DiscoveryUnavailable", "bounded", "raise_if_cancelling"]
+__all__ = ["DiscoveryError", "DiscoveryUnavailable", "LeaseNotFound", "bounded", "raise_if_cancelling"]
 
 T = TypeVar("T")
 
@@ -40,4 +40,13 @@ class DiscoveryUnavailable(DiscoveryError):
     """The backend cannot be reached or used right now (etcd down, directory unusable).
 
     The message is one actionable line, fit to print as a daemon's exit reason.
+    """
+
+
+class LeaseNotFound(DiscoveryError):
+    """The backend refused a write because the lease it names is gone (expired or revoked).
+
+    Not a failure of the write for the lease keeper: the record is remembered and the re-grant that
+    follows publishes it (a daemon starting on a loaded machine could see its first lease expire
+    before its first put; that must re-register, not crash it).
     """

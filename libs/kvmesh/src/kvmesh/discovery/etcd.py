@@ -19,6 +19,9 @@
   :class:`TlsClient` (aetcd has no TLS): mTLS with the daemon's certificate, so an etcd started with
   ``--client-cert-auth`` refuses anyone without a certificate from its CA; the heartbeat's blocking
   channel uses the same credentials.
+* Every call and watch carries etcd's require-leader metadata (``hasleader``): a member cut from its
+  peers answers "no leader" (a connectivity error: failover) and cancels its watch streams, instead
+  of serving a view that silently stops changing.
 * Watches: list (get_prefix at revision R), yield Snapshot, watch from R+1. A lost stream
   (ConnectionFailedError), a compacted start revision (RevisionCompactedError) or a watch that
   ends for any other reason restarts the cycle with a fresh list and a fresh Snapshot.
@@ -51,7 +54,7 @@ from kvmesh.discovery.base import (
     Snapshot,
     WatchEvent,
 )
-from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, bounded, raise_if_cancelling
+from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, LeaseNotFound, bounded, raise_if_cancelling
 
 __all__ = ["EtcdDiscovery", "parse_etcd_endpoints"]
 
@@ -81,6 +84,12 @@ _CONNECTIVITY = (
     grpc.aio.UsageError,
 )
 _WATCH_BACKOFF_MAX = 1.0
+# etcd's "require leader" metadata (clientv3.WithRequireLeader): a member without a leader refuses the
+# call with "no leader" instead of serving stale data, and cancels watch streams it holds once it has
+# had no leader for an election timeout. Without it a watch on a member cut from its peers (but not
+# from this daemon) stays open and silently misses every change (issue 18: a worker killed during such
+# a partition stayed in every frontend's view).
+REQUIRE_LEADER = (("hasleader", "true"),)
 
 
 def parse_etcd_endpoints(url: str) -> list[tuple[str, int]]:
@@ -171,15 +180,21 @@ class _Connection:
     def _make(self, index: int) -> aetcd.Client:
         host, port = self.endpoints[index]
         material = tls.etcd_material()
+        client: aetcd.Client
         if material is not None:
-            return TlsClient(
+            client = TlsClient(
                 host=host,
                 port=port,
                 timeout=self.op_timeout,
                 options=dict(CHANNEL_OPTIONS),
                 credentials=tls.channel_credentials(material),
             )
-        return aetcd.Client(host=host, port=port, timeout=self.op_timeout, options=dict(CHANNEL_OPTIONS))
+        else:
+            client = aetcd.Client(host=host, port=port, timeout=self.op_timeout, options=dict(CHANNEL_OPTIONS))
+        # every call and watch of this client (aetcd sends client.metadata with each; set before the
+        # lazy connect, which hands it to the watcher)
+        client.metadata = REQUIRE_LEADER
+        return client
 
     @property
     def endpoint(self) -> str:
@@ -256,7 +271,9 @@ class EtcdDiscovery(Discovery):
         super().__init__(url, ttl=ttl, keepalive_interval=keepalive_interval, op_timeout=op_timeout)
         self._conn = _Connection(endpoints, op_timeout)
         self._sync_lock = threading.Lock()
-        self._sync: tuple[str, grpc.Channel, rpc_pb2_grpc.LeaseStub] | None = None
+        # the heartbeat's blocking channel per endpoint, kept when it moves on: a channel still connecting
+        # (a loaded machine) finishes in the background instead of starting over (under _sync_lock)
+        self._sync: dict[str, tuple[grpc.Channel, rpc_pb2_grpc.LeaseStub]] = {}
         self._beat_index: int | None = None  # the heartbeat's endpoint (under _sync_lock)
 
     @classmethod
@@ -296,6 +313,8 @@ class EtcdDiscovery(Discovery):
             detail = _one_line(exc) if str(exc) else f"no answer within {self.op_timeout:g}s"
             raise DiscoveryUnavailable(f"etcd {self._conn.endpoint}: {what} failed: {detail}") from exc
         except etcd_errors.ClientError as exc:
+            if "requested lease not found" in str(exc):
+                raise LeaseNotFound(f"etcd {what} failed: {_one_line(exc)}") from exc
             raise DiscoveryError(f"etcd {what} failed: {_one_line(exc)}") from exc
 
     # -- public API ----------------------------------------------------------------------------
@@ -355,9 +374,9 @@ class EtcdDiscovery(Discovery):
     async def _close_backend(self) -> None:
         await self._conn.close()
         with self._sync_lock:
-            sync, self._sync = self._sync, None
-        if sync is not None:
-            sync[1].close()
+            syncs, self._sync = list(self._sync.values()), {}
+        for channel, _stub in syncs:
+            channel.close()
 
     # -- lease primitives ----------------------------------------------------------------------
     async def _lease_grant(self, ttl: float) -> tuple[int, float]:
@@ -379,17 +398,15 @@ class EtcdDiscovery(Discovery):
             if self._beat_index is None:
                 self._beat_index = self._conn.index
             endpoint = _fmt(self._conn.endpoints[self._beat_index])
-            if self._sync is None or self._sync[0] != endpoint:
-                if self._sync is not None:
-                    self._sync[1].close()
+            if endpoint not in self._sync:
                 material, options = tls.etcd_material(), list(CHANNEL_OPTIONS.items())
                 channel = (
                     grpc.secure_channel(endpoint, tls.channel_credentials(material), options=options)
                     if material is not None
                     else grpc.insecure_channel(endpoint, options=options)
                 )
-                self._sync = (endpoint, channel, rpc_pb2_grpc.LeaseStub(channel))
-            stub = self._sync[2]
+                self._sync[endpoint] = (channel, rpc_pb2_grpc.LeaseStub(channel))
+            stub = self._sync[endpoint][1]
         try:
             for reply in stub.LeaseKeepAlive(iter([rpc_pb2.LeaseKeepAliveRequest(ID=lease_id)]), timeout=timeout):
                 return float(reply.TTL)

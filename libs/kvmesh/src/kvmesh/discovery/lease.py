@@ -54,7 +54,13 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from kvmesh.backoff import Backoff
-from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, bounded, raise_if_cancelling
+from kvmesh.discovery.errors import (
+    DiscoveryError,
+    DiscoveryUnavailable,
+    LeaseNotFound,
+    bounded,
+    raise_if_cancelling,
+)
 
 __all__ = ["Lease", "LeasePolicy", "LeaseStore"]
 
@@ -209,6 +215,14 @@ class Lease:
         """Await one backend write of ``key``; if it fails, ``key`` stays in ``dirty`` for the keeper to redo."""
         try:
             await bounded(op, self._op_timeout)
+        except LeaseNotFound:
+            # the lease is gone: the keeper re-grants and re-puts every remembered record (this one too)
+            dirty.discard(key)
+            if self._gone != self._id:
+                log.warning("discovery lease %x: %s refused, the lease is gone; re-registering", self._id, what)
+                self._gone = self._id
+                self._wake()
+            return
         except DiscoveryError:
             dirty.add(key)
             raise
