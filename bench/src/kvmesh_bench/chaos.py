@@ -47,7 +47,7 @@ from inference import grpc_service_pb2_grpc as kserve_grpc
 
 from kvmesh_bench.chaos_multihost import MultiHostMesh
 from kvmesh_bench.frontend_bench import kserve_request as streamed_request
-from kvmesh_bench.local_procs import free_port, script
+from kvmesh_bench.local_procs import free_port, process_cpu_s, script
 from kvmesh_bench.multihost import Cluster, missing_requirements
 
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime; types-grpcio omits it
@@ -95,12 +95,7 @@ class Proc:
 
     def cpu_s(self) -> float:
         """User + system CPU seconds the process has used (0 once it is gone)."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, ValueError):
-            return 0.0
+        return process_cpu_s(self.proc.pid)
 
     def rss_mib(self) -> float:
         try:
@@ -222,10 +217,11 @@ class Mesh:
                 out[p.kind] = round(out.get(p.kind, 0.0) + p.rss_mib(), 1)
         return out
 
-    def cpu(self) -> dict[Proc | None, float]:
-        """CPU seconds used so far by every live daemon, and by this process (the load generator, key None)."""
-        out: dict[Proc | None, float] = {None: time.process_time()}
-        out.update((p, p.cpu_s()) for p in self.procs if p.alive)
+    def cpu(self) -> dict[tuple[str, int], float]:
+        """CPU seconds used so far by every live daemon, keyed (kind, pid), and by this process (the load
+        generator, key ``("client", 0)``)."""
+        out = {("client", 0): time.process_time()}
+        out.update(((p.kind, p.proc.pid), p.cpu_s()) for p in self.procs if p.alive)
         return out
 
     def metric_sum(self, kind: str, name: str) -> float:
@@ -356,7 +352,7 @@ class Run:
         self._background_task: asyncio.Task[None] | None = None
         self.channel: grpc.aio.Channel | None = None
         self._counts_at_start: dict[str, float] = {}
-        self._cpu_at_start: dict[Proc | None, float] = {}
+        self._cpu_at_start: dict[tuple[str, int], float] = {}
 
     async def start(self, engines: int) -> None:
         """Once the scenario's daemons are spawned: wait until ``engines`` are ready, start the background stream."""
@@ -732,9 +728,8 @@ async def run_scenario(args: argparse.Namespace, workdir: Path) -> Report:
             run.report.admitted = delta["finished"] - delta["refused"]
             run.report.router_decisions = delta["decisions"]
             # per kind, the daemons alive at the end (one killed meanwhile took its figure with it)
-            for proc, cpu_now in mesh.cpu().items():
-                kind = "client" if proc is None else proc.kind
-                used = cpu_now - run._cpu_at_start.get(proc, 0.0)
+            for (kind, pid), cpu_now in mesh.cpu().items():
+                used = cpu_now - run._cpu_at_start.get((kind, pid), 0.0)
                 run.report.cpu_s[kind] = round(run.report.cpu_s.get(kind, 0.0) + used, 2)
         run.sample_rss("end")
         report = run.report

@@ -11,9 +11,11 @@ starting ``partition-`` and ``etcd-member-``) need this topology and use :attr:`
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvmesh_bench.local_procs import process_cpu_s
 from kvmesh_bench.multihost import Cluster, Daemon
 
 
@@ -97,6 +99,12 @@ class MultiHostMesh:
 
     def rss(self) -> dict[str, float]:
         return self.cluster.rss()
+
+    def cpu(self) -> dict[tuple[str, int], float]:
+        """As ``chaos.Mesh.cpu``: CPU seconds per live daemon keyed (kind, pid), the load generator ("client", 0)."""
+        out = {("client", 0): time.process_time()}
+        out.update(((d.kind, d.proc.pid), process_cpu_s(d.proc.pid)) for d in self.cluster.daemons if d.alive)
+        return out
 
     def metric_sum(self, kind: str, name: str) -> float:
         return self.cluster.metric_sum(kind, name)
