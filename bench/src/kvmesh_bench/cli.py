@@ -18,6 +18,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv-transfer": ("kvmesh_bench.kv_transfer_bench", "NIXL READ between two processes vs memcpy, per KV block size"),
     "disagg-sweep": ("kvmesh_bench.replay.disagg_sweep", "offline: aggregated N engines vs every P+D split of N"),
     "compare": ("kvmesh_bench.replay.compare", "the same replay per router mode, with ratios to round_robin"),
+    "policy-matrix": (
+        "kvmesh_bench.replay.policy_matrix",
+        "offline: the default routing policy vs kv:dynamo on every trace x load (median of seeds)",
+    ),
     "chaos": ("kvmesh_bench.chaos", "fault suite: kill workers/routers, stop or freeze etcd, overload, cancel, soak"),
     "vllm-overhead": ("kvmesh_bench.vllm_overhead", "vLLM behind kvmesh against the same vLLM driven directly"),
     "planner-sim": ("kvmesh_bench.planner_bench", "the planner offline vs static fleets (SLA, engine-s)"),

@@ -297,47 +297,67 @@ class AffinityCost:
     """
 
     name = "affinity"
-    DEFAULTS: Mapping[str, float] = {"backlog_weight": 0.05, "credit_decay": 0.15, "decode_weight": 0.0}
+    DEFAULTS: Mapping[str, float] = {
+        "backlog_weight": 0.05,
+        "credit_decay": 0.15,
+        "decode_weight": 0.0,
+        "interference_weight": 0.0,
+        "near_tie": 0.0,
+    }
 
     @staticmethod
-    def _params(config: RouterPolicyConfig) -> tuple[float, float, float]:
+    def _params(config: RouterPolicyConfig) -> tuple[float, float, float, float]:
         p = config.params
         d = AffinityCost.DEFAULTS
         return (
             float(p.get("backlog_weight", d["backlog_weight"])),
             float(p.get("credit_decay", d["credit_decay"])),
             float(p.get("decode_weight", d["decode_weight"])),
+            float(p.get("interference_weight", d["interference_weight"])),
         )
 
     def cost(self, c: CostInputs, fleet: FleetContext, config: RouterPolicyConfig) -> float:
-        lam, decay, dw = self._params(config)
+        lam, decay, dw, iw = self._params(config)
         return _affinity(
             config.overlap_score_weight,
             lam,
             decay,
             dw,
+            iw,
             fleet.min_active_prefill_tokens,
             c.isl_tokens,
             c.overlap_blocks,
             c.block_size,
             c.active_prefill_tokens,
             c.potential_decode_blocks,
+            c.active_requests,
         )
 
     def costs(self, batch: CostBatch, fleet: FleetContext, config: RouterPolicyConfig) -> list[float]:
         """:meth:`cost` of every candidate (the same function, so bit-for-bit equal)."""
-        lam, decay, dw = self._params(config)
+        lam, decay, dw, iw = self._params(config)
         w, low, isl = config.overlap_score_weight, fleet.min_active_prefill_tokens, batch.isl_tokens
-        return [
-            _affinity(w, lam, decay, dw, low, isl, o, bs, p, d)
-            for o, bs, p, d in zip(
+        costs = [
+            _affinity(w, lam, decay, dw, iw, low, isl, o, bs, p, d, n)
+            for o, bs, p, d, n in zip(
                 batch.overlap_blocks,
                 batch.block_size,
                 batch.active_prefill_tokens,
                 batch.potential_decode_blocks,
+                batch.active_requests,
                 strict=True,
             )
         ]
+        near = float(config.params.get("near_tie", self.DEFAULTS["near_tie"]))
+        if near <= 0 or len(costs) < 2:
+            return costs
+        best = min(costs)
+        band = best + w * near * isl / (batch.block_size[0] or 1)
+        if band <= best:
+            return costs
+        dynamo = _DYNAMO.costs(batch, fleet, config)
+        span = band - best
+        return [best + span * (d / (1.0 + d)) if c <= band else c for c, d in zip(costs, dynamo, strict=True)]
 
 
 def _affinity(
@@ -345,12 +365,14 @@ def _affinity(
     backlog_weight: float,
     credit_decay: float,
     decode_weight: float,
+    interference_weight: float,
     min_prefill: int,
     isl: int,
     overlap: int,
     bs: int,
     prefill: int,
     decode_blocks: int,
+    requests: int,
 ) -> float:
     credit = float(overlap)
     if credit and credit_decay and prefill > min_prefill:
@@ -358,8 +380,11 @@ def _affinity(
     new = isl / bs - credit
     if new < 0.0:
         new = 0.0
+    if interference_weight and requests:
+        new *= 1.0 + interference_weight * requests
     return weight * (new + backlog_weight * (prefill / bs)) + decode_weight * decode_blocks
 
 
-POLICIES.register_cost_policy(DynamoCost())
+_DYNAMO = DynamoCost()
+POLICIES.register_cost_policy(_DYNAMO)
 POLICIES.register_cost_policy(AffinityCost())
