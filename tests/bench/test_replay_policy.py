@@ -53,7 +53,7 @@ def test_affinity_by_hand():
 def test_affinity_knobs():
     rows = [row(1, 10, prefill=800, active=300), row(2, 0, active=0)]
     # backlog_weight 1, no decay, decode weight 1: Dynamo's ranking exactly (same numbers).
-    same = costs(rows, "affinity", backlog_weight=1.0, credit_decay=0.0, decode_weight=1.0)
+    same = costs(rows, "affinity", backlog_weight=1.0, credit_decay=0.0, decode_weight=1.0, near_tie=0.0)
     assert same == costs(rows, "dynamo")
     # No decay: the full 10 blocks of credit.
     assert costs(rows, "affinity", credit_decay=0.0)[0] == pytest.approx(20 - 10 + 2.5)

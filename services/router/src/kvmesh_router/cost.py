@@ -302,7 +302,7 @@ class AffinityCost:
         "credit_decay": 0.15,
         "decode_weight": 0.0,
         "interference_weight": 0.0,
-        "near_tie": 0.0,
+        "near_tie": 0.05,
     }
 
     @staticmethod
@@ -353,8 +353,8 @@ class AffinityCost:
             return costs
         best = min(costs)
         band = best + w * near * isl / (batch.block_size[0] or 1)
-        if band <= best:
-            return costs
+        if band <= best or sum(1 for c in costs if c <= band) < 2:
+            return costs  # no near-tie: the affinity costs as they are
         dynamo = _DYNAMO.costs(batch, fleet, config)
         span = band - best
         return [best + span * (d / (1.0 + d)) if c <= band else c for c, d in zip(costs, dynamo, strict=True)]
