@@ -142,3 +142,25 @@ def test_compare_reports_quantiles_rank_correlations_and_the_replayed_load(tmp_p
     capsys.readouterr()
     assert main(["datagen", "analyze", str(trace), "--compare", str(trace), "--replay-requests", "0"]) == 0
     assert "replay" not in capsys.readouterr().out
+
+
+def test_replay_shuffles_give_the_source_range_under_reordering_within_a_timestamp(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, HAND_MADE)
+    out_json = tmp_path / "cmp.json"
+    argv = [
+        "datagen",
+        "analyze",
+        str(trace),
+        "--compare",
+        str(trace),
+        "--replay-shuffles",
+        "2",
+        "--json",
+        str(out_json),
+    ]
+    assert main(argv) == 0
+    assert "source, reordered within stamps" in capsys.readouterr().out
+    rows = {row["metric"]: row for row in json.loads(out_json.read_text())["comparison"]}
+    lo, hi = rows["replay round_robin x6 TTFT p99 (ms)"]["source_range"]
+    assert lo <= rows["replay round_robin x6 TTFT p99 (ms)"]["source"] <= hi

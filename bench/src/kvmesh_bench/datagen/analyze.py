@@ -22,6 +22,7 @@ __all__ = [
     "format_comparison",
     "prefix_hit_rate",
     "replay_figures",
+    "replay_noise",
 ]
 
 #: What ``analyze --compare`` replays on both traces (offline, 8 engines): arrival speedups and routing modes
@@ -152,6 +153,40 @@ def replay_figures(
     return out
 
 
+def replay_noise(
+    requests: Sequence[TraceRequest],
+    shuffles: int,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_requests: int = 2000,
+    unshuffled: dict[str, dict[str, float]] | None = None,
+) -> dict[str, dict[str, list[float]]]:
+    """How much the replayed figures move when only the order of requests *within each timestamp* changes.
+
+    The trace replayed ``shuffles`` times, each time with the requests of every timestamp in another random
+    order (same arrival times, same contents): ``{"round_robin x6": {"ttft_p99_ms": [min, max]}}`` over the
+    unshuffled (``unshuffled``: already replayed) and shuffled replays. A synthesized trace cannot be expected
+    closer to the source than this.
+    """
+    import random
+    from itertools import groupby
+
+    rows = list(requests[:max_requests])
+    runs = [unshuffled or replay_figures(rows, block_size=block_size, max_requests=max_requests)]
+    for k in range(shuffles):
+        rng = random.Random(k)
+        shuffled: list[TraceRequest] = []
+        for _, group in groupby(rows, key=lambda r: r.timestamp_ms):
+            batch = list(group)
+            rng.shuffle(batch)
+            shuffled += batch
+        runs.append(replay_figures(shuffled, block_size=block_size, max_requests=max_requests))
+    return {
+        run: {key: [min(r[run][key] for r in runs), max(r[run][key] for r in runs)] for key in runs[0][run]}
+        for run in runs[0]
+    }
+
+
 def _fmt(value: float | None) -> str:
     if value is None:
         return "n/a"
@@ -237,13 +272,19 @@ _COMPARED: tuple[tuple[str, tuple[str, ...]], ...] = (
 def compare(trace: dict[str, Any], source: dict[str, Any]) -> list[dict[str, Any]]:
     """Side by side: each metric of two :func:`analyze` reports with ``(trace - source) / source``."""
     compared = list(_COMPARED)
+    ranges: dict[str, list[float]] = {}
     for run in trace.get("replay", {}):
         if run in source.get("replay", {}):
-            compared += [
-                (f"replay {run} TTFT p50 (ms)", ("replay", run, "ttft_p50_ms")),
-                (f"replay {run} TTFT p99 (ms)", ("replay", run, "ttft_p99_ms")),
-                (f"replay {run} hit rate", ("replay", run, "hit_rate")),
-            ]
+            for key, name in (
+                ("ttft_p50_ms", "TTFT p50 (ms)"),
+                ("ttft_p99_ms", "TTFT p99 (ms)"),
+                ("hit_rate", "hit rate"),
+            ):
+                label = f"replay {run} {name}"
+                compared.append((label, ("replay", run, key)))
+                noise = source.get("replay_noise", {}).get(run, {}).get(key)
+                if noise is not None:
+                    ranges[label] = noise
     rows = []
     for label, path in compared:
         value: Any = trace
@@ -252,7 +293,10 @@ def compare(trace: dict[str, Any], source: dict[str, Any]) -> list[dict[str, Any
             value = value.get(key) if isinstance(value, dict) else None
             reference = reference.get(key) if isinstance(reference, dict) else None
         relative = (value - reference) / abs(reference) if value is not None and reference else None
-        rows.append({"metric": label, "trace": value, "source": reference, "relative_diff": relative})
+        row = {"metric": label, "trace": value, "source": reference, "relative_diff": relative}
+        if label in ranges:  # the source's own spread under within-timestamp reordering (replay_noise)
+            row["source_range"] = ranges[label]
+        rows.append(row)
     return rows
 
 
@@ -264,12 +308,19 @@ def format_comparison(rows: list[dict[str, Any]], trace_name: str = "trace", sou
             return f"{value:.2%}" if metric.endswith("hit rate") else f"{value:+.3f}"
         return _fmt(value)
 
+    noisy = any("source_range" in row for row in rows)
     header = f"{'metric':<36}{'trace':>14}{'source':>14}{'rel. diff':>11}"
+    if noisy:
+        header += f"  {'source, reordered within stamps':>31}"
     lines = [f"trace:  {trace_name}", f"source: {source_name}", header, "-" * len(header)]
     for row in rows:
         relative = "n/a" if row["relative_diff"] is None else f"{row['relative_diff']:+.1%}"
-        lines.append(
+        line = (
             f"{row['metric']:<36}{cell(row['metric'], row['trace']):>14}"
             f"{cell(row['metric'], row['source']):>14}{relative:>11}"
         )
+        if "source_range" in row:
+            lo, hi = row["source_range"]
+            line += f"  {cell(row['metric'], lo) + ' - ' + cell(row['metric'], hi):>31}"
+        lines.append(line)
     return "\n".join(lines)

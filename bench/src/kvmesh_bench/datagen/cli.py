@@ -45,7 +45,14 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from kvmesh_bench.datagen.analyze import analyze, compare, format_analysis, format_comparison, replay_figures
+    from kvmesh_bench.datagen.analyze import (
+        analyze,
+        compare,
+        format_analysis,
+        format_comparison,
+        replay_figures,
+        replay_noise,
+    )
 
     requests = load_trace(args.trace, max_requests=args.max_requests)
     report = analyze(requests, block_size=args.block_size)
@@ -59,6 +66,14 @@ def _analyze(args: argparse.Namespace) -> int:
     if args.replay_requests:  # the load each trace puts on a simulated fleet, not only its summary
         for trace, figures in ((requests, report), (source, source_report)):
             figures["replay"] = replay_figures(trace, block_size=args.block_size, max_requests=args.replay_requests)
+        if args.replay_shuffles:
+            source_report["replay_noise"] = replay_noise(
+                source,
+                args.replay_shuffles,
+                block_size=args.block_size,
+                max_requests=args.replay_requests,
+                unshuffled=source_report["replay"],
+            )
     comparison = compare(report, source_report)
     print(format_comparison(comparison, trace_name=args.trace, source_name=args.compare))
     if args.json:
@@ -167,6 +182,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     analyze_parser.add_argument(
         "--max-requests", metavar="N", type=positive_int, help="read only the first N requests (of each trace)"
     )
+    analyze_parser.add_argument(
+        "--replay-shuffles",
+        metavar="K",
+        type=non_negative_int,
+        default=0,
+        help="--compare: also replay SOURCE K times with each timestamp's requests in another order and print "
+        "the range: how far the replayed figures move without any change to the load (default 0)",
+    )
     analyze_parser.set_defaults(func=_guarded(_analyze))
 
     synth = commands.add_parser(
@@ -229,9 +252,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--order-jitter",
         metavar="SECONDS",
         type=_jitter,
-        default=60.0,
+        default=15.0,
         help="stratified: deal each distribution in the source's time order, each value's time moved by "
-        "N(0, SECONDS) (default 60: conversations keep their turn order and time locality, which is what "
+        "N(0, SECONDS) (default 15: conversations keep their turn order and time locality, which is what "
         "a finite cache sees); 'none': in random order (no time structure)",
     )
     synth.add_argument(

@@ -69,7 +69,7 @@ class SynthesisConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     seed: int = 0
     sampling: Literal["stratified", "iid"] = "stratified"
-    order_jitter_s: float | None = 60.0
+    order_jitter_s: float | None = 15.0
 
     def validate(self) -> None:
         """Raise :class:`DatagenError` for an out-of-range knob."""
