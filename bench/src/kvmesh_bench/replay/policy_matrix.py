@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -152,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     started = time.perf_counter()
     results: dict[tuple[str, float, str], list[Summary]] = {}
-    pool = ProcessPoolExecutor(args.jobs) if args.jobs > 1 else None
+    # spawn, not fork: a process with gRPC threads (a test session, a caller's client) can hang a fork
+    pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) if args.jobs > 1 else None
     done: Iterable[tuple[str, float, str, int, dict[str, Any]]] = pool.map(_one, jobs) if pool else map(_one, jobs)
     for trace, load, mode, _seed, summary in done:
         results.setdefault((trace, load, mode), []).append(Summary(**summary))
