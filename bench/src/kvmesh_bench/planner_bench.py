@@ -98,14 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows_out = [r.summary(args.ttft_ms, args.itl_ms) for r in results]
     static_ok = [s for s in rows_out if str(s["label"]).startswith("static") and float(s["sla_attainment"]) >= 0.95]  # type: ignore[arg-type]
     baseline = min((float(s["engine_seconds"]) for s in static_ok), default=float("nan"))  # type: ignore[arg-type]
-    print(
-        f"trace {args.trace}: {len(requests)} requests, TTFT <= {args.ttft_ms:g} ms, ITL <= {args.itl_ms:g} ms, "
-        f"engine start-up {args.engine_startup_s:g} s"
-    )
-    print(
-        f"{'run':<24} {'SLA':>7} {'engine-s':>9} {'vs static':>9} {'events':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
-        f"{'ITL p95':>8} {'failed':>6}"
-    )
+    print(f"trace {args.trace}: {len(requests)} requests, TTFT <= {args.ttft_ms:g} ms, ITL <= {args.itl_ms:g} ms, "
+          f"engine start-up {args.engine_startup_s:g} s")
+    print(f"{'run':<24} {'SLA':>7} {'engine-s':>9} {'vs static':>9} {'events':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
+          f"{'ITL p95':>8} {'failed':>6}")
     for s in rows_out:
         ratio = float(s["engine_seconds"]) / baseline if baseline == baseline else float("nan")  # type: ignore[arg-type]
         s["engine_seconds_vs_smallest_static_95"] = ratio
