@@ -214,3 +214,57 @@ def test_config_validation():
 def test_wrong_block_size_is_reported():
     with pytest.raises(DatagenError, match="is --block-size right"):
         Synthesizer(SOURCE, SynthesisConfig(block_size=16))
+
+
+def anti_correlated_source(sessions=80, seed=11):
+    """Long prompts get short answers: OSL falls as ISL grows (a joint shape independent marginals lose)."""
+    rows = []
+    for row in make_source(sessions, seed):
+        rows.append(
+            TraceRequest(row.timestamp_ms, row.input_length, max(1, 4000 - row.input_length // 2), row.hash_ids)
+        )
+    return rows
+
+
+def test_isl_and_osl_are_sampled_jointly_with_the_prefix_structure():
+    from scipy.stats import spearmanr
+
+    source = anti_correlated_source()
+    for jitter in (None, 60.0):
+        _, rows = run(source, num_requests=3 * len(source), order_jitter_s=jitter)
+        for field in ("input_length", "output_length"):
+            for q in (0.5, 0.9):
+                got = statistics.quantiles([getattr(r, field) for r in rows], n=10)[int(q * 10) - 1]
+                want = statistics.quantiles([getattr(r, field) for r in source], n=10)[int(q * 10) - 1]
+                assert got == pytest.approx(want, rel=0.1), (field, q, jitter)
+        rho_source = spearmanr([r.input_length for r in source], [r.output_length for r in source]).statistic
+        rho = spearmanr([r.input_length for r in rows], [r.output_length for r in rows]).statistic
+        assert rho_source < -0.9 and rho == pytest.approx(rho_source, abs=0.05)
+
+
+def test_zero_order_jitter_deals_the_source_in_its_own_order():
+    # Every deck dealt in time order: the same requests at the same times, only the ids renamed.
+    _, rows = run(order_jitter_s=0.0)
+    by_time = lambda rs: sorted((r.timestamp_ms, r.input_length, r.output_length, len(r.hash_ids)) for r in rs)  # noqa: E731
+    assert by_time(rows) == by_time(SOURCE)
+
+
+def test_order_jitter_keeps_a_conversation_near_its_source_time():
+    # A session's later turns extend its earlier ones; in time order they come after them. Shuffled decks
+    # (order_jitter_s=None) scatter the turns over the whole trace.
+    def mean_reuse_time(rows):
+        """Mean time from a request back to the last one sharing more than any system prompt (6+ blocks)."""
+        last_seen: dict[tuple[int, ...], float] = {}
+        gaps = []
+        for r in sorted(rows, key=lambda r: r.timestamp_ms):
+            prefixes = [r.hash_ids[:n] for n in range(6, len(r.hash_ids) + 1)]
+            hits = [last_seen[p] for p in prefixes if p in last_seen]
+            if hits:
+                gaps.append(r.timestamp_ms - max(hits))
+            for p in prefixes:
+                last_seen[p] = r.timestamp_ms
+        return statistics.mean(gaps)
+
+    _, ordered = run(SOURCE, order_jitter_s=5.0)
+    _, shuffled = run(SOURCE, order_jitter_s=None)
+    assert mean_reuse_time(ordered) < 0.5 * mean_reuse_time(shuffled)

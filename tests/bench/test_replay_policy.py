@@ -24,6 +24,8 @@ def row(engine, overlap, prefill=0, active=0, already=0, requests=0):
 
 
 def costs(rows, policy, **params):
+    if policy == "affinity":  # the hand-computed figures below leave the decode term out unless they set it
+        params = {"decode_weight": 0.0, **params}
     config = RouterPolicyConfig(cost_policy=policy, params=params)
     batch = CostBatch.from_rows(rows)
     return policy_costs(POLICIES.cost_policy(policy), batch, fleet_context(batch), config)
@@ -53,7 +55,7 @@ def test_affinity_by_hand():
 def test_affinity_knobs():
     rows = [row(1, 10, prefill=800, active=300), row(2, 0, active=0)]
     # backlog_weight 1, no decay, decode weight 1: Dynamo's ranking exactly (same numbers).
-    same = costs(rows, "affinity", backlog_weight=1.0, credit_decay=0.0, decode_weight=1.0)
+    same = costs(rows, "affinity", backlog_weight=1.0, credit_decay=0.0, decode_weight=1.0, near_tie=0.0)
     assert same == costs(rows, "dynamo")
     # No decay: the full 10 blocks of credit.
     assert costs(rows, "affinity", credit_decay=0.0)[0] == pytest.approx(20 - 10 + 2.5)
@@ -62,8 +64,9 @@ def test_affinity_knobs():
         RouterConfigOverride(cost_policy="affinity", params={"backlog_weight": 0.5})
     )
     batch = CostBatch.from_rows(rows)
+    decode = 0.02 * (300 + 20)  # the default decode weight times the engine's potential decode blocks
     assert policy_costs(AffinityCost(), batch, fleet_context(batch), config)[0] == pytest.approx(
-        20 - 10 / 1.375 + 0.5 * 50
+        20 - 10 / 1.375 + 0.5 * 50 + decode
     )
 
 
@@ -85,13 +88,47 @@ def test_batch_and_row_costs_agree_bit_for_bit():
     ]
     batch = CostBatch.from_rows(rows)
     fleet = fleet_context(batch)
-    config = RouterPolicyConfig(cost_policy="affinity", params={"decode_weight": 0.01})
+    # (near_tie re-ranks within the batch, which a row alone cannot see: off here)
+    config = RouterPolicyConfig(cost_policy="affinity", params={"decode_weight": 0.01, "near_tie": 0.0})
     policy = AffinityCost()
     assert policy.costs(batch, fleet, config) == [policy.cost(r, fleet, config) for r in rows]
 
 
 def test_the_selector_picks_the_cached_engine_under_affinity():
-    rows = [row(1, 10, prefill=800, active=300), row(2, 0)]
+    rows = [row(1, 10, prefill=800, active=100), row(2, 0)]
     for policy, expected in (("affinity", 1), ("dynamo", 2)):
         ctx = SelectionContext.from_inputs(rows, RouterPolicyConfig(cost_policy=policy))
         assert KvSelector().select(ctx).engine_id == expected
+
+
+def test_near_ties_go_to_the_engine_dynamo_would_pick():
+    # Same cache on both (a shared system prompt), no backlog: affinity alone ties them and leaves the
+    # pick to chance; with near_tie the engine holding less decode memory wins (Dynamo's pick).
+    rows = [row(1, 2, active=900), row(2, 2, active=100)]
+    assert costs(rows, "affinity", near_tie=0.0)[0] == costs(rows, "affinity", near_tie=0.0)[1]
+    a, b = costs(rows, "affinity", near_tie=0.05)
+    assert b < a
+    ctx = SelectionContext.from_inputs(rows, RouterPolicyConfig(cost_policy="affinity", params={"near_tie": 0.05}))
+    assert KvSelector().select(ctx).engine_id == 2
+
+
+def test_a_cache_hit_beyond_the_near_tie_band_still_wins():
+    # 10 of 20 blocks cached on the busy engine: 10 blocks better, far outside a 5 % band (1 block).
+    rows = [row(1, 10, active=900), row(2, 0, active=100)]
+    a, b = costs(rows, "affinity", near_tie=0.05)
+    assert a < b
+    assert costs(rows, "dynamo")[1] < costs(rows, "dynamo")[0]  # Dynamo would leave the cache
+
+
+def test_near_tie_only_reorders_within_the_band():
+    rng = random.Random(5)
+    rows = [row(e, rng.randint(0, 20), prefill=rng.randint(0, 4000), active=rng.randint(0, 900)) for e in range(10)]
+    plain = costs(rows, "affinity", near_tie=0.0)
+    banded = costs(rows, "affinity", near_tie=0.1)
+    band = min(plain) + 0.1 * ISL / BS
+    inside = [i for i, c in enumerate(plain) if c <= band]
+    outside = [i for i, c in enumerate(plain) if c > band]
+    assert all(banded[i] == plain[i] for i in outside)
+    assert max(banded[i] for i in inside) < min((plain[i] for i in outside), default=float("inf"))
+    dynamo = costs(rows, "dynamo")
+    assert sorted(inside, key=lambda i: banded[i]) == sorted(inside, key=lambda i: dynamo[i])

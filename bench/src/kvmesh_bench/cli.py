@@ -22,6 +22,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvmesh_bench.multihost_replay",
         "a trace slice live on the multi-host mesh under each link condition vs offline + the added RTTs",
     ),
+    "policy-matrix": (
+        "kvmesh_bench.replay.policy_matrix",
+        "offline: the default routing policy vs kv:dynamo on every trace x load (median of seeds)",
+    ),
     "chaos": ("kvmesh_bench.chaos", "fault suite: kill workers/routers, stop or freeze etcd, overload, cancel, soak"),
     "vllm-overhead": ("kvmesh_bench.vllm_overhead", "vLLM behind kvmesh against the same vLLM driven directly"),
     "planner-sim": ("kvmesh_bench.planner_bench", "the planner offline vs static fleets (SLA, engine-s)"),

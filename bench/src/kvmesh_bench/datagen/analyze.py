@@ -8,10 +8,27 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Any
 
-from kvmesh_bench.datagen.prefix_tree import TreePropertyError, extract_core_tree, summarize
+from kvmesh_bench.datagen.prefix_tree import TreePropertyError, extract_core_tree, request_exits, summarize
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceRequest
 
-__all__ = ["analyze", "arrival_stats", "compare", "format_analysis", "format_comparison", "prefix_hit_rate"]
+__all__ = [
+    "REPLAY_LOADS",
+    "REPLAY_MODES",
+    "analyze",
+    "arrival_stats",
+    "compare",
+    "correlations",
+    "format_analysis",
+    "format_comparison",
+    "prefix_hit_rate",
+    "replay_figures",
+    "replay_noise",
+]
+
+#: What ``analyze --compare`` replays on both traces (offline, 8 engines): arrival speedups and routing modes
+#: (``kv`` = the router's default policy).
+REPLAY_LOADS: tuple[float, ...] = (1.0, 6.0)
+REPLAY_MODES: tuple[str, ...] = ("round_robin", "kv")
 
 
 def prefix_hit_rate(requests: Sequence[TraceRequest]) -> dict[str, float]:
@@ -68,10 +85,106 @@ def analyze(requests: Sequence[TraceRequest], block_size: int = DEFAULT_BLOCK_SI
         "arrivals": arrival_stats(requests),
     }
     try:
-        report["prefix_tree"] = extract_core_tree(requests).stats()
+        tree = extract_core_tree(requests)
     except TreePropertyError as exc:
         report["prefix_tree"] = {"error": str(exc)}
+        report["correlations"] = correlations(requests, None, block_size)
+    else:
+        report["prefix_tree"] = tree.stats()
+        shared = [
+            min(covered * block_size, r.input_length)
+            for r, (_, covered) in zip(requests, request_exits(tree.graph, requests), strict=True)
+        ]
+        report["correlations"] = correlations(requests, shared, block_size)
     return report
+
+
+def correlations(
+    requests: Sequence[TraceRequest], shared_prefix: Sequence[int] | None, block_size: int = DEFAULT_BLOCK_SIZE
+) -> dict[str, float | None]:
+    """Spearman rank correlations of ISL with OSL and with the shared prefix (tokens of a request's core-tree
+    path, i.e. of its prefix that some other request shares); None where undefined (a constant column)."""
+    from scipy.stats import spearmanr
+
+    isl = [r.input_length for r in requests]
+
+    def rho(other: Sequence[float]) -> float | None:
+        if len(isl) < 2 or len(set(isl)) < 2 or len(set(other)) < 2:
+            return None
+        value = float(spearmanr(isl, other).statistic)
+        return value if math.isfinite(value) else None
+
+    return {
+        "isl_osl_spearman": rho([r.output_length for r in requests]),
+        "isl_shared_prefix_spearman": None if shared_prefix is None else rho(shared_prefix),
+    }
+
+
+def replay_figures(
+    requests: Sequence[TraceRequest],
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_requests: int = 2000,
+    loads: Sequence[float] = REPLAY_LOADS,
+    modes: Sequence[str] = REPLAY_MODES,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
+    """Offline replays of the first ``max_requests`` requests (8 engines, block size 64, 16384 blocks: the
+    replay's defaults) per load and routing mode: ``{"round_robin x1": {ttft_p50_ms, ttft_p99_ms, hit_rate}}``."""
+    from kvmesh_router.settings import DEFAULT_COST_POLICY
+
+    from kvmesh_bench.replay.offline import OfflineConfig, run_offline
+    from kvmesh_bench.replay.report import summarize as summarize_run
+    from kvmesh_bench.replay.workload import TokenMapper, build_requests
+
+    rows = list(requests[:max_requests])
+    out: dict[str, dict[str, float]] = {}
+    for load in loads:
+        replay, _ = build_requests(rows, arrival_speedup=load, block_tokens=block_size)
+        for mode in modes:
+            config = OfflineConfig(router_mode=mode, cost_policy=DEFAULT_COST_POLICY, seed=seed)
+            run = run_offline(replay, config, TokenMapper(block_tokens=block_size, seed=seed), label=mode)
+            s = summarize_run(run)
+            out[f"{mode} x{load:g}"] = {
+                "ttft_p50_ms": s.ttft_p50_ms,
+                "ttft_p99_ms": s.ttft_p99_ms,
+                "hit_rate": s.hit_rate,
+            }
+    return out
+
+
+def replay_noise(
+    requests: Sequence[TraceRequest],
+    shuffles: int,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    max_requests: int = 2000,
+    unshuffled: dict[str, dict[str, float]] | None = None,
+) -> dict[str, dict[str, list[float]]]:
+    """How much the replayed figures move when only the order of requests *within each timestamp* changes.
+
+    The trace replayed ``shuffles`` times, each time with the requests of every timestamp in another random
+    order (same arrival times, same contents): ``{"round_robin x6": {"ttft_p99_ms": [min, max]}}`` over the
+    unshuffled (``unshuffled``: already replayed) and shuffled replays. A synthesized trace cannot be expected
+    closer to the source than this.
+    """
+    import random
+    from itertools import groupby
+
+    rows = list(requests[:max_requests])
+    runs = [unshuffled or replay_figures(rows, block_size=block_size, max_requests=max_requests)]
+    for k in range(shuffles):
+        rng = random.Random(k)
+        shuffled: list[TraceRequest] = []
+        for _, group in groupby(rows, key=lambda r: r.timestamp_ms):
+            batch = list(group)
+            rng.shuffle(batch)
+            shuffled += batch
+        runs.append(replay_figures(shuffled, block_size=block_size, max_requests=max_requests))
+    return {
+        run: {key: [min(r[run][key] for r in runs), max(r[run][key] for r in runs)] for key in runs[0][run]}
+        for run in runs[0]
+    }
 
 
 def _fmt(value: float | None) -> str:
@@ -84,8 +197,12 @@ def _fmt(value: float | None) -> str:
     return f"{value:,.2f}" if abs(value) >= 10 else f"{value:.4g}"
 
 
+def _rho(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.3f}"
+
+
 def _dist_line(label: str, stats: dict[str, float], unit: str = "") -> str:
-    keys = ("mean", "p50", "p99", "min", "max")
+    keys = ("mean", "p50", "p90", "p99", "min", "max")
     values = "  ".join(f"{key} {_fmt(stats[key])}" for key in keys)
     return f"  {label:<24}{values}{unit}"
 
@@ -99,6 +216,8 @@ def format_analysis(report: dict[str, Any], title: str = "") -> str:
         f"({_fmt(arrivals['request_rate_rps'])} req/s), block size {report['block_size']}",
         _dist_line("ISL (tokens)", report["isl"]),
         _dist_line("OSL (tokens)", report["osl"]),
+        f"  {'rank correlations':<24}ISL-OSL {_rho(report['correlations']['isl_osl_spearman'])}, ISL-shared "
+        f"prefix {_rho(report['correlations']['isl_shared_prefix_spearman'])} (Spearman)",
         f"  {'prefix hit rate':<24}{cache['hit_rate']:.2%} "
         f"({cache['hit_blocks']:,} of {cache['blocks']:,} blocks seen before, infinite cache)",
         _dist_line("inter-arrival (ms)", arrivals["inter_arrival_ms"]),
@@ -132,10 +251,14 @@ _COMPARED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("requests", ("requests",)),
     ("ISL mean", ("isl", "mean")),
     ("ISL p50", ("isl", "p50")),
+    ("ISL p90", ("isl", "p90")),
     ("ISL p99", ("isl", "p99")),
     ("OSL mean", ("osl", "mean")),
     ("OSL p50", ("osl", "p50")),
+    ("OSL p90", ("osl", "p90")),
     ("OSL p99", ("osl", "p99")),
+    ("ISL-OSL rank corr.", ("correlations", "isl_osl_spearman")),
+    ("ISL-shared-prefix corr.", ("correlations", "isl_shared_prefix_spearman")),
     ("hit rate", ("cache", "hit_rate")),
     ("request rate (req/s)", ("arrivals", "request_rate_rps")),
     ("inter-arrival mean (ms)", ("arrivals", "inter_arrival_ms", "mean")),
@@ -148,15 +271,32 @@ _COMPARED: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def compare(trace: dict[str, Any], source: dict[str, Any]) -> list[dict[str, Any]]:
     """Side by side: each metric of two :func:`analyze` reports with ``(trace - source) / source``."""
+    compared = list(_COMPARED)
+    ranges: dict[str, list[float]] = {}
+    for run in trace.get("replay", {}):
+        if run in source.get("replay", {}):
+            for key, name in (
+                ("ttft_p50_ms", "TTFT p50 (ms)"),
+                ("ttft_p99_ms", "TTFT p99 (ms)"),
+                ("hit_rate", "hit rate"),
+            ):
+                label = f"replay {run} {name}"
+                compared.append((label, ("replay", run, key)))
+                noise = source.get("replay_noise", {}).get(run, {}).get(key)
+                if noise is not None:
+                    ranges[label] = noise
     rows = []
-    for label, path in _COMPARED:
+    for label, path in compared:
         value: Any = trace
         reference: Any = source
         for key in path:
-            value = value[key]
-            reference = reference[key]
-        relative = (value - reference) / reference if value is not None and reference else None
-        rows.append({"metric": label, "trace": value, "source": reference, "relative_diff": relative})
+            value = value.get(key) if isinstance(value, dict) else None
+            reference = reference.get(key) if isinstance(reference, dict) else None
+        relative = (value - reference) / abs(reference) if value is not None and reference else None
+        row = {"metric": label, "trace": value, "source": reference, "relative_diff": relative}
+        if label in ranges:  # the source's own spread under within-timestamp reordering (replay_noise)
+            row["source_range"] = ranges[label]
+        rows.append(row)
     return rows
 
 
@@ -164,14 +304,23 @@ def format_comparison(rows: list[dict[str, Any]], trace_name: str = "trace", sou
     """The comparison as a text table (``trace_name`` and ``source_name`` head the lines above it)."""
 
     def cell(metric: str, value: float | None) -> str:
-        return f"{value:.2%}" if metric == "hit rate" and value is not None else _fmt(value)
+        if value is not None and (metric.endswith("hit rate") or metric.endswith("corr.")):
+            return f"{value:.2%}" if metric.endswith("hit rate") else f"{value:+.3f}"
+        return _fmt(value)
 
-    header = f"{'metric':<26}{'trace':>14}{'source':>14}{'rel. diff':>11}"
+    noisy = any("source_range" in row for row in rows)
+    header = f"{'metric':<36}{'trace':>14}{'source':>14}{'rel. diff':>11}"
+    if noisy:
+        header += f"  {'source, reordered within stamps':>31}"
     lines = [f"trace:  {trace_name}", f"source: {source_name}", header, "-" * len(header)]
     for row in rows:
         relative = "n/a" if row["relative_diff"] is None else f"{row['relative_diff']:+.1%}"
-        lines.append(
-            f"{row['metric']:<26}{cell(row['metric'], row['trace']):>14}"
+        line = (
+            f"{row['metric']:<36}{cell(row['metric'], row['trace']):>14}"
             f"{cell(row['metric'], row['source']):>14}{relative:>11}"
         )
+        if "source_range" in row:
+            lo, hi = row["source_range"]
+            line += f"  {cell(row['metric'], lo) + ' - ' + cell(row['metric'], hi):>31}"
+        lines.append(line)
     return "\n".join(lines)

@@ -45,7 +45,14 @@ def _guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from kvmesh_bench.datagen.analyze import analyze, compare, format_analysis, format_comparison
+    from kvmesh_bench.datagen.analyze import (
+        analyze,
+        compare,
+        format_analysis,
+        format_comparison,
+        replay_figures,
+        replay_noise,
+    )
 
     requests = load_trace(args.trace, max_requests=args.max_requests)
     report = analyze(requests, block_size=args.block_size)
@@ -56,10 +63,21 @@ def _analyze(args: argparse.Namespace) -> int:
         return EXIT_OK
     source = load_trace(args.compare, max_requests=args.max_requests)
     source_report = analyze(source, block_size=args.block_size)
-    rows = compare(report, source_report)
-    print(format_comparison(rows, trace_name=args.trace, source_name=args.compare))
+    if args.replay_requests:  # the load each trace puts on a simulated fleet, not only its summary
+        for trace, figures in ((requests, report), (source, source_report)):
+            figures["replay"] = replay_figures(trace, block_size=args.block_size, max_requests=args.replay_requests)
+        if args.replay_shuffles:
+            source_report["replay_noise"] = replay_noise(
+                source,
+                args.replay_shuffles,
+                block_size=args.block_size,
+                max_requests=args.replay_requests,
+                unshuffled=source_report["replay"],
+            )
+    comparison = compare(report, source_report)
+    print(format_comparison(comparison, trace_name=args.trace, source_name=args.compare))
     if args.json:
-        write_json(args.json, {"trace": report, "source": source_report, "comparison": rows})
+        write_json(args.json, {"trace": report, "source": source_report, "comparison": comparison})
     return EXIT_OK
 
 
@@ -81,6 +99,7 @@ def _synthesize(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         seed=args.seed,
         sampling=args.sampling,
+        order_jitter_s=args.order_jitter,
     )
     profile = None
     if args.rate_profile:
@@ -106,6 +125,15 @@ def _synthesize(args: argparse.Namespace) -> int:
         f"unique leaves) in {time.perf_counter() - started:.2f} s"
     )
     return EXIT_OK
+
+
+def _jitter(text: str) -> float | None:
+    if text.strip().lower() in ("none", "shuffle"):
+        return None
+    value = float(text)
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 or 'none', got {text!r}")
+    return value
 
 
 def _trace_block_size(parser: argparse.ArgumentParser) -> None:
@@ -142,9 +170,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     analyze_parser.add_argument("trace", help="Mooncake JSONL trace")
     analyze_parser.add_argument("--compare", metavar="SOURCE", help="compare against this trace")
     analyze_parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    analyze_parser.add_argument(
+        "--replay-requests",
+        metavar="N",
+        type=non_negative_int,
+        default=2000,
+        help="--compare: replay the first N requests of both traces offline (8 engines; round robin and the "
+        "router's default policy at arrivals x1 and x6) and compare TTFT and hit rate (default 2000; 0 = skip)",
+    )
     _trace_block_size(analyze_parser)
     analyze_parser.add_argument(
         "--max-requests", metavar="N", type=positive_int, help="read only the first N requests (of each trace)"
+    )
+    analyze_parser.add_argument(
+        "--replay-shuffles",
+        metavar="K",
+        type=non_negative_int,
+        default=0,
+        help="--compare: also replay SOURCE K times with each timestamp's requests in another order and print "
+        "the range: how far the replayed figures move without any change to the load (default 0)",
     )
     analyze_parser.set_defaults(func=_guarded(_analyze))
 
@@ -203,6 +247,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="stratified",
         help="stratified (default): draw every empirical distribution (tree transitions, lengths, arrivals) from "
         "a shuffled deck of the source's values, reshuffled when used up; iid: independent draws",
+    )
+    synth.add_argument(
+        "--order-jitter",
+        metavar="SECONDS",
+        type=_jitter,
+        default=15.0,
+        help="stratified: deal each distribution in the source's time order, each value's time moved by "
+        "N(0, SECONDS) (default 15: conversations keep their turn order and time locality, which is what "
+        "a finite cache sees); 'none': in random order (no time structure)",
     )
     synth.add_argument(
         "--max-requests", metavar="N", type=positive_int, help="learn from the first N source requests only"

@@ -41,6 +41,7 @@ __all__ = [
     "extract_core_tree",
     "mark_leaves",
     "merge_chains",
+    "request_exits",
     "strip_leaves",
     "verify_tree",
 ]
@@ -235,15 +236,16 @@ class CoreTree:
 
 
 def summarize(values: Sequence[float] | np.ndarray) -> dict[str, float]:
-    """count, mean, p50, p99, min and max of the values (zeros for an empty sequence)."""
+    """count, mean, p50, p90, p99, min and max of the values (zeros for an empty sequence)."""
     array = np.asarray(values, dtype=float)
     if array.size == 0:
-        return {"count": 0, "mean": 0.0, "p50": 0.0, "p99": 0.0, "min": 0.0, "max": 0.0}
-    p50, p99 = np.percentile(array, [50, 99])
+        return {"count": 0, "mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "min": 0.0, "max": 0.0}
+    p50, p90, p99 = np.percentile(array, [50, 90, 99])
     return {
         "count": int(array.size),
         "mean": float(array.mean()),
         "p50": float(p50),
+        "p90": float(p90),
         "p99": float(p99),
         "min": float(array.min()),
         "max": float(array.max()),
@@ -259,3 +261,22 @@ def extract_core_tree(requests: Sequence[TraceRequest]) -> CoreTree:
     core, leaf_lengths = strip_leaves(merge_chains(graph))
     add_transition_cdfs(core)
     return CoreTree(graph=core, leaf_lengths=leaf_lengths, num_requests=len(requests), num_blocks=num_blocks)
+
+
+def request_exits(core: nx.DiGraph, requests: Sequence[TraceRequest]) -> list[tuple[list[Hashable], int]]:
+    """Each request's walk through the core tree: the core nodes it passes (from :data:`ROOT`, in order)
+    and how many of its blocks they cover (its shared prefix); the rest of its blocks are its unique leaf."""
+    succ = core.succ
+    nodes = core.nodes
+    out: list[tuple[list[Hashable], int]] = []
+    for request in requests:
+        ids = request.hash_ids
+        path: list[Hashable] = [ROOT]
+        node: Hashable = ROOT
+        i = 0
+        while i < len(ids) and ids[i] in succ[node]:
+            node = ids[i]
+            i += nodes[node]["length"]
+            path.append(node)
+        out.append((path, i))
+    return out

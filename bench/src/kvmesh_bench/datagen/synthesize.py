@@ -31,6 +31,8 @@ on until ``num_requests`` are kept). Output hash ids: the core tree's nodes get 
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 from collections import Counter
 from collections.abc import Hashable, Sequence
@@ -40,7 +42,7 @@ from typing import Generic, Literal, TypeVar
 
 import networkx as nx
 
-from kvmesh_bench.datagen.prefix_tree import CACHE_END, END, ROOT, CoreTree, extract_core_tree
+from kvmesh_bench.datagen.prefix_tree import ROOT, CoreTree, extract_core_tree, request_exits
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceRequest
 
 __all__ = ["DatagenError", "SynthesisConfig", "Synthesizer", "synthesize"]
@@ -67,6 +69,7 @@ class SynthesisConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     seed: int = 0
     sampling: Literal["stratified", "iid"] = "stratified"
+    order_jitter_s: float | None = 15.0
 
     def validate(self) -> None:
         """Raise :class:`DatagenError` for an out-of-range knob."""
@@ -84,6 +87,8 @@ class SynthesisConfig:
             raise DatagenError(f"max-isl must be non-negative, got {self.max_isl}")
         if self.min_isl is not None and self.max_isl is not None and self.min_isl > self.max_isl:
             raise DatagenError(f"min-isl ({self.min_isl}) is larger than max-isl ({self.max_isl})")
+        if self.order_jitter_s is not None and not (self.order_jitter_s >= 0 and math.isfinite(self.order_jitter_s)):
+            raise DatagenError(f"order-jitter must be a finite number of seconds >= 0, got {self.order_jitter_s}")
         if self.sampling not in ("stratified", "iid"):
             raise DatagenError(f"sampling must be 'stratified' or 'iid', got {self.sampling!r}")
 
@@ -102,29 +107,48 @@ class Synthesizer:
             raise DatagenError("the source trace has no requests")
         self.num_source_requests = len(source)
         self.tree: CoreTree = extract_core_tree(source)
-        self._compile_tree(self.tree.graph)
-        self.leaf_lengths = [_scale(length, config.prompt_len_multiplier) for length in self.tree.leaf_lengths]
+        index = self._compile_tree(self.tree.graph)
 
         block_size = config.block_size
-        self.residuals = [
-            residual
-            for request in source
-            if request.hash_ids
-            and 0 < (residual := request.input_length - (len(request.hash_ids) - 1) * block_size) <= block_size
-        ]
-        if not self.residuals and any(request.hash_ids for request in source):
+        if any(r.hash_ids for r in source) and not any(
+            r.hash_ids and 0 < r.input_length - (len(r.hash_ids) - 1) * block_size <= block_size for r in source
+        ):
             raise DatagenError(
                 f"no request has len(hash_ids) == ceil(input_length / {block_size}): is --block-size right?"
             )
+        # Every source request's walk: which outcome it took at each core node it passed, and at the node it
+        # left the tree its own (unique leaf length, residual tokens, OSL), all stamped with its arrival time.
+        n = len(self._length)
+        self._outcomes: list[list[int]] = [[] for _ in range(n)]
+        self._outcome_times: list[list[float]] = [[] for _ in range(n)]
+        self._profiles: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        self._profile_times: dict[tuple[int, int], list[float]] = {}
+        prompt_multiplier = config.prompt_len_multiplier
+        for request, (path, covered) in zip(source, request_exits(self.tree.graph, source), strict=True):
+            t = float(request.timestamp_ms)
+            nodes = [index[node] for node in path]
+            for parent, child in pairwise(nodes):
+                self._outcomes[parent].append(child)
+                self._outcome_times[parent].append(t)
+            blocks = len(request.hash_ids)
+            kind = _CACHE_END if covered < blocks else _END
+            self._outcomes[nodes[-1]].append(kind)
+            self._outcome_times[nodes[-1]].append(t)
+            leaf = _scale(blocks - covered, prompt_multiplier) if covered < blocks else 0
+            residual = min(max(request.input_length - (blocks - 1) * block_size, 1), block_size) if blocks else 0
+            self._profiles.setdefault((nodes[-1], kind), []).append((leaf, residual, request.output_length))
+            self._profile_times.setdefault((nodes[-1], kind), []).append(t)
+        self.leaf_lengths = [leaf for profiles in self._profiles.values() for leaf, _, _ in profiles if leaf]
         self.output_lengths = [request.output_length for request in source]
         timestamps = sorted(request.timestamp_ms for request in source)
         per_timestamp = Counter(timestamps)
         self.requests_per_timestamp = list(per_timestamp.values())
+        self.stamp_times = [float(t) for t in per_timestamp]
         distinct = list(per_timestamp)
         self.timestamp_gaps = [later - earlier for earlier, later in pairwise(distinct)]
 
-    def _compile_tree(self, graph: nx.DiGraph) -> None:
-        """Flatten the core tree into lists indexed by node number, with output ids assigned (preorder)."""
+    def _compile_tree(self, graph: nx.DiGraph) -> dict[Hashable, int]:
+        """Number the core tree's nodes (preorder) and assign their output ids; returns node -> number."""
         multiplier = self.config.prefix_len_multiplier
         index: dict[Hashable, int] = {}
         order: list[Hashable] = []
@@ -136,23 +160,15 @@ class Synthesizer:
             stack.extend(reversed(list(graph.successors(node))))
         self._first_id: list[int] = []
         self._length: list[int] = []
-        self._outcomes: list[list[int]] = []  # each outcome repeated by its weight: the node's empirical CDF
         next_id = 0
         for node in order:
-            data = graph.nodes[node]
-            length = 0 if node == ROOT else _scale(data["length"], multiplier)
+            length = 0 if node == ROOT else _scale(graph.nodes[node]["length"], multiplier)
             self._first_id.append(next_id)
             self._length.append(length)
             next_id += length
-            sentinels = {END: _END, CACHE_END: _CACHE_END}
-            outcomes: list[int] = []
-            previous = 0
-            for out, cumulative in zip(data["out_nodes"], data["out_cdf"], strict=True):
-                outcomes.extend([sentinels[out] if out in sentinels else index[out]] * (cumulative - previous))
-                previous = cumulative
-            self._outcomes.append(outcomes)
         #: Output hash ids per copy of the core tree; copy j uses [j * core_ids, (j + 1) * core_ids).
         self.core_ids = next_id
+        return index
 
     def generate(self, num_requests: int | None = None) -> list[TraceRequest]:
         """Sample ``num_requests`` requests (default: as many as the source). Same config, same output."""
@@ -162,17 +178,16 @@ class Synthesizer:
             raise DatagenError(f"num-requests must be at least 1, got {count}")
         rng = random.Random(config.seed)
         stratified = config.sampling == "stratified"
+        jitter_ms = None if config.order_jitter_s is None else config.order_jitter_s * 1000.0
 
-        def sampler(values: Sequence[_V]) -> _Sampler[_V]:
-            return _Sampler(values, rng, stratified)
+        def sampler(values: Sequence[_T], times: Sequence[float] | None = None) -> _Sampler[_T]:
+            return _Sampler(values, rng, stratified, times, jitter_ms)
 
-        group_sizes = sampler(self.requests_per_timestamp)
-        gaps = sampler(self.timestamp_gaps)
-        leaf_lengths = sampler(self.leaf_lengths)
-        residuals = sampler(self.residuals)
-        output_lengths = sampler(self.output_lengths)
+        group_sizes = sampler(self.requests_per_timestamp, self.stamp_times)
+        gaps = sampler(self.timestamp_gaps, self.stamp_times[1:])
         copy_offsets = sampler([copy * self.core_ids for copy in range(config.prefix_root_multiplier)])
         transitions: dict[int, _Sampler[int]] = {}
+        profiles: dict[tuple[int, int], _Sampler[tuple[int, int, int]]] = {}
 
         copies = config.prefix_root_multiplier
         block_size = config.block_size
@@ -195,19 +210,22 @@ class Synthesizer:
                 while True:
                     transition = transitions.get(node)
                     if transition is None:
-                        transition = transitions[node] = sampler(self._outcomes[node])
+                        transition = transitions[node] = sampler(self._outcomes[node], self._outcome_times[node])
                     outcome = transition.draw()
                     if outcome < 0:
                         break
                     first = self._first_id[outcome] + offset
                     ids.extend(range(first, first + self._length[outcome]))
                     node = outcome
-                if outcome == _CACHE_END:
-                    leaf = leaf_lengths.draw()
+                key = (node, outcome)
+                profile = profiles.get(key)
+                if profile is None:
+                    profile = profiles[key] = sampler(self._profiles[key], self._profile_times[key])
+                leaf, residual, output_length = profile.draw()
+                if leaf:
                     ids.extend(range(next_leaf_id, next_leaf_id + leaf))
                     next_leaf_id += leaf
-                input_length = (len(ids) - 1) * block_size + residuals.draw() if ids else 0
-                output_length = output_lengths.draw()
+                input_length = (len(ids) - 1) * block_size + residual if ids else 0
                 if config.osl_multiplier != 1 and output_length > 0:
                     output_length = max(1, round(output_length * config.osl_multiplier))
                 if (config.min_isl is not None and input_length < config.min_isl) or (
@@ -219,29 +237,52 @@ class Synthesizer:
                     break
             if self.timestamp_gaps:
                 clock += gaps.draw() / config.speedup_ratio
+        start = out[0].timestamp_ms
+        if start:  # the ISL filter dropped the first groups: times count from the first kept request
+            out = [dataclasses.replace(r, timestamp_ms=r.timestamp_ms - start) for r in out]
         return out
 
 
-_V = TypeVar("_V", int, float)
+_T = TypeVar("_T")
 
 
-class _Sampler(Generic[_V]):
-    """Draws from an empirical distribution: a shuffled deck of the values (stratified) or independent picks."""
+class _Sampler(Generic[_T]):
+    """Draws from an empirical distribution: a deck of the values (stratified) or independent picks.
 
-    __slots__ = ("_deck", "_rng", "_stratified", "_values")
+    A stratified deck is dealt whole before it is dealt again. With the values' source ``times`` and a
+    ``jitter_ms``, a deck is dealt in the order of ``time + N(0, jitter)`` (the source's order, locally
+    shuffled); otherwise in a random order.
+    """
 
-    def __init__(self, values: Sequence[_V], rng: random.Random, stratified: bool) -> None:
-        self._values: Sequence[_V] = values
+    __slots__ = ("_deck", "_jitter", "_rng", "_stratified", "_times", "_values")
+
+    def __init__(
+        self,
+        values: Sequence[_T],
+        rng: random.Random,
+        stratified: bool,
+        times: Sequence[float] | None = None,
+        jitter_ms: float | None = None,
+    ) -> None:
+        self._values: Sequence[_T] = values
         self._rng = rng
         self._stratified = stratified
-        self._deck: list[_V] = []
+        self._times = times if jitter_ms is not None else None
+        self._jitter = jitter_ms or 0.0
+        self._deck: list[_T] = []
 
-    def draw(self) -> _V:
+    def draw(self) -> _T:
         if not self._stratified:
             return self._values[self._rng.randrange(len(self._values))]
         if not self._deck:
-            self._deck = list(self._values)
-            self._rng.shuffle(self._deck)
+            if self._times is None:
+                self._deck = list(self._values)
+                self._rng.shuffle(self._deck)
+            else:
+                gauss, jitter, times = self._rng.gauss, self._jitter, self._times
+                keys = [t + gauss(0.0, jitter) if jitter else t for t in times]
+                order = sorted(range(len(keys)), key=keys.__getitem__, reverse=True)  # dealt from the end
+                self._deck = [self._values[i] for i in order]
         return self._deck.pop()
 
 

@@ -274,30 +274,36 @@ class AffinityCost:
         cost    = overlap_score_weight * (new + backlog_weight * backlog) + decode_weight * potential_decode_blocks
 
     Knobs (``RouterPolicyConfig.params``): ``backlog_weight`` (default 0.05), ``credit_decay`` (0.15),
-    ``decode_weight`` (0.0). Compared with ``"dynamo"`` (``new + backlog + decode_blocks``):
+    ``decode_weight`` (0.02), ``near_tie`` (0.05). Compared with ``"dynamo"``
+    (``new + backlog + decode_blocks``):
 
     - **Queued prefill counts a twentieth of a cached block.** Dynamo prices a token of someone else's queued
       prefill like a token this request must compute itself, which is right for this request's TTFT
       alone. But a prefix recomputed elsewhere is paid by the whole fleet: compute every later request
-      queues behind, and cache space that evicts other sessions' prefixes sooner. Measured on the Mooncake
-      conversation trace (docs/benchmarks.md), a weight of 0.02-0.1 keeps nearly every request on the
-      engine with its longest prefix (it takes a 0.258 hit rate of the 0.260 the fleet offers; eviction
-      is what limits it) and lowers TTFT p50 at both low and high load; 1.0 does not.
-    - **No decode-memory term.** Dynamo's ``decode_blocks`` (in blocks, weight 1) is 64 prompt tokens per
-      block held: a cache-hit engine running one more long request loses to a cold one. KV memory barely
-      moves TTFT (a decode pass is ~6-15 ms against ~170 ms per prefill chunk), so it is off by default.
-      Memory overload is the busy thresholds' job (``--busy-kv-usage``), not the ranking's.
+      queues behind, and cache space that evicts other sessions' prefixes sooner.
+    - **Decode memory weighs a fiftieth** (``decode_weight`` 0.02; Dynamo: 1): a cache-hit engine running one
+      more long request does not lose to a cold one, but KV usage cannot pile up on hot engines without
+      limit: with short prompts nothing else pushes back, and a decode pass slows with the engine's KV use
+      (at x6 on a short-prompt trace, 0 gave an ITL p99 3x Dynamo's, 0.02 brought it to 1.04x).
     - **Affinity decays under a backlog that is large for this request** (Dynamo's newer
-      ``overlap_score_credit_decay``): a short follow-up turn does not queue behind a 100k-token prefill
-      just because its 30k-token prefix is cached there; a request whose saved work dwarfs the backlog
-      still goes to its cache.
-
-    Ties (no overlap anywhere, no backlog: most decisions at low load) fall to the selector's random
-    tie-break, which spreads new conversations evenly.
+      ``overlap_score_credit_decay``).
+    - **Near-ties go to Dynamo's pick** (``near_tie``): the candidates whose cost is within ``near_tie`` x the
+      request's blocks of the best (when there are two or more) are re-ranked by Dynamo's cost, inside that
+      band (their costs become ``best + band * d / (1 + d)``, ``d`` = Dynamo's cost, so every band member
+      still beats every engine outside it). These are the decisions where the cache does not tell engines
+      apart (a new conversation, a giant prompt whose only hit is a shared system prompt); breaking them at
+      random spread decode memory unevenly and lost TTFT p99 and ITL p99 to ``"dynamo"`` at light load
+      (docs/benchmarks.md, "Routing that never loses"). The band needs the whole batch, so :meth:`cost`
+      (one row) gives the costs before it; :meth:`costs` is what the selector uses.
     """
 
     name = "affinity"
-    DEFAULTS: Mapping[str, float] = {"backlog_weight": 0.05, "credit_decay": 0.15, "decode_weight": 0.0}
+    DEFAULTS: Mapping[str, float] = {
+        "backlog_weight": 0.05,
+        "credit_decay": 0.15,
+        "decode_weight": 0.02,
+        "near_tie": 0.05,
+    }
 
     @staticmethod
     def _params(config: RouterPolicyConfig) -> tuple[float, float, float]:
@@ -325,10 +331,10 @@ class AffinityCost:
         )
 
     def costs(self, batch: CostBatch, fleet: FleetContext, config: RouterPolicyConfig) -> list[float]:
-        """:meth:`cost` of every candidate (the same function, so bit-for-bit equal)."""
+        """:meth:`cost` of every candidate (bit-for-bit), then the near-tie band re-ranked by Dynamo's cost."""
         lam, decay, dw = self._params(config)
         w, low, isl = config.overlap_score_weight, fleet.min_active_prefill_tokens, batch.isl_tokens
-        return [
+        costs = [
             _affinity(w, lam, decay, dw, low, isl, o, bs, p, d)
             for o, bs, p, d in zip(
                 batch.overlap_blocks,
@@ -338,6 +344,16 @@ class AffinityCost:
                 strict=True,
             )
         ]
+        near = float(config.params.get("near_tie", self.DEFAULTS["near_tie"]))
+        if near <= 0 or len(costs) < 2:
+            return costs
+        best = min(costs)
+        band = best + w * near * isl / (batch.block_size[0] or 1)
+        if band <= best or sum(1 for c in costs if c <= band) < 2:
+            return costs  # no near-tie: the affinity costs as they are
+        dynamo = _DYNAMO.costs(batch, fleet, config)
+        span = band - best
+        return [best + span * (d / (1.0 + d)) if c <= band else c for c, d in zip(costs, dynamo, strict=True)]
 
 
 def _affinity(
@@ -361,5 +377,6 @@ def _affinity(
     return weight * (new + backlog_weight * (prefill / bs)) + decode_weight * decode_blocks
 
 
-POLICIES.register_cost_policy(DynamoCost())
+_DYNAMO = DynamoCost()
+POLICIES.register_cost_policy(_DYNAMO)
 POLICIES.register_cost_policy(AffinityCost())
