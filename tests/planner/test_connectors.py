@@ -30,8 +30,11 @@ FAKE_SYSTEMCTL = r"""#!/bin/sh
 echo "$*" >> "$STATE/argv.log"
 cmd="$1"; shift
 case "$cmd" in
-  list-units)
-    for f in "$STATE"/units/*; do [ -e "$f" ] && echo "$(basename "$f") loaded active running kvmesh worker"; done ;;
+  list-units)  # list-units --plain --no-legend --state=active PATTERN: only units matching the glob
+    for f in "$STATE"/units/*; do
+      [ -e "$f" ] || continue; name=$(basename "$f")
+      case "$name" in $4) echo "$name loaded active running kvmesh worker" ;; esac
+    done ;;
   start) n=$(cat "$STATE/nextpid" 2>/dev/null || echo 1000)
          echo "$n" > "$STATE/units/$1"; echo $((n+1)) > "$STATE/nextpid" ;;
   show) unit="$4"; if [ -e "$STATE/units/$unit" ]; then cat "$STATE/units/$unit"; else echo 0; fi ;;
@@ -104,6 +107,71 @@ async def _systemd_sequence(conn: SystemdConnector, state: Path) -> None:
     assert conn.draining() == {"aggregated": 0}
     assert "is-active kvmesh-worker@3.service" in calls(state)
     assert sorted(os.listdir(state / "units")) == ["kvmesh-worker@1.service"]
+
+
+async def test_systemd_connector_scales_each_pool_through_its_own_template(fake_systemctl):
+    """Prefill and decode engines are instances of kvmesh-worker-prefill@ / kvmesh-worker-decode@; a pool's
+    scale-down stops only that pool's least-loaded units, whatever the other pool's load."""
+    state = fake_systemctl
+    (state / "units" / "kvmesh-worker-decode@1.service").write_text("900\n")  # adopted
+    (state / "units" / "kvmesh-worker@1.service").write_text("800\n")  # aggregated: not managed here, untouched
+    templates = {"prefill": "kvmesh-worker-prefill@.service", "decode": "kvmesh-worker-decode@.service"}
+    conn = SystemdConnector("systemctl", templates=templates)  # type: ignore[arg-type]
+    try:
+        await conn.start()
+        assert conn.actual() == {"prefill": 0, "decode": 1}
+        assert calls(state) == [
+            "list-units --plain --no-legend --state=active kvmesh-worker-prefill@*.service",
+            "list-units --plain --no-legend --state=active kvmesh-worker-decode@*.service",
+            "show --property MainPID --value kvmesh-worker-decode@1.service",
+        ]
+        await conn.apply(1, {"prefill": 2, "decode": 2}, [])
+        assert calls(state)[3:] == [
+            "start kvmesh-worker-prefill@1.service",
+            "start kvmesh-worker-prefill@2.service",
+            "show --property MainPID --value kvmesh-worker-prefill@1.service",
+            "show --property MainPID --value kvmesh-worker-prefill@2.service",
+            "start kvmesh-worker-decode@2.service",
+            "show --property MainPID --value kvmesh-worker-decode@2.service",
+        ]
+        assert conn.actual() == {"prefill": 2, "decode": 2}
+        assert conn.starting({900, 1000, 1001}) == {"prefill": 0, "decode": 1}  # decode@2 (pid 1002) not registered
+        engines = [  # least loaded first, as the planner orders them
+            EngineRef(11, "prefill", 1000, "h", 0.0),  # the idlest engine of all, but prefill's pool is not shrinking
+            EngineRef(13, "decode", 1002, "h", 0.1),  # decode@2
+            EngineRef(12, "prefill", 1001, "h", 0.5),
+            EngineRef(10, "decode", 900, "h", 0.7),  # decode@1, busiest decode: kept
+        ]
+        await conn.apply(2, {"prefill": 2, "decode": 1}, engines)
+        stops = [c for c in calls(state)[9:] if not c.startswith("is-active")]
+        assert stops == ["stop --no-block kvmesh-worker-decode@2.service"]
+        assert conn.actual() == {"prefill": 2, "decode": 1}
+        for _ in range(300):
+            if conn.draining() == {"prefill": 0, "decode": 0}:
+                break
+            await asyncio.sleep(0.1)
+        assert conn.draining() == {"prefill": 0, "decode": 0}
+        assert sorted(os.listdir(state / "units")) == [
+            "kvmesh-worker-decode@1.service",
+            "kvmesh-worker-prefill@1.service",
+            "kvmesh-worker-prefill@2.service",
+            "kvmesh-worker@1.service",
+        ]
+        assert not any("kvmesh-worker@" in c for c in calls(state))  # the aggregated unit was never named
+    finally:
+        await conn.close()
+
+
+def test_the_role_units_are_the_worker_unit_plus_their_role():
+    """kvmesh-worker-prefill@ / -decode@ differ from kvmesh-worker@ only in the header comment, Description,
+    and the KVMESH_ROLE line (and its comment), so a fix to one unit cannot silently miss the others."""
+    base = (UNITS / "kvmesh-worker@.service").read_text().splitlines()
+    for role in ("prefill", "decode"):
+        unit = (UNITS / f"kvmesh-worker-{role}@.service").read_text().splitlines()
+        assert f"Environment=KVMESH_ROLE={role}" in unit
+        rest = [line for line in unit if not line.startswith("#") and not line.startswith("Description=")]
+        rest.remove(f"Environment=KVMESH_ROLE={role}")
+        assert rest == [line for line in base if not line.startswith("#") and not line.startswith("Description=")]
 
 
 def test_the_worker_unit_drains_on_stop():
