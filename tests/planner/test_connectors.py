@@ -289,3 +289,74 @@ async def test_local_connector_starts_workers_and_drains_the_least_loaded_with_n
     finally:
         await conn.close()
     assert conn.actual() == {"aggregated": 0}
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+async def test_local_connector_runs_a_prefill_and_a_decode_pool_and_drains_one_with_no_failed_request(tmp_path):
+    """Prefill 1 + decode 2 real workers, each registered with its role; decode 2 -> 1 drains the decode engine
+    it is told is least loaded (it has a request in flight, which finishes), and leaves the prefill pool alone."""
+    import grpc
+    from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+    url = f"file://{tmp_path / 'disc'}"
+    conn = LocalConnector(
+        "kvmesh-worker",
+        url,
+        "kvmesh",
+        "--speedup-ratio 1",
+        drain_timeout=30,
+        log_dir=str(tmp_path),
+        pools=("prefill", "decode"),
+    )
+    try:
+        await conn.apply(1, {"prefill": 1, "decode": 2}, [])
+        assert conn.actual() == {"prefill": 1, "decode": 2}
+        assert conn.argv("decode")[-2:] == ["--role", "decode"]
+        recs = await _wait_engines(url, 3, timeout=120)
+        roles = sorted(discovery_pb2.WorkerRole.Name(r.role) for r in recs)
+        assert roles == ["WORKER_ROLE_DECODE", "WORKER_ROLE_DECODE", "WORKER_ROLE_PREFILL"]
+        assert conn.starting({r.pid for r in recs}) == {"prefill": 0, "decode": 0}
+        prefill = next(r for r in recs if r.role == discovery_pb2.WORKER_ROLE_PREFILL)
+        busy, idle = (r for r in recs if r.role == discovery_pb2.WORKER_ROLE_DECODE)
+        # A long request on `busy` (a decode engine prefills locally when no prefill result comes with it).
+        channel = grpc.aio.insecure_channel(busy.address)
+        call = worker_pb2_grpc.WorkerServiceStub(channel).GenerateStream(timeout=90)
+        req = worker_pb2.GenerateRequest(
+            request_id="long",
+            engine_id=busy.instance_id,
+            token_ids=list(range(1, 200)),
+            sampling=worker_pb2.SamplingOptions(max_tokens=300, ignore_eos=True),
+        )
+        await call.write(worker_pb2.GenerateStreamRequest(requests=[req]))
+        await call.done_writing()
+        first = await call.read()
+        assert first.outputs
+        refs = [  # least loaded first: the prefill engine, idlest of all, is in another pool and stays
+            EngineRef(prefill.instance_id, "prefill", prefill.pid, prefill.hostname, 0.0),
+            EngineRef(busy.instance_id, "decode", busy.pid, busy.hostname, 0.1),
+            EngineRef(idle.instance_id, "decode", idle.pid, idle.hostname, 1.0),
+        ]
+        await conn.apply(2, {"prefill": 1, "decode": 1}, refs)
+        assert conn.actual() == {"prefill": 1, "decode": 1}
+        assert conn.draining() == {"prefill": 0, "decode": 1}
+        left = await _wait_engines(url, 2, timeout=10)  # deregistered at once: nothing new is routed there
+        assert sorted(r.instance_id for r in left) == sorted([prefill.instance_id, idle.instance_id])
+        tokens = sum(len(o.response.token_ids) for o in first.outputs)
+        finish = None
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            for o in msg.outputs:
+                assert not o.error_code, o.error_message
+                tokens += len(o.response.token_ids)
+                if o.response.finish_reason:
+                    finish = o.response.finish_reason
+        assert tokens == 300 and finish == worker_pb2.FINISH_REASON_LENGTH  # finished, not failed
+        await channel.close()
+        for _ in range(200):
+            if conn.draining() == {"prefill": 0, "decode": 0}:
+                break
+            await asyncio.sleep(0.1)
+        assert conn.draining() == {"prefill": 0, "decode": 0}
+    finally:
+        await conn.close()
+    assert conn.actual() == {"prefill": 0, "decode": 0}
