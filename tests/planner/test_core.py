@@ -309,6 +309,8 @@ def test_sla_sizes_prefill_from_isl_and_decode_from_osl():
     assert d.target == {"prefill": math.ceil(20 / per_prefill), "decode": math.ceil(20 / per_decode)}
     assert d.inputs["prefill.engine_rate"] == pytest.approx(per_prefill)
     assert d.inputs["decode.engine_rate"] == pytest.approx(per_decode)
+    assert d.prediction is not None
+    assert d.prediction.engine_request_rates == pytest.approx({"prefill": per_prefill, "decode": per_decode})
     assert "prefill: predicted 20 req/s" in d.reason and "decode: predicted 20 req/s" in d.reason
     # Four times the prompt: more prefill engines. Four times the output: more decode engines, prefill unchanged.
     long_prompts = PlannerCore(disagg_cfg(), profile).decide(obs(0, traffic=traffic(20, isl=12000)))

@@ -55,6 +55,12 @@ def test_kvmesh_up_planner_manages_the_prefill_and_decode_pools(tmp_path):
         assert leader["connector"] == "local" and leader["leader"] is True
         assert leader["observed"] == {"prefill": 1, "decode": 1}  # no aggregated engine: the roles are the pools
         assert leader["desired"] == {"prefill": 1, "decode": 1}
+        assert leader["pools"] == ["prefill", "decode"] and leader["engineBudget"] == 4
+        assert leader["minimum"] == {"prefill": 1, "decode": 1} and leader["maximum"] == {"prefill": 2, "decode": 2}
+        text = subprocess.run(
+            [script("kvmesh"), "planner", "status", "--discovery", disc, "--namespace", "kvmesh-local"],
+            capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert "pools: prefill [1, 2], decode [1, 2]; budget 4 engines" in text.stdout, text.stdout + text.stderr
         proc.send_signal(signal.SIGINT)
         assert proc.wait(90) == 0
     finally:

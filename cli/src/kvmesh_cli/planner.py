@@ -142,6 +142,9 @@ def _format(address: str, r: Any) -> str:
         f"  engines observed: {_sizes(r.observed)}; desired: {_sizes(r.desired)}; "
         f"starting: {_sizes(r.starting)}; draining: {_sizes(r.draining)}",
     ]
+    if r.pools:
+        bounds = ", ".join(f"{p} [{getattr(r.minimum, p)}, {getattr(r.maximum, p)}]" for p in r.pools)
+        lines.append(f"  pools: {bounds}; budget {r.engine_budget} engines")
     if r.HasField("latest"):
         d = r.latest
         lines.append(
@@ -152,9 +155,11 @@ def _format(address: str, r: Any) -> str:
             lines.append("  inputs: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(d.inputs.items())))
         if d.HasField("prediction"):
             q = d.prediction
+            rates = sorted(q.engine_request_rates.items())
+            per_engine = ", ".join(f"{p} {v:.3g}" for p, v in rates) if rates else f"{q.engine_request_rate:.3g}"
             lines.append(
                 f"  prediction ({q.predictor}): {q.request_rate:.3g} req/s, ISL {q.isl:.0f}, OSL {q.osl:.0f}; "
-                f"{q.engine_request_rate:.3g} req/s per engine; corrections TTFT x{q.ttft_correction:.2f}, "
+                f"{per_engine} req/s per engine; corrections TTFT x{q.ttft_correction:.2f}, "
                 f"ITL x{q.itl_correction:.2f}"
             )
     return "\n".join(lines)

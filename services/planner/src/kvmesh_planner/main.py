@@ -85,6 +85,10 @@ class Planner:
             desired=pool_sizes(self._desired),
             starting=pool_sizes(self.connector.starting(self.observer.registered_pids())),
             draining=pool_sizes(self.connector.draining()),
+            pools=list(self.cfg.managed_pools),
+            minimum=pool_sizes({p: self.cfg.pool_bounds(p)[0] for p in self.cfg.managed_pools}),
+            maximum=pool_sizes({p: self.cfg.pool_bounds(p)[1] for p in self.cfg.managed_pools}),
+            engine_budget=self.cfg.budget,
         )
         if self.servicer.latest is not None:
             reply.latest.CopyFrom(self.servicer.latest)

@@ -252,7 +252,9 @@ class PlannerCore:
         inputs.update(
             {k: v for k, v in (("expected_ttft_ms", expected_ttft), ("expected_itl_ms", expected_itl)) if v == v}
         )
-        prediction = Prediction(rate, isl, osl, sla.ttft_cf, sla.itl_cf, capacity[pools[0]], sla.rate.name)
+        prediction = Prediction(
+            rate, isl, osl, sla.ttft_cf, sla.itl_cf, capacity[pools[0]], sla.rate.name, dict(capacity)
+        )
         return target, "; ".join(reasons), inputs, prediction
 
     def _guard_sla(
