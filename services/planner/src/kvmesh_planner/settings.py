@@ -21,6 +21,12 @@ def _pools(text: str) -> str:
     return ",".join(p for p in POOLS if p in names)
 
 
+def _template(unit: str) -> str:
+    if not unit.endswith("@.service"):
+        raise ValueError(f"{unit!r} is not a template unit (NAME@.service)")
+    return unit
+
+
 def _predictor(name: str) -> str:
     if name not in PREDICTORS:
         raise ValueError(f"unknown predictor {name!r} (expected {', '.join(PREDICTORS)})")
@@ -84,11 +90,11 @@ class Settings(DaemonSettings):
     """local connector: the worker executable"""
     systemctl: str = "systemctl"
     """systemd connector: the systemctl executable (systemctl --user: 'systemctl --user')"""
-    unit_template: str = "kvmesh-worker@.service"
+    unit_template: Annotated[str, AfterValidator(_template)] = "kvmesh-worker@.service"
     """systemd connector: the template unit whose instances are the aggregated engines"""
-    prefill_unit_template: str = "kvmesh-worker-prefill@.service"
+    prefill_unit_template: Annotated[str, AfterValidator(_template)] = "kvmesh-worker-prefill@.service"
     """systemd connector: the template unit whose instances are the prefill engines"""
-    decode_unit_template: str = "kvmesh-worker-decode@.service"
+    decode_unit_template: Annotated[str, AfterValidator(_template)] = "kvmesh-worker-decode@.service"
     """systemd connector: the template unit whose instances are the decode engines"""
     startup_timeout: PositiveFloat = 120.0
     """seconds an engine may take from start to registration before it counts as failed"""
