@@ -30,8 +30,11 @@ FAKE_SYSTEMCTL = r"""#!/bin/sh
 echo "$*" >> "$STATE/argv.log"
 cmd="$1"; shift
 case "$cmd" in
-  list-units)
-    for f in "$STATE"/units/*; do [ -e "$f" ] && echo "$(basename "$f") loaded active running kvmesh worker"; done ;;
+  list-units)  # list-units --plain --no-legend --state=active PATTERN: only units matching the glob
+    for f in "$STATE"/units/*; do
+      [ -e "$f" ] || continue; name=$(basename "$f")
+      case "$name" in $4) echo "$name loaded active running kvmesh worker" ;; esac
+    done ;;
   start) n=$(cat "$STATE/nextpid" 2>/dev/null || echo 1000)
          echo "$n" > "$STATE/units/$1"; echo $((n+1)) > "$STATE/nextpid" ;;
   show) unit="$4"; if [ -e "$STATE/units/$unit" ]; then cat "$STATE/units/$unit"; else echo 0; fi ;;
@@ -104,6 +107,71 @@ async def _systemd_sequence(conn: SystemdConnector, state: Path) -> None:
     assert conn.draining() == {"aggregated": 0}
     assert "is-active kvmesh-worker@3.service" in calls(state)
     assert sorted(os.listdir(state / "units")) == ["kvmesh-worker@1.service"]
+
+
+async def test_systemd_connector_scales_each_pool_through_its_own_template(fake_systemctl):
+    """Prefill and decode engines are instances of kvmesh-worker-prefill@ / kvmesh-worker-decode@; a pool's
+    scale-down stops only that pool's least-loaded units, whatever the other pool's load."""
+    state = fake_systemctl
+    (state / "units" / "kvmesh-worker-decode@1.service").write_text("900\n")  # adopted
+    (state / "units" / "kvmesh-worker@1.service").write_text("800\n")  # aggregated: not managed here, untouched
+    templates = {"prefill": "kvmesh-worker-prefill@.service", "decode": "kvmesh-worker-decode@.service"}
+    conn = SystemdConnector("systemctl", templates=templates)  # type: ignore[arg-type]
+    try:
+        await conn.start()
+        assert conn.actual() == {"prefill": 0, "decode": 1}
+        assert calls(state) == [
+            "list-units --plain --no-legend --state=active kvmesh-worker-prefill@*.service",
+            "list-units --plain --no-legend --state=active kvmesh-worker-decode@*.service",
+            "show --property MainPID --value kvmesh-worker-decode@1.service",
+        ]
+        await conn.apply(1, {"prefill": 2, "decode": 2}, [])
+        assert calls(state)[3:] == [
+            "start kvmesh-worker-prefill@1.service",
+            "start kvmesh-worker-prefill@2.service",
+            "show --property MainPID --value kvmesh-worker-prefill@1.service",
+            "show --property MainPID --value kvmesh-worker-prefill@2.service",
+            "start kvmesh-worker-decode@2.service",
+            "show --property MainPID --value kvmesh-worker-decode@2.service",
+        ]
+        assert conn.actual() == {"prefill": 2, "decode": 2}
+        assert conn.starting({900, 1000, 1001}) == {"prefill": 0, "decode": 1}  # decode@2 (pid 1002) not registered
+        engines = [  # least loaded first, as the planner orders them
+            EngineRef(11, "prefill", 1000, "h", 0.0),  # the idlest engine of all, but prefill's pool is not shrinking
+            EngineRef(13, "decode", 1002, "h", 0.1),  # decode@2
+            EngineRef(12, "prefill", 1001, "h", 0.5),
+            EngineRef(10, "decode", 900, "h", 0.7),  # decode@1, busiest decode: kept
+        ]
+        await conn.apply(2, {"prefill": 2, "decode": 1}, engines)
+        stops = [c for c in calls(state)[9:] if not c.startswith("is-active")]
+        assert stops == ["stop --no-block kvmesh-worker-decode@2.service"]
+        assert conn.actual() == {"prefill": 2, "decode": 1}
+        for _ in range(300):
+            if conn.draining() == {"prefill": 0, "decode": 0}:
+                break
+            await asyncio.sleep(0.1)
+        assert conn.draining() == {"prefill": 0, "decode": 0}
+        assert sorted(os.listdir(state / "units")) == [
+            "kvmesh-worker-decode@1.service",
+            "kvmesh-worker-prefill@1.service",
+            "kvmesh-worker-prefill@2.service",
+            "kvmesh-worker@1.service",
+        ]
+        assert not any("kvmesh-worker@" in c for c in calls(state))  # the aggregated unit was never named
+    finally:
+        await conn.close()
+
+
+def test_the_role_units_are_the_worker_unit_plus_their_role():
+    """kvmesh-worker-prefill@ / -decode@ differ from kvmesh-worker@ only in the header comment, Description,
+    and the KVMESH_ROLE line (and its comment), so a fix to one unit cannot silently miss the others."""
+    base = (UNITS / "kvmesh-worker@.service").read_text().splitlines()
+    for role in ("prefill", "decode"):
+        unit = (UNITS / f"kvmesh-worker-{role}@.service").read_text().splitlines()
+        assert f"Environment=KVMESH_ROLE={role}" in unit
+        rest = [line for line in unit if not line.startswith("#") and not line.startswith("Description=")]
+        rest.remove(f"Environment=KVMESH_ROLE={role}")
+        assert rest == [line for line in base if not line.startswith("#") and not line.startswith("Description=")]
 
 
 def test_the_worker_unit_drains_on_stop():
@@ -221,3 +289,74 @@ async def test_local_connector_starts_workers_and_drains_the_least_loaded_with_n
     finally:
         await conn.close()
     assert conn.actual() == {"aggregated": 0}
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+async def test_local_connector_runs_a_prefill_and_a_decode_pool_and_drains_one_with_no_failed_request(tmp_path):
+    """Prefill 1 + decode 2 real workers, each registered with its role; decode 2 -> 1 drains the decode engine
+    it is told is least loaded (it has a request in flight, which finishes), and leaves the prefill pool alone."""
+    import grpc
+    from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+
+    url = f"file://{tmp_path / 'disc'}"
+    conn = LocalConnector(
+        "kvmesh-worker",
+        url,
+        "kvmesh",
+        "--speedup-ratio 1",
+        drain_timeout=30,
+        log_dir=str(tmp_path),
+        pools=("prefill", "decode"),
+    )
+    try:
+        await conn.apply(1, {"prefill": 1, "decode": 2}, [])
+        assert conn.actual() == {"prefill": 1, "decode": 2}
+        assert conn.argv("decode")[-2:] == ["--role", "decode"]
+        recs = await _wait_engines(url, 3, timeout=120)
+        roles = sorted(discovery_pb2.WorkerRole.Name(r.role) for r in recs)
+        assert roles == ["WORKER_ROLE_DECODE", "WORKER_ROLE_DECODE", "WORKER_ROLE_PREFILL"]
+        assert conn.starting({r.pid for r in recs}) == {"prefill": 0, "decode": 0}
+        prefill = next(r for r in recs if r.role == discovery_pb2.WORKER_ROLE_PREFILL)
+        busy, idle = (r for r in recs if r.role == discovery_pb2.WORKER_ROLE_DECODE)
+        # A long request on `busy` (a decode engine prefills locally when no prefill result comes with it).
+        channel = grpc.aio.insecure_channel(busy.address)
+        call = worker_pb2_grpc.WorkerServiceStub(channel).GenerateStream(timeout=90)
+        req = worker_pb2.GenerateRequest(
+            request_id="long",
+            engine_id=busy.instance_id,
+            token_ids=list(range(1, 200)),
+            sampling=worker_pb2.SamplingOptions(max_tokens=300, ignore_eos=True),
+        )
+        await call.write(worker_pb2.GenerateStreamRequest(requests=[req]))
+        await call.done_writing()
+        first = await call.read()
+        assert first.outputs
+        refs = [  # least loaded first: the prefill engine, idlest of all, is in another pool and stays
+            EngineRef(prefill.instance_id, "prefill", prefill.pid, prefill.hostname, 0.0),
+            EngineRef(busy.instance_id, "decode", busy.pid, busy.hostname, 0.1),
+            EngineRef(idle.instance_id, "decode", idle.pid, idle.hostname, 1.0),
+        ]
+        await conn.apply(2, {"prefill": 1, "decode": 1}, refs)
+        assert conn.actual() == {"prefill": 1, "decode": 1}
+        assert conn.draining() == {"prefill": 0, "decode": 1}
+        left = await _wait_engines(url, 2, timeout=10)  # deregistered at once: nothing new is routed there
+        assert sorted(r.instance_id for r in left) == sorted([prefill.instance_id, idle.instance_id])
+        tokens = sum(len(o.response.token_ids) for o in first.outputs)
+        finish = None
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            for o in msg.outputs:
+                assert not o.error_code, o.error_message
+                tokens += len(o.response.token_ids)
+                if o.response.finish_reason:
+                    finish = o.response.finish_reason
+        assert tokens == 300 and finish == worker_pb2.FINISH_REASON_LENGTH  # finished, not failed
+        await channel.close()
+        for _ in range(200):
+            if conn.draining() == {"prefill": 0, "decode": 0}:
+                break
+            await asyncio.sleep(0.1)
+        assert conn.draining() == {"prefill": 0, "decode": 0}
+    finally:
+        await conn.close()
+    assert conn.actual() == {"prefill": 0, "decode": 0}

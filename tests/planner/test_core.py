@@ -113,6 +113,64 @@ def test_bounds_and_budget():
     assert sum(d.target.values()) <= 3 and "budget" in d.reason
 
 
+def disagg_obs(now: float, prefill: list[EngineObservation], decode: list[EngineObservation]) -> Observation:
+    return Observation(now, (*prefill, *decode), {"prefill": len(prefill), "decode": len(decode)}, {})
+
+
+def test_load_mode_scales_prefill_and_decode_pools_each_on_its_own_metric():
+    """Prefill follows queued prefill tokens / context length, decode its KV utilization; one pool's change
+    leaves the other where it is, and each pool keeps its own scale-down streak."""
+    cfg = load_cfg(pools={"prefill": PoolBounds(1, 4), "decode": PoolBounds(1, 4)}, max_engines=8)
+    core = PlannerCore(cfg)
+    # Prefill queues a full context on every engine (ratio 1.0 >= 1.0); decode is in band (KV 0.8).
+    d = core.decide(disagg_obs(0, [eng(1, 0.0, queued=1000, pool="prefill")], [eng(2, 0.8, pool="decode")]))
+    assert d.target == {"prefill": 2, "decode": 1}
+    assert (
+        "prefill: every engine's queued_prefill/context >= 1.0" in d.reason
+        and "decode: kv_utilization in band" in d.reason
+    )
+    # Now decode is idle (KV 0.1 < 0.6) for two intervals while prefill stays busy: decode shrinks, prefill grows.
+    busy = [eng(1, 0.0, queued=1500, pool="prefill"), eng(3, 0.0, queued=1200, pool="prefill")]
+    idle = [eng(2, 0.1, pool="decode"), eng(4, 0.05, pool="decode")]
+    d = core.decide(disagg_obs(40, busy, idle))
+    assert d.target == {"prefill": 3, "decode": 2} and "decode: below 0.6 for 1/2 intervals" in d.reason
+    d = core.decide(disagg_obs(80, busy, idle))
+    assert d.target == {"prefill": 3, "decode": 1}
+    assert "decode: every engine's kv_utilization below 0.6 for 2 intervals: -1" in d.reason
+
+
+def test_load_mode_prefill_latency_profile_scales_down_only_on_an_empty_queue():
+    cfg = load_cfg(
+        pools={"prefill": PoolBounds(1, 4), "decode": PoolBounds(1, 4)},
+        max_engines=8,
+        load_profile="latency",
+        down_confirmations=1,
+        scale_down_cooldown_s=0.0,
+    )
+    core = PlannerCore(cfg)
+    decode = [eng(9, 0.2, pool="decode")]  # in the latency band [0.1, 0.4)
+    d = core.decide(disagg_obs(0, [eng(1, queued=100, pool="prefill")], decode))  # 0.1 >= 0.1: up
+    assert d.target == {"prefill": 2, "decode": 1}
+    d = core.decide(disagg_obs(10, [eng(1, queued=1, pool="prefill"), eng(2, pool="prefill")], decode))
+    assert d.target["prefill"] == 2  # one queued token: not "= 0", no scale-down
+    d = core.decide(disagg_obs(20, [eng(1, pool="prefill"), eng(2, pool="prefill")], decode))
+    assert d.target == {"prefill": 1, "decode": 1}
+
+
+def test_over_the_budget_a_scale_up_never_shrinks_another_pool():
+    """Budget 5, prefill 1 + decode 4: prefill asking for a second engine is refused, decode keeps its 4."""
+    cfg = load_cfg(pools={"prefill": PoolBounds(1, 4), "decode": PoolBounds(1, 4)}, max_engines=5)
+    core = PlannerCore(cfg)
+    decode = [eng(10 + i, 0.8, pool="decode") for i in range(4)]
+    d = core.decide(disagg_obs(0, [eng(1, queued=5000, pool="prefill")], decode))
+    assert d.target == {"prefill": 1, "decode": 4} and "budget of 5" in d.reason
+    # Both pools over their thresholds: the growth is taken back, neither pool goes below what it has.
+    core = PlannerCore(load_cfg(pools={"prefill": PoolBounds(1, 4), "decode": PoolBounds(1, 4)}, max_engines=4))
+    hot = [eng(10, 2.0, pool="decode"), eng(11, 2.0, pool="decode")]
+    d = core.decide(disagg_obs(0, [eng(1, queued=5000, pool="prefill")], hot))
+    assert sum(d.target.values()) == 4 and d.target["prefill"] >= 1 and d.target["decode"] >= 2
+
+
 def test_decision_ids_are_consecutive_from_the_first_id_and_every_decision_is_auditable():
     core = PlannerCore(load_cfg(), first_decision_id=41)
     ids = [core.decide(obs(t, eng(1, 0.5))).decision_id for t in (0, 10, 20)]
@@ -251,6 +309,8 @@ def test_sla_sizes_prefill_from_isl_and_decode_from_osl():
     assert d.target == {"prefill": math.ceil(20 / per_prefill), "decode": math.ceil(20 / per_decode)}
     assert d.inputs["prefill.engine_rate"] == pytest.approx(per_prefill)
     assert d.inputs["decode.engine_rate"] == pytest.approx(per_decode)
+    assert d.prediction is not None
+    assert d.prediction.engine_request_rates == pytest.approx({"prefill": per_prefill, "decode": per_decode})
     assert "prefill: predicted 20 req/s" in d.reason and "decode: predicted 20 req/s" in d.reason
     # Four times the prompt: more prefill engines. Four times the output: more decode engines, prefill unchanged.
     long_prompts = PlannerCore(disagg_cfg(), profile).decide(obs(0, traffic=traffic(20, isl=12000)))

@@ -25,6 +25,14 @@ pytestmark = pytest.mark.e2e
         (["--connector", "k8s"], "--connector"),
         (["--min-engines", "5", "--max-engines", "2"], "--min-engines is above --max-engines"),
         (["--connector", "local", "--worker-command", "/nonexistent/kvmesh-worker"], "--worker-command"),
+        (["--pools", "prefill"], "the prefill pool needs the decode pool"),
+        (["--pools", "decode,encode"], "unknown pool 'encode'"),
+        (["--pools", "prefill,decode", "--min-decode", "5", "--max-decode", "2"], "--min-decode is above --max-decode"),
+        (["--pools", "prefill,decode", "--engine-budget", "1"], "--engine-budget is below the sum of the managed"),
+        (
+            ["--pools", "decode", "--connector", "systemd", "--decode-unit-template", "x.service"],
+            "--decode-unit-template (from flag): 'x.service' is not a template",
+        ),
     ],
 )
 def test_bad_settings_exit_2_with_one_line(args, message):

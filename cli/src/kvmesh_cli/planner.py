@@ -26,11 +26,13 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--planner",
         action="store_true",
-        help="run kvmesh-planner (local connector) instead of a fixed worker: it starts and stops one "
-        "kvmesh-worker per engine between --min-engines and --max-engines",
+        help="run kvmesh-planner (local connector) instead of fixed workers: it starts and stops one "
+        "kvmesh-worker per engine between --min-engines and --max-engines; with --decode-workers D "
+        "(and --prefill-workers P) it manages the decode (and prefill) pool instead, from D (P) engines "
+        "up to --max-engines each",
     )
-    p.add_argument("--min-engines", type=int, default=1, help="with --planner: smallest pool (default: 1)")
-    p.add_argument("--max-engines", type=int, default=4, help="with --planner: largest pool (default: 4)")
+    p.add_argument("--min-engines", type=int, default=1, help="with --planner: smallest aggregated pool (default: 1)")
+    p.add_argument("--max-engines", type=int, default=4, help="with --planner: largest pool, each (default: 4)")
     p.add_argument(
         "--planner-args",
         default="",
@@ -51,14 +53,19 @@ def planner_argv(args: argparse.Namespace, common: list[str], worker_args: list[
             skip = True
             continue
         extra.append(a)
+    pools: list[str] = []
+    if getattr(args, "decode_workers", 0):  # disaggregated: the planner manages the prefill and decode pools
+        for pool, count in (("prefill", args.prefill_workers), ("decode", args.decode_workers)):
+            if count:
+                pools += [f"--min-{pool}", str(count), f"--max-{pool}", str(max(count, args.max_engines))]
+        pools += ["--pools", "prefill,decode" if args.prefill_workers else "decode"]
+    else:
+        pools += ["--min-engines", str(args.min_engines), "--max-engines", str(args.max_engines)]
     return [
         *common,
         "--connector",
         "local",
-        "--min-engines",
-        str(args.min_engines),
-        "--max-engines",
-        str(args.max_engines),
+        *pools,
         "--worker-args",
         shlex.join(extra),
         *shlex.split(args.planner_args),
@@ -135,6 +142,9 @@ def _format(address: str, r: Any) -> str:
         f"  engines observed: {_sizes(r.observed)}; desired: {_sizes(r.desired)}; "
         f"starting: {_sizes(r.starting)}; draining: {_sizes(r.draining)}",
     ]
+    if r.pools:
+        bounds = ", ".join(f"{p} [{getattr(r.minimum, p)}, {getattr(r.maximum, p)}]" for p in r.pools)
+        lines.append(f"  pools: {bounds}; budget {r.engine_budget} engines")
     if r.HasField("latest"):
         d = r.latest
         lines.append(
@@ -145,9 +155,11 @@ def _format(address: str, r: Any) -> str:
             lines.append("  inputs: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(d.inputs.items())))
         if d.HasField("prediction"):
             q = d.prediction
+            rates = sorted(q.engine_request_rates.items())
+            per_engine = ", ".join(f"{p} {v:.3g}" for p, v in rates) if rates else f"{q.engine_request_rate:.3g}"
             lines.append(
                 f"  prediction ({q.predictor}): {q.request_rate:.3g} req/s, ISL {q.isl:.0f}, OSL {q.osl:.0f}; "
-                f"{q.engine_request_rate:.3g} req/s per engine; corrections TTFT x{q.ttft_correction:.2f}, "
+                f"{per_engine} req/s per engine; corrections TTFT x{q.ttft_correction:.2f}, "
                 f"ITL x{q.itl_correction:.2f}"
             )
     return "\n".join(lines)

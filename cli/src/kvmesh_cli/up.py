@@ -98,8 +98,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML file given to every daemon ([common], [worker], ...)")
     # Disaggregated prefill/decode (docs/disaggregation.md): instead of the aggregated worker, P prefill and
     # D decode worker processes of one engine each.
-    p.add_argument("--prefill-workers", type=int, default=0, help="prefill worker processes (default: 0)")
-    p.add_argument("--decode-workers", type=int, default=0, help="decode worker processes (default: 0 = aggregated)")
+    p.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        help="prefill worker processes (default: 0); with --planner: the prefill pool's minimum",
+    )
+    p.add_argument(
+        "--decode-workers",
+        type=int,
+        default=0,
+        help="decode worker processes (default: 0 = aggregated); with --planner: the decode pool's minimum",
+    )
     p.add_argument("--model-path", default=None, help="HF-style model dir (default: built-in kvmesh-mock)")
     p.add_argument("--discovery", default=None, help="discovery URL (default: the per-user file backend)")
     p.add_argument("--namespace", default="kvmesh-local", help="discovery namespace (default: kvmesh-local)")

@@ -42,8 +42,8 @@ def core_config(cfg: Settings, shape: EngineShape | None = None) -> PlannerConfi
     return PlannerConfig(
         mode=cfg.effective_mode,
         load_profile=cfg.load_profile,
-        pools={"aggregated": PoolBounds(cfg.min_engines, cfg.max_engines)},
-        max_engines=cfg.max_engines,
+        pools={p: PoolBounds(*cfg.pool_bounds(p)) for p in cfg.managed_pools},
+        max_engines=cfg.budget,
         interval_s=cfg.interval,
         scale_up_cooldown_s=cfg.scale_up_cooldown,
         scale_down_cooldown_s=cfg.scale_down_cooldown,
@@ -85,6 +85,10 @@ class Planner:
             desired=pool_sizes(self._desired),
             starting=pool_sizes(self.connector.starting(self.observer.registered_pids())),
             draining=pool_sizes(self.connector.draining()),
+            pools=list(self.cfg.managed_pools),
+            minimum=pool_sizes({p: self.cfg.pool_bounds(p)[0] for p in self.cfg.managed_pools}),
+            maximum=pool_sizes({p: self.cfg.pool_bounds(p)[1] for p in self.cfg.managed_pools}),
+            engine_budget=self.cfg.budget,
         )
         if self.servicer.latest is not None:
             reply.latest.CopyFrom(self.servicer.latest)
@@ -191,12 +195,22 @@ async def serve(cfg: Settings) -> int:
         if cfg.connector == "local":
             try:
                 connector = LocalConnector(
-                    cfg.worker_command, cfg.discovery, cfg.namespace, cfg.worker_args, drain_timeout=cfg.drain_timeout
+                    cfg.worker_command,
+                    cfg.discovery,
+                    cfg.namespace,
+                    cfg.worker_args,
+                    drain_timeout=cfg.drain_timeout,
+                    pools=cfg.managed_pools,
                 )
             except ValueError as exc:
                 fail(PROG, f"--worker-command: {exc}")
         elif cfg.connector == "systemd":
-            connector = SystemdConnector(cfg.systemctl, cfg.unit_template)
+            try:
+                connector = SystemdConnector(
+                    cfg.systemctl, templates={p: cfg.unit_template_of(p) for p in cfg.managed_pools}
+                )
+            except ValueError as exc:
+                fail(PROG, f"--unit-template: {exc}")
         else:
             connector = VirtualConnector(runtime.discovery, runtime.lease, cfg.namespace, cfg.ack_timeout)
         runtime.resources.push_async_callback(connector.close)
@@ -226,12 +240,12 @@ async def serve(cfg: Settings) -> int:
 
         runtime.resources.push_async_callback(stop_tasks)
         log.info(
-            "planner on %s: mode %s, connector %s, pool 1 x aggregated in [%d, %d], every %gs (instance %x)",
+            "planner on %s: mode %s, connector %s, pools %s, budget %d engines, every %gs (instance %x)",
             runtime.address,
             cfg.effective_mode,
             connector.name,
-            cfg.min_engines,
-            cfg.max_engines,
+            ", ".join(f"{p} in [{cfg.pool_bounds(p)[0]}, {cfg.pool_bounds(p)[1]}]" for p in cfg.managed_pools),
+            cfg.budget,
             cfg.interval,
             runtime.instance_id,
         )

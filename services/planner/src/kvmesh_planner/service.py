@@ -36,6 +36,7 @@ def decision_message(d: Decision, planner_id: int, applied: bool, unix_ms: int) 
                 itl_correction=q.itl_correction,
                 engine_request_rate=q.engine_request_rate,
                 predictor=q.predictor,
+                engine_request_rates={str(k): float(v) for k, v in q.engine_request_rates.items()},
             )
         )
     return msg

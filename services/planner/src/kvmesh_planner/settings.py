@@ -7,7 +7,24 @@ from typing import Annotated, Literal
 from kvmesh.settings import DaemonSettings, Port
 from pydantic import AfterValidator, Field, NonNegativeInt, PositiveFloat, PositiveInt, model_validator
 
+from kvmesh_planner.core.model import POOLS, Pool
 from kvmesh_planner.core.predictors import PREDICTORS
+
+
+def _pools(text: str) -> str:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POOLS]
+    if not names or unknown:
+        raise ValueError(f"unknown pool {unknown[0] if unknown else text!r} (expected a list of {', '.join(POOLS)})")
+    if "prefill" in names and "decode" not in names:
+        raise ValueError("the prefill pool needs the decode pool (a prefill engine serves decode engines)")
+    return ",".join(p for p in POOLS if p in names)
+
+
+def _template(unit: str) -> str:
+    if not unit.endswith("@.service"):
+        raise ValueError(f"{unit!r} is not a template unit (NAME@.service)")
+    return unit
 
 
 def _predictor(name: str) -> str:
@@ -44,10 +61,23 @@ class Settings(DaemonSettings):
     """engine performance profile: mocker-polynomial (built in) or a path to an NPZ profile"""
     interval: PositiveFloat = 10.0
     """seconds between decisions"""
+    pools: Annotated[str, AfterValidator(_pools)] = "aggregated"
+    """the pools the planner manages, comma-separated: aggregated, prefill, decode (disaggregated serving:
+    'prefill,decode'); engines of other roles are left alone"""
     min_engines: NonNegativeInt = 1
     """smallest aggregated pool"""
     max_engines: PositiveInt = 8
-    """largest aggregated pool, and the total engine budget"""
+    """largest aggregated pool"""
+    min_prefill: NonNegativeInt = 1
+    """smallest prefill pool"""
+    max_prefill: PositiveInt = 4
+    """largest prefill pool"""
+    min_decode: NonNegativeInt = 1
+    """smallest decode pool"""
+    max_decode: PositiveInt = 4
+    """largest decode pool"""
+    engine_budget: NonNegativeInt = 0
+    """most engines over every managed pool together; 0 = the sum of their maxima"""
     scale_down_cooldown: Annotated[float, Field(ge=0)] = 60.0
     """seconds from a pool's last change to its next scale-down"""
     scale_up_cooldown: Annotated[float, Field(ge=0)] = 0.0
@@ -60,8 +90,12 @@ class Settings(DaemonSettings):
     """local connector: the worker executable"""
     systemctl: str = "systemctl"
     """systemd connector: the systemctl executable (systemctl --user: 'systemctl --user')"""
-    unit_template: str = "kvmesh-worker@.service"
-    """systemd connector: the template unit whose instances are the engines"""
+    unit_template: Annotated[str, AfterValidator(_template)] = "kvmesh-worker@.service"
+    """systemd connector: the template unit whose instances are the aggregated engines"""
+    prefill_unit_template: Annotated[str, AfterValidator(_template)] = "kvmesh-worker-prefill@.service"
+    """systemd connector: the template unit whose instances are the prefill engines"""
+    decode_unit_template: Annotated[str, AfterValidator(_template)] = "kvmesh-worker-decode@.service"
+    """systemd connector: the template unit whose instances are the decode engines"""
     startup_timeout: PositiveFloat = 120.0
     """seconds an engine may take from start to registration before it counts as failed"""
     ack_timeout: PositiveFloat = 1800.0
@@ -73,9 +107,39 @@ class Settings(DaemonSettings):
             raise ValueError("--ttft-ms and --itl-ms go together")
         if self.mode == "sla" and self.ttft_ms is None:
             raise ValueError("--mode sla needs --ttft-ms and --itl-ms")
-        if self.min_engines > self.max_engines:
-            raise ValueError("--min-engines is above --max-engines")
+        for pool in self.managed_pools:
+            lo, hi = self.pool_bounds(pool)
+            if lo > hi:
+                flags = (
+                    ("--min-engines", "--max-engines") if pool == "aggregated" else (f"--min-{pool}", f"--max-{pool}")
+                )
+                raise ValueError(f"{flags[0]} is above {flags[1]}")
+        if self.engine_budget and self.engine_budget < sum(self.pool_bounds(p)[0] for p in self.managed_pools):
+            raise ValueError("--engine-budget is below the sum of the managed pools' minimums")
         return self
+
+    @property
+    def managed_pools(self) -> tuple[Pool, ...]:
+        return tuple(p for p in POOLS if p in self.pools.split(","))
+
+    def unit_template_of(self, pool: Pool) -> str:
+        if pool == "prefill":
+            return self.prefill_unit_template
+        if pool == "decode":
+            return self.decode_unit_template
+        return self.unit_template
+
+    def pool_bounds(self, pool: Pool) -> tuple[int, int]:
+        """(min, max) engines of one pool."""
+        if pool == "prefill":
+            return self.min_prefill, self.max_prefill
+        if pool == "decode":
+            return self.min_decode, self.max_decode
+        return self.min_engines, self.max_engines
+
+    @property
+    def budget(self) -> int:
+        return self.engine_budget or sum(self.pool_bounds(p)[1] for p in self.managed_pools)
 
     @property
     def effective_mode(self) -> Literal["load", "sla"]:

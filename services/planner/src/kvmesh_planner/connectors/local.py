@@ -4,7 +4,9 @@ One process per engine (``--num-engines 1``), so an engine is stopped by stoppin
 sends SIGTERM to the least-loaded engine's process: the worker deregisters at once (no new request is
 routed to it) and finishes its in-flight requests before it exits (``--drain-timeout``). The processes
 are the planner's children: closing the connector drains them too (``kvmesh up`` stops everything on
-Ctrl-C). Only aggregated engines are managed.
+Ctrl-C). Each worker has one role (its pool): a prefill or decode worker is started with ``--role prefill``
+/ ``--role decode``, an aggregated one with no role flag (the worker's default). Pools are sized apart: a
+scale-down of one pool drains only that pool's least-loaded workers.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Worker:
     number: int
+    pool: Pool
     proc: asyncio.subprocess.Process
     started: float
     draining: bool = False
@@ -48,6 +51,7 @@ class LocalConnector:
         worker_args: str = "",
         drain_timeout: float = 30.0,
         log_dir: str | None = None,
+        pools: Sequence[Pool] = ("aggregated",),
     ) -> None:
         command = shlex.split(worker_command)
         if command and not shutil.which(command[0]):  # e.g. a venv's kvmesh-worker, not on PATH
@@ -68,6 +72,7 @@ class LocalConnector:
             str(drain_timeout),
             *shlex.split(worker_args),
         ]
+        self._pools = tuple(pools)
         self._workers: list[_Worker] = []
         self._next = 1
         self._log_dir = log_dir
@@ -76,49 +81,60 @@ class LocalConnector:
     async def start(self) -> None:
         return None
 
-    def _live(self) -> list[_Worker]:
-        return [w for w in self._workers if not w.draining and w.proc.returncode is None]
+    def _live(self, pool: Pool | None = None) -> list[_Worker]:
+        return [
+            w
+            for w in self._workers
+            if not w.draining and w.proc.returncode is None and (pool is None or w.pool == pool)
+        ]
 
     def actual(self) -> dict[Pool, int]:
-        return {"aggregated": len(self._live())}
+        return {p: len(self._live(p)) for p in self._pools}
 
     def starting(self, registered_pids: set[int]) -> dict[Pool, int]:
-        return {"aggregated": sum(1 for w in self._live() if w.proc.pid not in registered_pids)}
+        return {p: sum(1 for w in self._live(p) if w.proc.pid not in registered_pids) for p in self._pools}
 
     def draining(self) -> dict[Pool, int]:
-        return {"aggregated": sum(1 for w in self._workers if w.draining and w.proc.returncode is None)}
+        return {
+            p: sum(1 for w in self._workers if w.pool == p and w.draining and w.proc.returncode is None)
+            for p in self._pools
+        }
 
     def pids(self) -> set[int]:
         return {w.proc.pid for w in self._workers if w.proc.returncode is None}
 
     async def apply(self, decision_id: int, target: Mapping[Pool, int], engines: Sequence[EngineRef]) -> bool:
-        want = target.get("aggregated")
-        if want is None:
-            return True
-        live = self._live()
-        if want > len(live):
-            for _ in range(want - len(live)):
-                await self._spawn()
-        elif want < len(live):
-            await self._stop_some(len(live) - want, live, engines)
+        for pool, want in target.items():
+            if pool not in self._pools:
+                continue  # never scale a pool this connector was not given
+            live = self._live(pool)
+            if want > len(live):
+                for _ in range(want - len(live)):
+                    await self._spawn(pool)
+            elif want < len(live):
+                await self._stop_some(len(live) - want, live, [e for e in engines if e.pool == pool])
         return True
 
-    async def _spawn(self) -> None:
+    def argv(self, pool: Pool) -> list[str]:
+        """The command line of a worker of ``pool`` (aggregated: the worker's default role)."""
+        return self._argv if pool == "aggregated" else [*self._argv, "--role", pool]
+
+    async def _spawn(self, pool: Pool) -> None:
         number = self._next
         self._next += 1
+        argv = self.argv(pool)
         out: int | None = None
         if self._log_dir:
             os.makedirs(self._log_dir, exist_ok=True)
-            out = os.open(os.path.join(self._log_dir, f"worker-{number}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            name = f"worker-{number}.log" if pool == "aggregated" else f"worker-{pool}-{number}.log"
+            out = os.open(os.path.join(self._log_dir, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *self._argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out
-            )
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out)
         finally:
             if out is not None:
                 os.close(out)
-        log.info("local connector: started worker %d (pid %d): %s", number, proc.pid, shlex.join(self._argv))
-        self._workers.append(_Worker(number, proc, time.monotonic()))
+        log.info("local connector: started %s worker %d (pid %d): %s", pool, number, proc.pid, shlex.join(argv))
+        self._workers.append(_Worker(number, pool, proc, time.monotonic()))
 
     async def _stop_some(self, count: int, live: list[_Worker], engines: Sequence[EngineRef]) -> None:
         by_pid = {w.proc.pid: w for w in live}
@@ -129,7 +145,9 @@ class LocalConnector:
         for worker in order[:count]:
             worker.draining = True
             worker.stopped_at = time.monotonic()
-            log.info("local connector: draining worker %d (pid %d): SIGTERM", worker.number, worker.proc.pid)
+            log.info(
+                "local connector: draining %s worker %d (pid %d): SIGTERM", worker.pool, worker.number, worker.proc.pid
+            )
             with contextlib.suppress(ProcessLookupError):
                 worker.proc.send_signal(signal.SIGTERM)
             task = asyncio.get_running_loop().create_task(self._reap(worker))

@@ -1,20 +1,28 @@
-"""``systemd`` connector: engines are instances of the template unit ``kvmesh-worker@.service``.
+"""``systemd`` connector: engines are instances of one template unit per pool.
 
-Exact command sequence (``tests/planner/test_connectors.py`` checks it with a ``systemctl`` on PATH that
-records its argv):
+Pools and their template units (``packaging/systemd``): aggregated ``kvmesh-worker@.service``, prefill
+``kvmesh-worker-prefill@.service``, decode ``kvmesh-worker-decode@.service``. The role units are the
+aggregated unit plus ``Environment=KVMESH_ROLE=prefill|decode`` (a test keeps them identical otherwise):
+a role has to be in the unit, since systemd cannot derive a flag from part of an instance name, and an
+instance's environment file (``/etc/kvmesh/worker-%i.env``) is the operator's, not the planner's.
+Instance numbers are per template: ``kvmesh-worker-prefill@1`` and ``kvmesh-worker-decode@1`` coexist.
+
+Exact command sequence, per managed pool, with ``kvmesh-worker@`` standing for the pool's template
+(``tests/planner/test_connectors.py`` checks it with a ``systemctl`` on PATH that records its argv):
 
 - adopt at start: ``systemctl list-units --plain --no-legend --state=active kvmesh-worker@*.service``;
 - scale up by k: ``systemctl start kvmesh-worker@N.service`` for the k lowest free instance numbers;
 - map instances to engines: ``systemctl show --property MainPID --value kvmesh-worker@N.service``
   (an engine's discovery record carries its pid);
-- scale down by k: ``systemctl stop --no-block kvmesh-worker@N.service`` for the k least-loaded
+- scale down by k: ``systemctl stop --no-block kvmesh-worker@N.service`` for the pool's k least-loaded
   engines' units (instances not registered yet first). systemd sends SIGTERM: the worker deregisters at
   once and drains; the unit's ``TimeoutStopSec`` is above the worker's ``--drain-timeout``.
 - follow the drain: ``systemctl is-active kvmesh-worker@N.service`` until it is not ``active`` /
   ``deactivating``.
 
-systemctl is run as a subprocess (no D-Bus binding needed); ``--systemctl 'systemctl --user'`` drives
-user units. The planner never stops units it did not see as ``kvmesh-worker@N``.
+Pools are applied in the order aggregated, prefill, decode. systemctl is run as a subprocess (no D-Bus
+binding needed); ``--systemctl 'systemctl --user'`` drives user units. The planner never stops units it
+did not see as an instance of a managed pool's template.
 """
 
 from __future__ import annotations
@@ -36,8 +44,16 @@ class SystemctlError(RuntimeError):
     pass
 
 
+DEFAULT_TEMPLATES: dict[Pool, str] = {
+    "aggregated": "kvmesh-worker@.service",
+    "prefill": "kvmesh-worker-prefill@.service",
+    "decode": "kvmesh-worker-decode@.service",
+}
+
+
 @dataclass(slots=True)
 class _Unit:
+    pool: Pool
     number: int
     pid: int = 0
     draining: bool = False
@@ -46,16 +62,27 @@ class _Unit:
 class SystemdConnector:
     name = "systemd"
 
-    def __init__(self, systemctl: str = "systemctl", template: str = "kvmesh-worker@.service") -> None:
-        if not template.endswith("@.service"):
-            raise ValueError(f"{template!r} is not a template unit (NAME@.service)")
+    def __init__(
+        self,
+        systemctl: str = "systemctl",
+        template: str = DEFAULT_TEMPLATES["aggregated"],
+        templates: Mapping[Pool, str] | None = None,
+    ) -> None:
+        """``templates`` maps each managed pool to its template unit; default: the aggregated pool on ``template``."""
+        templates = dict(templates) if templates is not None else {"aggregated": template}
+        for t in templates.values():
+            if not t.endswith("@.service"):
+                raise ValueError(f"{t!r} is not a template unit (NAME@.service)")
         self._systemctl = shlex.split(systemctl)
-        self._prefix = template.removesuffix(".service")  # "kvmesh-worker@"
-        self._units: dict[int, _Unit] = {}
+        self._prefix = {pool: t.removesuffix(".service") for pool, t in templates.items()}  # "kvmesh-worker@"
+        self._units: dict[tuple[Pool, int], _Unit] = {}
         self._watchers: set[asyncio.Task[None]] = set()
 
-    def unit(self, number: int) -> str:
-        return f"{self._prefix}{number}.service"
+    def unit(self, number: int, pool: Pool = "aggregated") -> str:
+        return f"{self._prefix[pool]}{number}.service"
+
+    def _name(self, u: _Unit) -> str:
+        return self.unit(u.number, u.pool)
 
     async def _run(self, *args: str, check: bool = True) -> str:
         proc = await asyncio.create_subprocess_exec(
@@ -71,70 +98,77 @@ class SystemdConnector:
         return out.decode()
 
     async def start(self) -> None:
-        out = await self._run("list-units", "--plain", "--no-legend", "--state=active", f"{self._prefix}*.service")
-        pattern = re.compile(re.escape(self._prefix) + r"(\d+)\.service")
-        for line in out.splitlines():
-            m = pattern.match(line.strip())
-            if m:
-                n = int(m.group(1))
-                self._units[n] = _Unit(n)
+        for pool, prefix in self._prefix.items():
+            out = await self._run("list-units", "--plain", "--no-legend", "--state=active", f"{prefix}*.service")
+            pattern = re.compile(re.escape(prefix) + r"(\d+)\.service")
+            for line in out.splitlines():
+                m = pattern.match(line.strip())
+                if m:
+                    n = int(m.group(1))
+                    self._units[(pool, n)] = _Unit(pool, n)
         await self._refresh_pids()
         if self._units:
-            log.info("systemd connector: adopted %s", ", ".join(self.unit(n) for n in sorted(self._units)))
+            log.info("systemd connector: adopted %s", ", ".join(self._name(u) for u in self._sorted()))
+
+    def _sorted(self) -> list[_Unit]:
+        order = {p: i for i, p in enumerate(self._prefix)}
+        return sorted(self._units.values(), key=lambda u: (order[u.pool], u.number))
 
     async def _refresh_pids(self) -> None:
-        for u in self._units.values():
+        for u in self._sorted():
             if not u.pid:
-                text = (await self._run("show", "--property", "MainPID", "--value", self.unit(u.number))).strip()
+                text = (await self._run("show", "--property", "MainPID", "--value", self._name(u))).strip()
                 u.pid = int(text) if text.isdigit() else 0
 
-    def _live(self) -> list[_Unit]:
-        return [u for u in self._units.values() if not u.draining]
+    def _live(self, pool: Pool) -> list[_Unit]:
+        return [u for u in self._sorted() if u.pool == pool and not u.draining]
 
     def actual(self) -> dict[Pool, int]:
-        return {"aggregated": len(self._live())}
+        return {p: len(self._live(p)) for p in self._prefix}
 
     def starting(self, registered_pids: set[int]) -> dict[Pool, int]:
-        return {"aggregated": sum(1 for u in self._live() if not u.pid or u.pid not in registered_pids)}
+        return {p: sum(1 for u in self._live(p) if not u.pid or u.pid not in registered_pids) for p in self._prefix}
 
     def draining(self) -> dict[Pool, int]:
-        return {"aggregated": sum(1 for u in self._units.values() if u.draining)}
+        return {p: sum(1 for u in self._units.values() if u.pool == p and u.draining) for p in self._prefix}
 
     async def apply(self, decision_id: int, target: Mapping[Pool, int], engines: Sequence[EngineRef]) -> bool:
-        want = target.get("aggregated")
-        if want is None:
-            return True
         await self._refresh_pids()
-        live = self._live()
-        if want > len(live):
-            number = 1
-            for _ in range(want - len(live)):
-                while number in self._units:
-                    number += 1
-                await self._run("start", self.unit(number))
-                self._units[number] = _Unit(number)
-                log.info("systemd connector: started %s", self.unit(number))
-            await self._refresh_pids()
-        elif want < len(live):
-            by_pid = {u.pid: u for u in live if u.pid}
-            registered = {e.pid for e in engines}
-            order = [u for u in live if u.pid not in registered]
-            order += [by_pid[e.pid] for e in engines if e.pid in by_pid]
-            for u in order[: len(live) - want]:
-                await self._run("stop", "--no-block", self.unit(u.number))
-                u.draining = True
-                log.info("systemd connector: draining %s (pid %d)", self.unit(u.number), u.pid)
-                task = asyncio.get_running_loop().create_task(self._follow(u))
-                self._watchers.add(task)
-                task.add_done_callback(self._watchers.discard)
+        for pool in self._prefix:
+            want = target.get(pool)
+            if want is None:
+                continue
+            live = self._live(pool)
+            if want > len(live):
+                number = 1
+                for _ in range(want - len(live)):
+                    while (pool, number) in self._units:
+                        number += 1
+                    await self._run("start", self.unit(number, pool))
+                    self._units[(pool, number)] = _Unit(pool, number)
+                    log.info("systemd connector: started %s", self.unit(number, pool))
+                await self._refresh_pids()
+            elif want < len(live):
+                by_pid = {u.pid: u for u in live if u.pid}
+                mine = [e for e in engines if e.pool == pool]
+                registered = {e.pid for e in mine}
+                order = [u for u in live if u.pid not in registered]
+                order += [by_pid[e.pid] for e in mine if e.pid in by_pid]
+                for u in order[: len(live) - want]:
+                    await self._run("stop", "--no-block", self._name(u))
+                    u.draining = True
+                    log.info("systemd connector: draining %s (pid %d)", self._name(u), u.pid)
+                    task = asyncio.get_running_loop().create_task(self._follow(u))
+                    self._watchers.add(task)
+                    task.add_done_callback(self._watchers.discard)
         return True
 
     async def _follow(self, u: _Unit) -> None:
         """Forget the unit once systemd reports it stopped (its requests drained)."""
         while True:
-            state = (await self._run("is-active", self.unit(u.number), check=False)).strip()
+            state = (await self._run("is-active", self._name(u), check=False)).strip()
             if state not in ("active", "deactivating", "activating", "reloading"):
-                self._units.pop(u.number, None)
+                self._units.pop((u.pool, u.number), None)
                 return
             await asyncio.sleep(0.5)
 

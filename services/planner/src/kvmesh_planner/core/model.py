@@ -141,6 +141,8 @@ class Prediction:
     itl_correction: float
     engine_request_rate: float
     predictor: str
+    engine_request_rates: Mapping[Pool, float] = field(default_factory=dict)
+    """Per managed pool: requests per second one engine of that pool sustains."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 Invariants (tests: ``tests/planner/test_core.py``):
 
 - **Bounds.** Every target is within its pool's [min, max], and the targets of all managed pools add up to
-  at most ``max_engines`` (the budget wins over the minimums only when they cannot all fit).
+  at most ``max_engines`` (the budget wins over the minimums only when they cannot all fit). Over the budget,
+  growth is taken back first: a pool's scale-up never shrinks another pool.
 - **One step at a time in load mode.** A pool moves by at most +-1 per decision, and only when *every* ready
   engine of the pool agrees (all above the scale-up threshold, or all below the scale-down one).
 - **No scaling on stale capacity.** While a pool has engines starting, it is not scaled up again (the
@@ -96,7 +97,7 @@ class PlannerCore:
             target, reason, inputs, prediction = self._decide_sla(obs, previous)
         else:
             target, reason, inputs, prediction = self._decide_load(obs, previous)
-        target, clamp_note = self._clamp(target)
+        target, clamp_note = self._clamp(target, previous)
         if clamp_note:
             reason = f"{reason}; {clamp_note}"
         for pool in self.config.pools:
@@ -251,7 +252,9 @@ class PlannerCore:
         inputs.update(
             {k: v for k, v in (("expected_ttft_ms", expected_ttft), ("expected_itl_ms", expected_itl)) if v == v}
         )
-        prediction = Prediction(rate, isl, osl, sla.ttft_cf, sla.itl_cf, capacity[pools[0]], sla.rate.name)
+        prediction = Prediction(
+            rate, isl, osl, sla.ttft_cf, sla.itl_cf, capacity[pools[0]], sla.rate.name, dict(capacity)
+        )
         return target, "; ".join(reasons), inputs, prediction
 
     def _guard_sla(
@@ -289,18 +292,23 @@ class PlannerCore:
             sla.itl_cf = min(hi, max(lo, (1 - w) * sla.itl_cf + w * itl_ms / exp_itl))
 
     # -- bounds ---------------------------------------------------------------------------------
-    def _clamp(self, target: Mapping[Pool, int]) -> tuple[dict[Pool, int], str]:
+    def _clamp(self, target: Mapping[Pool, int], previous: Mapping[Pool, int]) -> tuple[dict[Pool, int], str]:
         cfg = self.config
         out = {p: min(cfg.pools[p].maximum, max(cfg.pools[p].minimum, target[p])) for p in cfg.pools}
         note = ""
-        total = sum(out.values())
-        if total > cfg.max_engines:
-            # Shrink the largest pools first, never below 1 while the budget allows it.
+        if sum(out.values()) > cfg.max_engines:
+            # Over the budget: first take back growth (the pool that grew most gives first), so one pool's
+            # scale-up never shrinks another pool that did not ask to (a shrink there would skip its guards);
+            # only if the pools' sizes before the decision already exceed the budget, shrink the largest pools.
             while sum(out.values()) > cfg.max_engines:
-                biggest = max(out, key=lambda p: out[p])
-                if out[biggest] == 0:
-                    break
-                out[biggest] -= 1
+                grown = [p for p in out if out[p] > previous.get(p, 0)]
+                if grown:
+                    pool = max(grown, key=lambda p: (out[p] - previous.get(p, 0), out[p]))
+                else:
+                    pool = max(out, key=lambda p: out[p])
+                    if out[pool] == 0:
+                        break
+                out[pool] -= 1
             note = f"clamped to the budget of {cfg.max_engines} engines"
         return out, note
 
