@@ -4,6 +4,11 @@ Runs ``kvmesh_bench.planner_sim`` once per planner mode and once per static flee
 (SLA attainment, engine-seconds, scaling events, latency percentiles) with the goal check (>= 95 %
 attainment with <= 75 % of the engine-seconds of the smallest static fleet that reaches 95 %), writes
 ``--json PATH`` and a PNG of pool size and latency over time next to it (or ``--plot``).
+
+``--pools prefill,decode`` runs a disaggregated fleet instead (the offline P/D pipeline: prefill -> KV
+transfer at ``--kv-transfer-gbps`` -> decode): the planner manages both pools within ``--min/--max-prefill``,
+``--min/--max-decode`` and ``--engine-budget``, static fleets are P+D splits (``--statics 1x1-6,2x2-6``),
+and engine-seconds are also reported per pool.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from pathlib import Path
 import numpy as np
 from kvmesh_planner.core import PlannerConfig, PoolBounds
 
-from kvmesh_bench.planner_sim import SimResult, run_planner_sim
+from kvmesh_bench.planner_sim import SimResult, run_planner_sim, run_planner_sim_disagg
+from kvmesh_bench.replay.disagg import DisaggConfig
 from kvmesh_bench.replay.offline import OfflineConfig
 from kvmesh_bench.replay.workload import build_requests
 from kvmesh_bench.trace import TraceError, load_trace
@@ -31,7 +37,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--modes", default="sla:kalman,sla:constant,load:latency", help="planner runs: sla:PREDICTOR, load:PROFILE"
     )
-    p.add_argument("--statics", default="1-8", help="static fleet sizes, e.g. 1-8 or 2,4,6")
+    p.add_argument(
+        "--statics",
+        default=None,
+        help="static fleet sizes, e.g. 1-8 or 2,4,6 (default 1-8); with --pools prefill,decode PxD splits, "
+        "e.g. 1x1-6,2x2-6 (default 1x1-4,2x2-4)",
+    )
+    p.add_argument(
+        "--pools",
+        default="aggregated",
+        choices=["aggregated", "prefill,decode"],
+        help="aggregated engines, or a disaggregated fleet whose prefill and decode pools the planner manages",
+    )
+    p.add_argument("--min-prefill", type=int, default=1)
+    p.add_argument("--max-prefill", type=int, default=4)
+    p.add_argument("--min-decode", type=int, default=1)
+    p.add_argument("--max-decode", type=int, default=4)
+    p.add_argument("--engine-budget", type=int, default=0, help="P/D: most engines in all (0: the sum of the maxima)")
+    p.add_argument("--kv-transfer-gbps", type=float, default=100.0, help="P/D: KV link GB/s")
     p.add_argument("--max-engines", type=int, default=8)
     p.add_argument("--min-engines", type=int, default=1)
     p.add_argument("--interval", type=float, default=10.0)
@@ -64,16 +87,43 @@ def _sizes(spec: str) -> list[int]:
     return out
 
 
+def _splits(spec: str) -> list[tuple[int, int]]:
+    """``1x1-6,2x2-6`` -> [(1, 1) .. (1, 6), (2, 2) .. (2, 6)]: (prefill, decode) engines."""
+    out: list[tuple[int, int]] = []
+    for part in spec.split(","):
+        if not part:
+            continue
+        prefill, sep, decode = part.partition("x")
+        if not sep:
+            raise ValueError(f"--statics {part!r}: a P/D split is PxD, e.g. 1x3 or 1x1-6")
+        out += [(a, b) for a in _sizes(prefill) for b in _sizes(decode)]
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    disagg = args.pools != "aggregated"
     try:
         rows = load_trace(args.trace, max_requests=args.max_requests)
         requests, _ = build_requests(rows, arrival_speedup=args.arrival_speedup)
-        statics = _sizes(args.statics)
+        statics: list[int] = [] if disagg else _sizes(args.statics or "1-8")
+        splits = _splits(args.statics or "1x1-4,2x2-4") if disagg else []
+        if disagg and (args.min_prefill > args.max_prefill or args.min_decode > args.max_decode):
+            raise ValueError("--min-prefill/--min-decode must not exceed --max-prefill/--max-decode")
     except (TraceError, ValueError, OSError) as exc:
         print(f"kvmesh bench planner-sim: error: {exc}", file=sys.stderr)
         return 2
     fleet = OfflineConfig(max_num_seqs=args.max_num_seqs)
+    pd = DisaggConfig(args.min_prefill, args.min_decode, args.kv_transfer_gbps)
+    if disagg:
+        pools = {
+            "prefill": PoolBounds(args.min_prefill, args.max_prefill),
+            "decode": PoolBounds(args.min_decode, args.max_decode),
+        }
+        budget = args.engine_budget or args.max_prefill + args.max_decode
+    else:
+        pools = {"aggregated": PoolBounds(args.min_engines, args.max_engines)}
+        budget = args.max_engines
     results: list[SimResult] = []
     for mode in [m for m in args.modes.split(",") if m]:
         kind, _, variant = mode.partition(":")
@@ -81,8 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode="sla" if kind == "sla" else "load",
             load_profile="latency" if variant == "latency" else "throughput",
             predictor=variant if kind == "sla" and variant else "kalman",
-            pools={"aggregated": PoolBounds(args.min_engines, args.max_engines)},
-            max_engines=args.max_engines,
+            pools=pools,  # type: ignore[arg-type]
+            max_engines=budget,
             interval_s=args.interval,
             ttft_ms=args.ttft_ms,
             itl_ms=args.itl_ms,
@@ -90,6 +140,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             sla_headroom=args.sla_headroom,
             lookahead_s=args.lookahead_s,
         )
+        if disagg:
+            results.append(
+                run_planner_sim_disagg(
+                    requests,
+                    fleet,
+                    pd,
+                    cfg,
+                    initial=(args.min_prefill, args.min_decode),
+                    engine_startup_s=args.engine_startup_s,
+                    profile=args.profile,
+                    label=f"planner {mode}",
+                )
+            )
+            continue
         results.append(
             run_planner_sim(
                 requests,
@@ -102,16 +166,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     for size in statics:
         results.append(run_planner_sim(requests, fleet, None, static_engines=size))
+    for prefill, decode in splits:
+        results.append(run_planner_sim_disagg(requests, fleet, pd, None, initial=(prefill, decode)))
     rows_out = [r.summary(args.ttft_ms, args.itl_ms) for r in results]
     static_ok = [s for s in rows_out if str(s["label"]).startswith("static") and float(s["sla_attainment"]) >= 0.95]  # type: ignore[arg-type]
     baseline = min((float(s["engine_seconds"]) for s in static_ok), default=float("nan"))  # type: ignore[arg-type]
     print(
         f"trace {args.trace}: {len(requests)} requests, TTFT <= {args.ttft_ms:g} ms, ITL <= {args.itl_ms:g} ms, "
         f"engine start-up {args.engine_startup_s:g} s"
+        + (f", prefill/decode pools, KV link {args.kv_transfer_gbps:g} GB/s" if disagg else "")
     )
     print(
         f"{'run':<24} {'SLA':>7} {'engine-s':>9} {'vs static':>9} {'events':>6} {'TTFT p50':>9} {'TTFT p95':>9} "
-        f"{'ITL p95':>8} {'failed':>6}"
+        f"{'ITL p95':>8} {'failed':>6}" + (f" {'prefill-s':>9} {'decode-s':>9}" if disagg else "")
     )
     for s in rows_out:
         ratio = float(s["engine_seconds"]) / baseline if baseline == baseline else float("nan")  # type: ignore[arg-type]
@@ -121,6 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{s['label']!s:<24} {float(s['sla_attainment']):>7.1%} {float(s['engine_seconds']):>9.0f} {ratio:>9.2f} "  # type: ignore[arg-type]
             f"{s['scaling_events']!s:>6} {float(s['ttft_p50_ms']):>9.0f} {float(s['ttft_p95_ms']):>9.0f} "  # type: ignore[arg-type]
             f"{float(s['itl_p95_ms']):>8.1f} {s['failed']!s:>6}"  # type: ignore[arg-type]
+            + (
+                f" {s['pool_engine_seconds']['prefill']:>9.0f} {s['pool_engine_seconds']['decode']:>9.0f}"  # type: ignore[index]
+                if disagg
+                else ""
+            )
         )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -131,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "smallest_static_95_engine_seconds": baseline,
             "runs": rows_out,
             "timelines": {r.label: r.timeline for r in planners},
+            "pool_timelines": {r.label: r.pool_timelines for r in planners if r.pool_timelines},
             "decisions": {r.label: r.decisions for r in planners},
         }
         Path(args.json).write_text(json.dumps(data, indent=1, default=float))

@@ -9,6 +9,11 @@ outside orchestrator: it starts engines that become routable ``engine_startup_s`
 least-loaded ones on a scale-down (removed from the router at once, stopped when their last request ends)
 and acknowledges the decision when it is carried out.
 
+``run_planner_sim_disagg`` is the same loop over the offline P/D pipeline
+(``kvmesh_bench.replay.disagg.DisaggFleet``: prefill -> KV transfer -> decode, the router's own P/D policy):
+the planner manages the prefill and decode pools, each engine observed in its pool, and every pool is
+grown with the start-up delay and shrunk by draining, as above.
+
 Figures: SLA attainment (share of requests with TTFT <= target and mean ITL <= target; an unserved request
 misses), engine-seconds (each engine from the moment it is asked for, start-up included, to the moment it
 stops, or the end of the run), scaling events, and pool size / latency over time for the plots.
@@ -36,16 +41,18 @@ from kvmesh_planner.core import (
     TrafficObservation,
     load_profile,
 )
+from kvmesh_planner.core.model import Pool
 from kvmesh_router.admission import Admission, BusyThresholds, Decision, EngineSpec, RouteRequest
 from kvmesh_router.indexer import KvIndexer
 from kvmesh_router.slot_tracker import DEFAULT_EXPIRY_S, SlotTracker
 from kvmesh_worker.engine import EngineCore, EngineError, EngineRequest, load_perf_model
 from kvmesh_worker.engine.perf_model import PolynomialPerfModel
 
+from kvmesh_bench.replay.disagg import DisaggConfig, DisaggFleet
 from kvmesh_bench.replay.offline import OfflineConfig
 from kvmesh_bench.replay.workload import ReplayRequest, TokenMapper
 
-__all__ = ["SimResult", "mocker_profile_arrays", "run_planner_sim"]
+__all__ = ["SimResult", "mocker_profile_arrays", "run_planner_sim", "run_planner_sim_disagg"]
 
 
 @dataclass
@@ -61,6 +68,9 @@ class SimResult:
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t s, ready, asked-for)
     decisions: list[str] = field(default_factory=list)
     cpu_s: float = 0.0
+    pool_timelines: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)
+    """Disaggregated runs: per pool (t s, ready, asked-for)."""
+    pool_engine_seconds: dict[str, float] = field(default_factory=dict)
 
     def attainment(self, ttft_ms: float, itl_ms: float) -> float:
         ok = self.served & (self.ttft_ms <= ttft_ms) & (self.itl_ms <= itl_ms)
@@ -80,6 +90,7 @@ class SimResult:
             "itl_p95_ms": float(np.nanpercentile(self.itl_ms[served], 95)) if served.any() else math.nan,
             "duration_s": self.duration_s,
             "cpu_s": self.cpu_s,
+            **({"pool_engine_seconds": self.pool_engine_seconds} if self.pool_engine_seconds else {}),
         }
 
 
@@ -349,4 +360,224 @@ def run_planner_sim(
         timeline=timeline,
         decisions=decisions,
         cpu_s=time.process_time() - cpu0,
+    )
+
+
+@dataclass
+class _Slot:
+    """One engine of a pool as the orchestrator sees it: asked for, then ready (an engine id), then draining."""
+
+    pool: Pool
+    asked_s: float
+    ready_s: float
+    eid: int | None = None
+    draining: bool = False
+    cancelled_s: float | None = None
+
+
+class _PoolOrchestrator:
+    """The virtual connector's outside orchestrator for a P/D fleet, and the planner's observer, in one.
+
+    A :class:`kvmesh_bench.replay.disagg.FleetControl`: at every interval it builds the daemon's
+    ``Observation`` (ready engines by pool, the interval's traffic and latency), runs ``PlannerCore.decide``,
+    publishes the targets, and carries them out: new engines become routable ``startup_s`` later; a
+    scale-down cancels engines still starting, then drains the least-loaded ready ones.
+    """
+
+    def __init__(
+        self,
+        fleet: DisaggFleet,
+        core: PlannerCore | None,
+        planner: PlannerConfig | None,
+        initial: dict[Pool, int],
+        startup_s: float,
+        block_size: int,
+        shape: EngineShape,
+    ) -> None:
+        self.fleet, self.core, self.planner = fleet, core, planner
+        self.startup_s, self.bs, self.shape = startup_s, block_size, shape
+        self.virtual = VirtualState()
+        self.slots: list[_Slot] = []
+        order: tuple[Pool, ...] = ("decode", "prefill")
+        for pool in order:  # ids as in the static replay: decode engines first
+            for _ in range(initial.get(pool, 0)):
+                slot = _Slot(pool, 0.0, 0.0)
+                slot.eid = fleet.add_engine(pool)
+                self.slots.append(slot)
+        self.interval_ms = planner.interval_s * 1000.0 if planner else math.inf
+        self.next_tick = self.interval_ms
+        self.tick_start = 0
+        self.events = 0
+        self.decisions: list[str] = []
+        self.timeline: dict[str, list[tuple[float, int, int]]] = {"prefill": [], "decode": []}
+        self._record(0.0)
+
+    def _live(self, pool: str) -> list[_Slot]:
+        return [s for s in self.slots if s.pool == pool and not s.draining]
+
+    def _record(self, now_s: float) -> None:
+        for pool, line in self.timeline.items():
+            live = self._live(pool)
+            line.append((now_s, sum(1 for s in live if s.eid is not None), len(live)))
+
+    def _next_ready_ms(self) -> float:
+        waits = [s.ready_s * 1000.0 for s in self.slots if s.eid is None and not s.draining]
+        return min(waits) if waits else math.inf
+
+    def next_ms(self) -> float:
+        tick = self.next_tick
+        if self.fleet.arrived >= len(self.fleet.requests) and not self.fleet.in_flight():
+            tick = math.inf  # the trace is over: no more decisions
+        return min(tick, self._next_ready_ms())
+
+    def on_event(self, now_ms: float) -> None:
+        if self._next_ready_ms() <= now_ms:
+            for s in self.slots:
+                if s.eid is None and not s.draining and s.ready_s * 1000.0 <= now_ms:
+                    s.eid = self.fleet.add_engine(s.pool)
+            return
+        self._tick(now_ms)
+        self.next_tick += self.interval_ms
+
+    def _tick(self, now: float) -> None:
+        assert self.core is not None and self.planner is not None
+        fleet, bs, now_s = self.fleet, self.bs, now / 1000.0
+        requests = fleet.requests
+        batch = requests[self.tick_start : fleet.arrived]
+        self.tick_start = fleet.arrived
+        done = fleet.finished[:]
+        fleet.finished.clear()
+        first, finish, arrival = fleet.first, fleet.finish, fleet.arrival
+        ttfts = [first[k] - arrival[k] for k in done]
+        itls = [(finish[k] - first[k]) / (requests[k].max_tokens - 1) for k in done if requests[k].max_tokens > 1]
+        traffic = TrafficObservation(
+            interval_s=self.planner.interval_s,
+            requests=len(batch),
+            mean_isl=float(np.mean([r.input_length for r in batch])) if batch else 0.0,
+            mean_osl=float(np.mean([r.max_tokens for r in batch])) if batch else 0.0,
+            ttft_ms=float(np.mean(ttfts)) if ttfts else None,
+            itl_ms=float(np.mean(itls)) if itls else None,
+        )
+        econf = fleet.econf
+        observed = []
+        for s in self.slots:
+            if s.eid is not None and not s.draining:
+                ld = fleet.cores[s.eid].load()
+                observed.append(
+                    EngineObservation(
+                        s.eid,
+                        s.pool,
+                        ld.active_blocks * bs,
+                        econf.num_gpu_blocks * bs,
+                        ld.queued_prefill_tokens,
+                        self.shape.context_length,
+                        ld.num_running,
+                        ld.num_waiting,
+                    )
+                )
+        pools: tuple[Pool, ...] = ("prefill", "decode")
+        actual = {p: len(self._live(p)) for p in pools}
+        starting = {p: sum(1 for s in self._live(p) if s.eid is None) for p in pools}
+        decision = self.core.decide(Observation(now_s, tuple(observed), actual, starting, traffic))
+        self.virtual.publish(decision.decision_id, decision.target, now_s)
+        if decision.changed:
+            self.events += 1
+            self.decisions.append(f"t={now_s:.0f}s {decision.log_line()}")
+            for pool in pools:
+                live = self._live(pool)
+                want = decision.target.get(pool, len(live))
+                if want > len(live):
+                    for _ in range(want - len(live)):
+                        self.slots.append(_Slot(pool, now_s, now_s + self.startup_s))
+                    continue
+
+                def load(s: _Slot) -> tuple[bool, int]:
+                    if s.eid is None:
+                        return (False, 0)
+                    ld = fleet.cores[s.eid].load()
+                    return (True, ld.active_blocks + ld.num_waiting)
+
+                for s in sorted(live, key=load)[: len(live) - want]:  # starting ones first, then least loaded
+                    s.draining = True
+                    if s.eid is None:
+                        s.cancelled_s = now_s
+                    else:
+                        fleet.drain_engine(s.eid, now)
+        actual = {p: len(self._live(p)) for p in pools}
+        ack = planner_pb2.PlannerTargetsAck(decision_id=decision.decision_id, actual=pool_sizes(actual))
+        self.virtual.acknowledge(ack)
+        self._record(now_s)
+
+    def engine_seconds(self, end_s: float) -> dict[str, float]:
+        out = {"prefill": 0.0, "decode": 0.0}
+        for s in self.slots:
+            if s.cancelled_s is not None:
+                stop = s.cancelled_s
+            elif s.eid is not None and self.fleet.stopped_ms[s.eid] is not None:
+                stop = float(self.fleet.stopped_ms[s.eid]) / 1000.0  # type: ignore[arg-type]
+            else:
+                stop = end_s
+            out[s.pool] += max(0.0, min(stop, end_s) - s.asked_s)
+        return out
+
+
+def run_planner_sim_disagg(
+    requests: Sequence[ReplayRequest],
+    fleet: OfflineConfig,
+    disagg: DisaggConfig,
+    planner: PlannerConfig | None,
+    *,
+    initial: tuple[int, int] = (1, 1),
+    engine_startup_s: float = 30.0,
+    profile: str | None = None,
+    label: str = "",
+) -> SimResult:
+    """Replay ``requests`` on a P/D fleet: ``initial`` = (prefill, decode) engines, then sized by ``planner``
+    (which must manage the prefill and decode pools), or static throughout when ``planner`` is None."""
+    from dataclasses import replace
+
+    cpu0 = time.process_time()
+    pd = DisaggFleet(requests, fleet, disagg)
+    econf = pd.econf
+    bs = econf.block_size
+    shape = EngineShape(
+        total_kv_tokens=econf.num_gpu_blocks * bs,
+        max_num_seqs=econf.max_num_seqs,
+        max_num_batched_tokens=econf.max_num_batched_tokens,
+        context_length=econf.num_gpu_blocks * bs,
+    )
+    core: PlannerCore | None = None
+    if planner is not None:
+        if set(planner.pools) != {"prefill", "decode"}:
+            raise ValueError("a disaggregated simulation needs a planner managing the prefill and decode pools")
+        planner = replace(planner, shape=shape)
+        core = PlannerCore(planner, load_profile(profile) if planner.mode == "sla" else None)
+    orch = _PoolOrchestrator(
+        pd, core, planner, {"prefill": initial[0], "decode": initial[1]}, engine_startup_s, bs, shape
+    )
+    pd.run(orch if core is not None else None)
+    n = len(requests)
+    finish, first, arrival = pd.finish, pd.first, pd.arrival
+    end_s = float(np.nanmax(finish) / 1000.0) if n and not np.all(np.isnan(finish)) else 0.0
+    end_s = max(end_s, float(arrival[-1]) / 1000.0 if n else 0.0)
+    per_pool = orch.engine_seconds(end_s)
+    served = ~np.isnan(finish)
+    out_len = np.array([r.max_tokens for r in requests], dtype=float)
+    itl = np.where(out_len > 1, (finish - first) / np.maximum(1.0, out_len - 1), 0.0)
+    lines = orch.timeline
+    total = [(p[0], p[1] + d[1], p[2] + d[2]) for p, d in zip(lines["prefill"], lines["decode"], strict=True)]
+    return SimResult(
+        label=label or (f"planner:{planner.mode}" if planner else f"static {initial[0]}P+{initial[1]}D"),
+        ttft_ms=np.where(served, first - arrival, math.inf),
+        itl_ms=np.where(served, itl, math.inf),
+        served=served,
+        arrival_ms=arrival,
+        engine_seconds=sum(per_pool.values()),
+        duration_s=end_s,
+        scaling_events=orch.events,
+        timeline=total,
+        decisions=orch.decisions,
+        cpu_s=time.process_time() - cpu0,
+        pool_timelines=lines,
+        pool_engine_seconds=per_pool,
     )
