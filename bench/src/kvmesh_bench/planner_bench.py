@@ -229,16 +229,18 @@ def _plot(results: list[SimResult], args: argparse.Namespace, path: str) -> None
     axes[0].set_ylabel("arrivals (req/s)")
     w = 50
     for r in planners:
-        t = [x[0] for x in r.timeline]
-        line = axes[1].step(t, [x[2] for x in r.timeline], where="post", label=f"{r.label} (asked for)")[0]
-        axes[1].step(
-            t,
-            [x[1] for x in r.timeline],
-            where="post",
-            linestyle=":",
-            color=line.get_color(),
-            label=f"{r.label} (ready)",
-        )
+        # A P/D run: one pair of lines per pool (dashed: prefill); aggregated: the whole fleet.
+        lines = r.pool_timelines or {"": r.timeline}
+        color = None
+        for pool, timeline in lines.items():
+            t = [x[0] for x in timeline]
+            name = f"{r.label} {pool}".rstrip()
+            style = "--" if pool == "prefill" else "-"
+            line = axes[1].step(
+                t, [x[2] for x in timeline], where="post", linestyle=style, color=color, label=f"{name} (asked for)"
+            )[0]
+            color = line.get_color()
+            axes[1].step(t, [x[1] for x in timeline], where="post", linestyle=":", color=color, label=f"{name} (ready)")
         order = np.argsort(r.arrival_ms)
         when = r.arrival_ms[order][w - 1 :] / 1000.0
         for ax, values in ((axes[2], r.ttft_ms), (axes[3], r.itl_ms)):
