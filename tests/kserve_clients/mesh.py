@@ -39,6 +39,7 @@ class Mesh:
         self.daemons: list[Daemon] = []
         self.frontend: Daemon | None = None
         self.metrics_port = 0
+        self.router_metrics_port = 0  # the first router's
 
     def _common(self, port: int) -> list[str]:
         return ["--discovery", self.url, "--namespace", self.namespace, "--grpc-port", str(port),
@@ -53,8 +54,10 @@ class Mesh:
         return daemon.wait_serving() if wait else daemon
 
     def router(self, *extra: str) -> Daemon:
-        port = free_port()
-        daemon = Daemon("kvmesh-router", [*self._common(port), "--router-mode", "kv", *extra], self.log_dir, port)
+        port, metrics_port = free_port(), free_port()
+        args = [*self._common(port), "--router-mode", "kv", "--metrics-port", str(metrics_port), *extra]
+        daemon = Daemon("kvmesh-router", args, self.log_dir, port)
+        self.router_metrics_port = self.router_metrics_port or metrics_port
         self.daemons.append(daemon)
         return daemon.wait_serving()
 
@@ -92,6 +95,24 @@ class Mesh:
         """The frontend's Prometheus exposition."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as reply:
             return reply.read().decode()
+
+    def router_metric(self, name: str) -> float:
+        """One unlabelled sample of the first router's Prometheus exposition (0 when absent)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.router_metrics_port}/metrics", timeout=5) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith(f"{name} "):
+                    return float(line.split()[1])
+        return 0.0
+
+    def wait_router_metric(self, name: str, at_least: float, timeout: float = 30.0) -> float:
+        """Poll the first router's metric until it reaches ``at_least`` (KV events reach the router
+        asynchronously, after the response that caused them)."""
+        deadline = time.monotonic() + timeout
+        while (value := self.router_metric(name)) < at_least:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"router metric {name} = {value} < {at_least} after {timeout}s:\n{self.logs()}")
+            time.sleep(0.05)
+        return value
 
     def logs(self) -> str:
         return "\n".join(f"--- {d.name}:{d.port}\n{d.log_text()[-4000:]}" for d in self.daemons)
