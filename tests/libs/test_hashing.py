@@ -3,6 +3,7 @@
 import struct
 
 import numpy as np
+import pytest
 import xxhash
 from kvmesh.hashing import (
     XXH3_SEED,
@@ -73,3 +74,9 @@ def test_salt_isolates_cache_namespaces():
     assert salted_seed(None) == salted_seed("") == XXH3_SEED
     assert local_block_hashes([1, 2, 3, 4], 4, salted_seed("lora-a")) == [16997879858665117404]
     assert local_block_hashes([1, 2, 3, 4], 4, salted_seed("lora-a")) != local_block_hashes([1, 2, 3, 4], 4)
+
+
+def test_a_token_outside_u32_is_refused_from_a_list_as_from_numpy():
+    for bad in (-1, 1 << 32):
+        with pytest.raises(OverflowError):
+            local_block_hashes([1] * 63 + [bad], 64)

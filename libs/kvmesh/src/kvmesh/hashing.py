@@ -10,6 +10,8 @@ block is never hashed: it cannot be shared until it fills.
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,6 +21,18 @@ XXH3_SEED = 1337
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _pack_pair = struct.Struct("<QQ").pack
+# A list of ints becomes u32 LE bytes 3-4x faster through array('I') than through numpy (no dtype
+# discovery pass): ~0.1 ms per 8k-token prompt, paid by the frontend and the engine on every request.
+_ARRAY_U32 = "I" if sys.byteorder == "little" and array("I").itemsize == 4 else None
+
+
+def _u32_le_bytes(tokens: Sequence[int] | np.ndarray, count: int) -> bytes:
+    if _ARRAY_U32 is not None and isinstance(tokens, list):
+        try:
+            return array(_ARRAY_U32, tokens[:count] if count < len(tokens) else tokens).tobytes()
+        except (OverflowError, TypeError):
+            pass  # out of u32 range or not ints: numpy raises its own, as before
+    return np.asarray(tokens[:count], dtype="<u4").tobytes()
 
 
 def salted_seed(salt: str | None = None) -> int:
@@ -35,7 +49,7 @@ def local_block_hashes(tokens: Sequence[int] | np.ndarray, block_size: int, seed
     n_full = len(tokens) // block_size
     if n_full == 0:
         return []
-    raw = np.asarray(tokens[: n_full * block_size], dtype="<u4").tobytes()
+    raw = _u32_le_bytes(tokens, n_full * block_size)
     step = block_size * 4
     return [_xxh3(raw[i : i + step], seed) for i in range(0, n_full * step, step)]
 

@@ -550,9 +550,10 @@ def parse_llm_request(
             raise invalid(f"input 'input_ids': expected shape [N] or [1, N], got {list(prompt.shape)}")
         if not prompt.values:
             raise invalid("input 'input_ids': the prompt is empty")
-        for i, token in enumerate(prompt.values):
-            if token < 0:
-                raise invalid(f"input 'input_ids': token id {token} at index {i} is negative")
+        if min(prompt.values) < 0:  # builtin min first: a Python loop per token costs ~0.3 ms per 8k prompt
+            for i, token in enumerate(prompt.values):
+                if token < 0:
+                    raise invalid(f"input 'input_ids': token id {token} at index {i} is negative")
         req.input_ids = prompt.values
     else:
         req.messages = _parse_messages(prompt)

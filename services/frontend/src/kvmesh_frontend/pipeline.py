@@ -240,7 +240,7 @@ class Frontend:
         """Prompt token ids and prompt text (the text only when the output repeats the prompt)."""
         if llm.input_ids is not None:
             ids = llm.input_ids
-            if entry.vocab_size:
+            if entry.vocab_size and max(ids) >= entry.vocab_size:  # builtin max first, the loop names the culprit
                 for i, token in enumerate(ids):
                     if token >= entry.vocab_size:
                         raise invalid(
