@@ -50,8 +50,12 @@ def mesh(cluster: Cluster) -> Iterator[Cluster]:
             cluster.restart_etcd_member(i)
     cluster.wait_etcd_healthy(range(len(cluster.etcd)))
     cluster.check()
-    for frontend in cluster.frontends:
-        wait_engines(frontend.address, 3)
+    try:
+        for frontend in cluster.frontends:
+            wait_engines(frontend.address, 3)
+    except AssertionError as exc:  # say why: the last lines of every worker's and frontend's log
+        tails = "\n".join(f"--- {d.name}\n{d.log_text()[-3000:]}" for d in [*cluster.workers, *cluster.frontends])
+        raise AssertionError(f"{exc}\n{tails}") from None
     try:
         yield cluster
     finally:
