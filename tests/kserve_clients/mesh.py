@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,14 +106,7 @@ class Mesh:
         return 0.0
 
     def wait_router_metric(self, name: str, at_least: float, timeout: float = 30.0) -> float:
-        """Poll the first router's metric until it reaches ``at_least`` (KV events reach the router
-        asynchronously, after the response that caused them)."""
-        deadline = time.monotonic() + timeout
-        while (value := self.router_metric(name)) < at_least:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"router metric {name} = {value} < {at_least} after {timeout}s:\n{self.logs()}")
-            time.sleep(0.05)
-        return value
+        return wait_metric(lambda: self.router_metric(name), name, at_least, timeout, self.logs)
 
     def logs(self) -> str:
         return "\n".join(f"--- {d.name}:{d.port}\n{d.log_text()[-4000:]}" for d in self.daemons)
@@ -170,6 +164,19 @@ def llm_inputs(
         inputs.append(bool_in("return_num_output_tokens", True))
         inputs.append(bool_in("return_finish_reason", True))
     return inputs
+
+
+def wait_metric(
+    read: Callable[[], float], name: str, at_least: float, timeout: float, logs: Callable[[], str] = str
+) -> float:
+    """Poll ``read()`` until it reaches ``at_least`` (KV events reach the routers asynchronously, after the
+    response that caused them)."""
+    deadline = time.monotonic() + timeout
+    while (value := read()) < at_least:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"metric {name} = {value} < {at_least} after {timeout}s:\n{logs()}")
+        time.sleep(0.05)
+    return value
 
 
 def param(result: grpcclient.InferResult, key: str) -> Any:

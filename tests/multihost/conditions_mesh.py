@@ -11,7 +11,7 @@ from kvmesh_bench import link_conditions as lc
 from kvmesh_bench.multihost import Cluster, Daemon
 from tritonclient.utils import InferenceServerException
 
-from tests.kserve_clients.mesh import MODEL
+from tests.kserve_clients.mesh import MODEL, wait_metric
 
 
 class _Extra:
@@ -42,6 +42,13 @@ class ClusterMesh:
     def metrics(self) -> str:
         with urllib.request.urlopen(self.frontend.metrics_url, timeout=10) as reply:
             return str(reply.read().decode())
+
+    def router_metric(self, name: str) -> float:
+        """The smallest value over the router replicas: either may take the next query."""
+        return min(self.cluster.metric(router, name) for router in self.cluster.routers)
+
+    def wait_router_metric(self, name: str, at_least: float, timeout: float = 30.0) -> float:
+        return wait_metric(lambda: self.router_metric(name), name, at_least, timeout)
 
     def worker(self, *extra: str, engines: int = 1, speedup: float = 0.0) -> _Extra:
         host = f"extra{len(self.cluster.hosts)}"  # a new host each time: its ports are free
