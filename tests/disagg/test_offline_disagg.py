@@ -41,3 +41,26 @@ def test_min_tokens_keeps_prefill_local_and_the_replay_is_deterministic():
 def test_a_slower_link_never_makes_ttft_faster():
     fast, slow = _run(DisaggConfig(1, 2, 400.0)), _run(DisaggConfig(1, 2, 1.0))
     assert np.nanmedian(slow.ttft_ms) > np.nanmedian(fast.ttft_ms)
+
+
+def test_the_sweep_cli_compares_aggregated_n_with_every_split_of_n(tmp_path):
+    """``kvmesh bench disagg-sweep``: one aggregated row per load, then every P+D split of N per bandwidth."""
+    import json
+
+    from tests.support.daemons import run_cli
+
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": i * 200, "input_length": 1024, "output_length": 8, "hash_ids": [i % 4, 10 + i]}
+            for i in range(12)]  # fmt: skip
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "sweep.json"
+    done = run_cli("kvmesh", "bench", "disagg-sweep", str(trace), "--engines", "3", "--loads", "1,4",
+                   "--gbps", "25,400", "--json", str(out), timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    fleets = [(r["load"], r["fleet"], r["gbps"], r["done"]) for r in json.loads(out.read_text())["rows"]]
+    for load in (1.0, 4.0):
+        assert (load, "3 agg", "-", 12) in fleets
+        for gbps in ("25", "400"):
+            assert {(load, f, gbps, 12) for f in ("1P2D", "2P1D")} <= set(fleets)
+    assert len(fleets) == 2 * (1 + 2 * 2)
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -197,3 +197,78 @@ def test_prefill_and_decode_workers_added_and_removed_under_load_fail_nothing(tm
         assert_nothing_held(mesh)
     finally:
         mesh.close()
+
+
+def _metric(daemon, name: str) -> float:
+    """Sum of one metric family's samples in a daemon's Prometheus exposition."""
+    import urllib.request
+
+    port = int(daemon.args[daemon.args.index("--metrics-port") + 1])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        lines = reply.read().decode().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+
+
+def test_prefill_worker_killed_while_its_blocks_are_being_read_fails_fast_and_the_request_migrates(tmp_path):
+    """The kill lands inside the decode side's NIXL READ, not before or after it. The bytes go over UCX's TCP
+    lane (as between hosts), so they leave only through the prefill process: the test waits until the decode
+    worker's ``kvmesh_engine_kv_reading_blocks`` gauge shows the read in flight, freezes the prefill worker
+    (SIGSTOP) so the read cannot finish, checks the read is still in flight, then SIGKILLs it. The hold lease
+    is 120 s: only the transport's own failure detection can end the pull quickly."""
+    from kvmesh_worker.kv_transfer.mocker_kv import PULL_TIMEOUT_S
+
+    from tests.support.daemons import Daemon
+    from tests.support.etcd import free_port
+
+    mesh = _mesh(tmp_path)
+    tcp_only = {"UCX_TLS": "tcp"}  # no shared-memory lane: a stopped or dead peer really stops the bytes
+    workers: dict[str, Daemon] = {}
+    try:
+        for role in ("decode", "prefill"):
+            port = free_port()
+            args = [*mesh._common(port), "--num-engines", "1", "--num-gpu-blocks", "512", "--block-size", "16",
+                    "--speedup-ratio", "0", "--role", role, "--kv-bytes-per-block", str(1 << 20),
+                    "--kv-hold-timeout", "120", "--metrics-port", str(free_port())]  # fmt: skip
+            workers[role] = Daemon("kvmesh-worker", args, mesh.log_dir, port, env=tcp_only)
+            mesh.daemons.append(workers[role])
+            workers[role].wait_serving()
+        mesh.router()
+        mesh.start_frontend()
+        mesh.wait_model(MODEL)
+        warm = stream_requests(mesh.url_frontend, [request("warm", "warm " + LONG, 4)])["warm"]
+        assert param(warm.final, "kvmesh.disagg") == "remote"  # the first NIXL connection is made
+        prompt = " ".join(f"tok{i}" for i in range(1000))  # ~5000 tokens: ~300 blocks of 1 MiB to read
+        max_tokens = 20
+        results: queue.Queue = queue.Queue()
+        outcome = Outcome()
+        decode, prefill = workers["decode"], workers["prefill"]
+        with grpcclient.InferenceServerClient(mesh.url_frontend) as client:
+            client.start_stream(callback=lambda result, error: results.put((result, error)))
+            client.async_stream_infer(MODEL, **request("k", prompt, max_tokens))
+            deadline = time.monotonic() + 60
+            while (reading := _metric(decode, "kvmesh_engine_kv_reading_blocks")) == 0:
+                assert results.empty(), f"answered before its KV read started: {results.queue[0][1].message()}"
+                assert time.monotonic() < deadline, "the decode side never started reading"
+                time.sleep(0.005)
+            prefill.proc.send_signal(signal.SIGSTOP)  # the read can no longer finish
+            assert _metric(decode, "kvmesh_engine_kv_reading_blocks") == reading, "the read ended before the kill"
+            prefill.proc.kill()
+            killed = time.monotonic()
+            while outcome.final is None:
+                result, error = results.get(timeout=2 * PULL_TIMEOUT_S)
+                assert error is None, error
+                absorb(outcome, result)
+            done = time.monotonic() - killed
+            client.stop_stream()
+        # One stream, whole: exactly max_tokens, the same text an undisturbed local prefill gives.
+        assert outcome.num_tokens == max_tokens and outcome.finish_reason == "length"
+        assert param(outcome.final, "kvmesh.migrations") == 1
+        assert param(outcome.final, "kvmesh.disagg") == "local: no other prefill engine after a failed one"
+        again = stream_requests(mesh.url_frontend, [request("again", prompt, max_tokens)])["again"]
+        assert outcome.text == again.text
+        # Fail fast: the dead source was detected by the transport, far inside the read's own timeout.
+        print(f"\nkilled mid-read of {reading:.0f} blocks; the request was done {done:.3f}s after the kill")
+        assert done < PULL_TIMEOUT_S / 5, f"took {done:.2f}s after the kill"
+        assert_nothing_held(mesh)
+    finally:
+        mesh.close()

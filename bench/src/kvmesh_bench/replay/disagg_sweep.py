@@ -22,6 +22,7 @@ from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import summarize
 from kvmesh_bench.replay.workload import TokenMapper
 from kvmesh_bench.tables import Column, format_table
+from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE
 
 COLUMNS: list[Column] = [
     ("load", "load", "x{:g}"),
@@ -60,6 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--loads", default="1,2,4,8", help="arrival speedups (default: %(default)s)")
     p.add_argument("--gbps", default="25,100,400", help="KV link bandwidths, GB/s (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=600, help="requests per replay (default: %(default)s)")
+    p.add_argument(
+        "--trace-block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="tokens per hash id of the trace (default: %(default)s, the Mooncake traces')",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the rows as JSON (and the plot next to it)")
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --json)")
@@ -72,15 +79,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for load in loads:
         requests = load_requests(
-            argparse.Namespace(trace=args.trace, max_requests=args.max_requests, arrival_speedup=load)
+            argparse.Namespace(
+                trace=args.trace,
+                max_requests=args.max_requests,
+                arrival_speedup=load,
+                trace_block_size=args.trace_block_size,
+            )
         )
         config = OfflineConfig(engines=n, seed=args.seed)
-        rows.append(_row(load, f"{n} agg", "-", run_offline(requests, config, TokenMapper(seed=args.seed)), n))
+        mapper = TokenMapper(block_tokens=args.trace_block_size, seed=args.seed)
+        rows.append(_row(load, f"{n} agg", "-", run_offline(requests, config, mapper), n))
         print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
         for gbps in bandwidths:
             for prefill in range(1, n):
                 disagg = DisaggConfig(prefill, n - prefill, gbps)
-                run = run_offline_disagg(requests, config, disagg, TokenMapper(seed=args.seed))
+                mapper = TokenMapper(block_tokens=args.trace_block_size, seed=args.seed)
+                run = run_offline_disagg(requests, config, disagg, mapper)
                 rows.append(_row(load, f"{prefill}P{n - prefill}D", f"{gbps:g}", run, n))
                 print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
         if args.json is not None:  # after every load: a long sweep that is stopped keeps what it measured

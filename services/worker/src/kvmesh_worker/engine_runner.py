@@ -260,6 +260,11 @@ class EngineRunner:
             raise KvNotHeld(f"engine {self.engine_id:x} is aggregated: it holds no KV for transfers")
         return self.kv.release(transfer_id)
 
+    @property
+    def kv_reading_blocks(self) -> int | None:
+        """Blocks of NIXL reads in flight now; None for an aggregated engine (no such gauge)."""
+        return None if self.kv is None else self.kv.reading_blocks
+
     async def pull_kv(self, request: EngineRequest, params: KvTransferParams) -> KvTransferReport:
         if self.kv is None:
             raise KvPullFailed(

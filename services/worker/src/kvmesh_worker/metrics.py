@@ -39,6 +39,9 @@ _OPTIONAL_COUNTERS = (
     ("kvmesh_engine_kv_pulled_bytes", "KV bytes the engine pulled from prefill engines", "kv_pulled_bytes"),
 )
 
+# Gauges only some engines keep (a mocker prefill/decode engine: its NIXL reads in flight).
+_OPTIONAL_GAUGES = (("kvmesh_engine_kv_reading_blocks", "KV blocks of NIXL reads in flight now", "kv_reading_blocks"),)
+
 
 class EngineCollector(Collector):
     """Every engine's gauges and counters, labelled by engine and by the model it serves."""
@@ -61,12 +64,15 @@ class EngineCollector(Collector):
             for label, _load, engine in loads:
                 family.add_metric([label, self.model], getattr(engine, attr))
             yield family
-        for name, doc, attr in _OPTIONAL_COUNTERS:
+        for name, doc, attr, kind in [
+            *((n, d, a, CounterMetricFamily) for n, d, a in _OPTIONAL_COUNTERS),
+            *((n, d, a, GaugeMetricFamily) for n, d, a in _OPTIONAL_GAUGES),
+        ]:
             kept = [
                 (label, value) for label, _load, engine in loads if (value := getattr(engine, attr, None)) is not None
             ]
             if kept:
-                family = CounterMetricFamily(name, doc, labels=["engine", "model"])
+                family = kind(name, doc, labels=["engine", "model"])
                 for label, value in kept:
                     family.add_metric([label, self.model], value)
                 yield family

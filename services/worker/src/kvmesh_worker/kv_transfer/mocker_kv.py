@@ -72,6 +72,7 @@ class MockerKv:
         self._ids = itertools.count()
         self._corrupt = bool(os.environ.get(CORRUPT_ENV))
         self._pull_delay_s = float(os.environ.get(PULL_DELAY_ENV) or 0)
+        self.reading_blocks = 0  # blocks of NIXL reads in flight now (a gauge: a stuck pull shows)
 
     @property
     def held_blocks(self) -> int:
@@ -167,6 +168,7 @@ class MockerKv:
                 bpb = arena.bytes_per_block
                 local_descs = [(arena.address + slot * bpb, bpb) for slot in slots]
                 remote_descs = [(params.arena_address + params.block_ids[i] * bpb, bpb) for i in range(have, n)]
+                self.reading_blocks += missing
                 try:
                     real_s = await self.agent.read(
                         params.agent_name,
@@ -178,6 +180,8 @@ class MockerKv:
                     )
                 except TransferFailed as exc:
                     raise KvPullFailed("ABORTED", f"KV transfer from prefill engine {source:x} failed: {exc}") from None
+                finally:
+                    self.reading_blocks -= missing
                 for k, slot in enumerate(slots):
                     if not verify_block(arena.view(slot), seq[have + k]):
                         raise KvPullFailed(
