@@ -81,16 +81,7 @@ class Mesh:
 
     def wait_model(self, model: str = MODEL, ready: bool = True, timeout: float = 20.0) -> float:
         """Seconds until ModelReady(model) == ready."""
-        start = time.monotonic()
-        with self.client() as client:
-            while time.monotonic() - start < timeout:
-                try:
-                    if client.is_model_ready(model) == ready:
-                        return time.monotonic() - start
-                except InferenceServerException:
-                    pass
-                time.sleep(0.05)
-        raise AssertionError(f"ModelReady({model}) != {ready} within {timeout}s:\n{self.logs()}")
+        return wait_model_ready(self.url_frontend, model, ready, timeout, self.logs)
 
     def metrics(self) -> str:
         """The frontend's Prometheus exposition."""
@@ -164,6 +155,20 @@ def llm_inputs(
         inputs.append(bool_in("return_num_output_tokens", True))
         inputs.append(bool_in("return_finish_reason", True))
     return inputs
+
+
+def wait_model_ready(url: str, model: str, ready: bool, timeout: float, logs: Callable[[], str] = str) -> float:
+    """Seconds until the frontend at ``url`` answers ModelReady(model) == ready."""
+    start = time.monotonic()
+    with grpcclient.InferenceServerClient(url) as client:
+        while time.monotonic() - start < timeout:
+            try:
+                if client.is_model_ready(model) == ready:
+                    return time.monotonic() - start
+            except InferenceServerException:
+                pass
+            time.sleep(0.05)
+    raise AssertionError(f"ModelReady({model}) != {ready} within {timeout}s on {url}:\n{logs()}")
 
 
 def wait_metric(

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from collections.abc import Iterator
 
 import tritonclient.grpc as grpcclient
 from kvmesh_bench import link_conditions as lc
 from kvmesh_bench.multihost import Cluster, Daemon
-from tritonclient.utils import InferenceServerException
 
-from tests.kserve_clients.mesh import MODEL, wait_metric
+from tests.kserve_clients.mesh import MODEL, wait_metric, wait_model_ready
 
 
 class _Extra:
@@ -57,16 +55,7 @@ class ClusterMesh:
         return _Extra(daemon)
 
     def wait_model(self, model: str = MODEL, ready: bool = True, timeout: float = 60.0) -> float:
-        start = time.monotonic()
-        with self.client() as client:
-            while time.monotonic() - start < timeout:
-                try:
-                    if client.is_model_ready(model) == ready:
-                        return time.monotonic() - start
-                except InferenceServerException:
-                    pass
-                time.sleep(0.1)
-        raise AssertionError(f"ModelReady({model}) != {ready} within {timeout}s on {self.url_frontend}")
+        return wait_model_ready(self.url_frontend, model, ready, timeout)
 
 
 def conditioned(cluster: Cluster, condition: lc.Condition) -> Iterator[ClusterMesh]:
