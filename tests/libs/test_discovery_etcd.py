@@ -287,3 +287,31 @@ async def test_a_put_refused_for_a_vanished_lease_re_registers_instead_of_raisin
     finally:
         await disc.close()
         await admin.close()
+
+
+async def test_a_watch_that_stalls_without_an_error_is_listed_again(etcd_server: EtcdServer, ns: str, tracker):
+    """etcd cancels the watch on its side and aetcd drops the ``canceled`` reply (it never tells the
+    iterator): the stream is open and silent. The periodic check sees a write the watch never
+    delivered, twice in a row, and restarts the cycle: the write arrives within about two intervals."""
+    disc = await open_discovery(etcd_server.url, ttl=TTL)
+    prefix = instance_prefix(ns)
+    try:
+        watch = await tracker(disc, prefix)
+        client = disc._conn.client  # type: ignore[attr-defined]
+        await asyncio.sleep(0.2)  # the watch is created after the first Snapshot
+        watch_ids = list(client._watcher._callbacks)
+        assert watch_ids, "the tracker's watch is registered"
+        for watch_id in watch_ids:  # cancelled on the server only: aetcd keeps waiting on it
+            await client._watcher._enqueue_watch_cancel(watch_id=watch_id)
+        snapshots = watch.snapshots
+        writer = await open_discovery(etcd_server.url, ttl=TTL)
+        try:
+            lease = await writer.grant_lease()
+            await lease.put(f"{prefix}late", b"written while the watch was silent")
+            interval = disc.watch_check_interval  # type: ignore[attr-defined]
+            await watch.wait_for(lambda s: f"{prefix}late" in s, 2 * interval + 3, "the write, after a re-list")
+            assert watch.snapshots > snapshots
+        finally:
+            await writer.close()
+    finally:
+        await disc.close()
