@@ -328,6 +328,7 @@ class FrontendHarness:
             engine_alive=self.registry.engine_alive,
             no_engine_grace=0.3,
             address_live=self.registry.address_live,
+            departed_engines=self.registry.departed,
         )
         self.registry.on_address_gone = self.generator.engines.retire
         self.frontend = Frontend(self.registry, self.generator, self.metrics, id_prefix="fe")

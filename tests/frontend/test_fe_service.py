@@ -477,6 +477,26 @@ async def test_a_worker_that_leaves_discovery_keeps_its_stream_until_its_request
     await no_leaks(worker, router)
 
 
+async def test_an_engine_that_left_discovery_is_excluded_while_a_router_replica_still_offers_it(mesh) -> None:
+    """Routers watch discovery on their own and may lag: the frontend excludes the engines it saw leave,
+    so none of its new requests goes to one, until the engine registers again."""
+    fe, worker, router = mesh
+    fe.registry.apply(Removed(model_key(NS, MODEL, 0x11)))  # the fake router still offers 0x11
+    messages = await stream_all(
+        fe, [llm_request(f"prompt {i}", request_id=f"p{i}", sampling={"max_tokens": 2}) for i in range(4)]
+    )
+    assert not [m for m in messages if m.error_message]
+    assert [list(q.excluded_engine_ids) for q in router.queries] == [[0x11]] * 4
+    assert {r.engine_id for r in worker.requests} == {0x22}
+
+    fe.add_cards(worker)  # 0x11 registers again: offered and served again
+    router.queries.clear()
+    await stream_all(fe, [llm_request(f"again {i}", request_id=f"a{i}", sampling={"max_tokens": 2}) for i in range(2)])
+    assert [list(q.excluded_engine_ids) for q in router.queries] == [[], []]
+    assert 0x11 in {r.engine_id for r in worker.requests}
+    await no_leaks(worker, router)
+
+
 def test_the_registry_reports_a_worker_address_once_its_last_card_is_gone() -> None:
     registry = ModelRegistry(ChannelPool(), NS)
     gone: list[str] = []

@@ -94,6 +94,12 @@ def test_worker_cut_off_from_etcd_only(mesh: Cluster) -> None:
             if not dropped_at and all(engines_seen(f.address) == 2 for f in mesh.frontends):
                 dropped_at.append(time.monotonic())
             time.sleep(0.1)
+        why_not = ""  # for the failure message: whose view is wrong, etcd's or a frontend's
+        if not dropped_at:
+            workers = sorted(r["address"] for r in fleet(mesh) if r["component"].startswith("worker"))
+            why_not = (
+                f"etcd holds workers at {workers}; engines seen: {[engines_seen(f.address) for f in mesh.frontends]}"
+            )
         time.sleep(3)  # requests keep coming while the worker is out of discovery
         mesh.heal()
         for f in mesh.frontends:
@@ -101,7 +107,7 @@ def test_worker_cut_off_from_etcd_only(mesh: Cluster) -> None:
         back_at = time.monotonic()
         time.sleep(3)
     results = load.results
-    assert dropped_at, "the frontends never dropped the partitioned worker's engine"
+    assert dropped_at, f"the frontends never dropped the partitioned worker's engine ({why_not})"
     served_after_drop = [r for r in results if r.engine_id in w1_engines and dropped_at[0] < r.started < back_at]
     _report("worker1 | etcd", results, dropped_after_s=round(dropped_at[0] - start, 1),
             served_by_dropped_engine=len(served_after_drop))  # fmt: skip

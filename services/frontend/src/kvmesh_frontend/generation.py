@@ -13,6 +13,8 @@
    one uninterrupted stream. When the worker's whole stream failed (the process died), every engine
    at that address is excluded at once, and so are they for new requests while the address is down
    (:mod:`.engine_stream`): killing a 4-engine worker costs a request one migration, not four.
+   Engines that left this frontend's discovery view lately are excluded too (the router replicas
+   watch discovery on their own and may lag).
 
 Cleanup is structural: every attempt's engine call is cancelled and its booking freed in a
 ``finally``, so closing the generator (client cancel or disconnect, a stop string, an error) leaks
@@ -94,10 +96,12 @@ class Generator:
         model_roles: Callable[[str], set[int]] = lambda _model: set(),
         engine_addresses: Callable[[str], Mapping[int, str]] = lambda _model: {},
         down_s: float = 11.0,
+        departed_engines: Callable[[str], Sequence[int]] = lambda _model: (),
     ) -> None:
         self._router = router
         self.engines = EngineStreams(pool, address_live, down_s)
         self._engine_addresses = engine_addresses
+        self._departed_engines = departed_engines
         self.disagg = Disaggregator(self.engines, disagg_policy or DisaggPolicy(), model_roles)
         self.migration_limit = migration_limit
         self._on_migration = on_migration
@@ -111,6 +115,8 @@ class Generator:
         hashes = req.block_hashes
         generated: list[int] = []
         excluded: list[int] = self._down_engines(req.model) if self.engines.any_down else []
+        # engines this frontend saw leave discovery: a router replica may not have seen it yet
+        excluded.extend(e for e in self._departed_engines(req.model) if e != req.pinned_engine_id)
         attempt = 0
         while True:
             request_id = req.request_id if attempt == 0 else f"{req.request_id}~m{attempt}"

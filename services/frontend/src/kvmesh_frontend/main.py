@@ -90,6 +90,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         model_roles=registry.roles,
         engine_addresses=registry.engine_addresses,
         down_s=config.lease_ttl + 1.0,  # by then discovery has dropped a dead worker
+        departed_engines=registry.departed,
     )
     runtime.resources.push_async_callback(generator.disagg.close)
     runtime.resources.push_async_callback(generator.engines.close)

@@ -11,6 +11,11 @@ files share one download and one :class:`ModelTokenizer`.
 
 A model name that was seen once and has no live engine now is *known but unavailable*
 (UNAVAILABLE); a name never seen is unknown (NOT_FOUND).
+
+An engine whose card vanished is remembered as *departed* for ``departed_s``: every router replica
+watches discovery on its own and may still offer it for a moment, so the frontend excludes departed
+engines from its route queries. Invariant: once this frontend has dropped an engine, it sends that
+engine no new request until the engine registers again.
 """
 
 from __future__ import annotations
@@ -88,11 +93,15 @@ class ModelEntry:
 class ModelRegistry:
     """Models and their live engines, from the discovery watch on ``v1/models/{ns}/``."""
 
-    def __init__(self, pool: ChannelPool, namespace: str, fetch_timeout: float = 30.0) -> None:
+    def __init__(
+        self, pool: ChannelPool, namespace: str, fetch_timeout: float = 30.0, departed_s: float = 30.0
+    ) -> None:
         self._pool = pool
         self._namespace = namespace
         self._fetch_timeout = fetch_timeout
         self._models: dict[str, ModelEntry] = {}
+        self.departed_s = departed_s
+        self._departed: dict[str, dict[int, float]] = {}  # model -> engine id -> monotonic time it left
         self._keys: dict[str, tuple[str, int]] = {}  # discovery key -> (model, engine id)
         self._assets: dict[str, _Assets] = {}  # by files digest
         self._closed = False
@@ -131,6 +140,9 @@ class ModelRegistry:
             self.on_engine_joined(card.address)
         entry.cards[engine_id] = card
         self._keys[key] = (name, engine_id)
+        departed = self._departed.get(name)
+        if departed is not None and departed.pop(engine_id, None) is not None and not departed:
+            del self._departed[name]
         self._count_address(card.address, +1)
         if replaced is not None:
             self._count_address(replaced.address, -1)
@@ -151,6 +163,7 @@ class ModelRegistry:
         card = entry.cards.pop(engine_id, None)
         if card is not None:
             self._count_address(card.address, -1)
+            self._departed.setdefault(name, {})[engine_id] = time.monotonic()
         entry._refresh()
         if not entry.cards:
             log.info("model %s has no live engine", name)
@@ -215,6 +228,18 @@ class ModelRegistry:
         """``{engine id: worker address}`` of model ``name`` (to exclude every engine of a dead worker)."""
         entry = self._models.get(name)
         return {engine_id: card.address for engine_id, card in entry.cards.items()} if entry else {}
+
+    def departed(self, name: str) -> list[int]:
+        """Engines of model ``name`` whose cards vanished less than ``departed_s`` ago (not back since)."""
+        departed = self._departed.get(name)
+        if not departed:
+            return []
+        horizon = time.monotonic() - self.departed_s
+        for engine_id in [e for e, left in departed.items() if left < horizon]:
+            del departed[engine_id]
+        if not departed:
+            del self._departed[name]
+        return list(departed)
 
     def engines(self, name: str) -> list[int]:
         entry = self._models.get(name)
