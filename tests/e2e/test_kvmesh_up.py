@@ -11,58 +11,30 @@ Load-proof (issue 14 item 12): the bounds are what a shared 2-core CI box busy w
 from __future__ import annotations
 
 import os
-import queue
-import signal
 import subprocess
-import threading
-import time
 
 import pytest
 
 from tests.support.daemons import script
 from tests.support.etcd import free_port
+from tests.support.kvmesh_up import KvmeshUp
 
 pytestmark = pytest.mark.e2e
 
 
 def test_kvmesh_up_serves_a_request_and_stops_cleanly_on_ctrl_c(tmp_path):
     port = free_port()
-    proc = subprocess.Popen(
-        [script("kvmesh"), "up", "--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'disc'}",
-         "--log-dir", str(tmp_path / "logs"), "--speedup-ratio", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    with KvmeshUp(
+        ["--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'disc'}", "--log-dir", str(tmp_path / "logs"),
+         "--speedup-ratio", "0"],
         env={**os.environ, "KVMESH_NUM_GPU_BLOCKS": "4096", "KVMESH_MIGRATION_LIMIT": "2",
-             "KVMESH_DRAIN_TIMEOUT": "5"})  # fmt: skip
-    lines: list[str] = []
-    output: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            output.put(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120  # three daemons and a tokenizer start on a busy machine
-        while not any(line.startswith("demo request") for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            try:
-                lines.append(output.get(timeout=1))
-            except queue.Empty:
-                continue
-        assert any(f"KServe gRPC on localhost:{port}" in line for line in lines)
-        assert any("InferenceServerClient" in line for line in lines), "the tritonclient example is printed"
-        demo = next(line for line in lines if line.startswith("demo request"))
-        assert "failed" not in demo, "".join(lines)
-        proc.send_signal(signal.SIGINT)
-        # kvmesh up SIGKILLs a daemon after 15 s; the rest is process exit on a loaded machine
-        assert proc.wait(90) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        reader.join(10)
+             "KVMESH_DRAIN_TIMEOUT": "5"},
+    ) as up:  # fmt: skip
+        demo = up.wait_for("demo request", 120)  # three daemons and a tokenizer start on a busy machine
+        assert f"KServe gRPC on localhost:{port}" in up.text
+        assert "InferenceServerClient" in up.text, "the tritonclient example is printed"
+        assert "failed" not in demo, up.text
+        assert up.stop() == 0
     logs = {p.name: p.read_text() for p in (tmp_path / "logs").iterdir()}
     assert set(logs) == {"kvmesh-frontend.log", "kvmesh-router.log", "kvmesh-worker.log"}
     for name, text in logs.items():

@@ -10,9 +10,6 @@ queue, prefill and decode.
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import time
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
@@ -23,8 +20,8 @@ import pytest
 from inference import grpc_service_pb2_grpc as pb_grpc
 
 from tests.frontend.frontend_fakes import llm_request
-from tests.support.daemons import script
 from tests.support.etcd import free_port
+from tests.support.kvmesh_up import KvmeshUp
 
 pytestmark = pytest.mark.e2e
 
@@ -69,20 +66,14 @@ def test_one_trace_per_request_with_router_and_worker_spans(tmp_path: Path) -> N
     port = free_port()
     metrics_base = free_port()  # worker here, router +1, frontend +2 (issue 16.4 metrics checked too)
     logs = tmp_path / "logs"
-    proc = subprocess.Popen(
-        [script("kvmesh"), "up", "--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'disc'}",
-         "--log-dir", str(logs), "--no-demo", "--speedup-ratio", "0", "--otel-exporter", "console",
-         "--metrics-port-base", str(metrics_base)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while proc.stdout is not None and not proc.stdout.readline().startswith("kvmesh is up"):
-            assert time.monotonic() < deadline and proc.poll() is None, "kvmesh up did not come up"
+    with KvmeshUp(
+        ["--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'disc'}", "--log-dir", str(logs), "--no-demo",
+         "--speedup-ratio", "0", "--otel-exporter", "console", "--metrics-port-base", str(metrics_base)],
+    ) as up:  # fmt: skip
+        up.wait_for("kvmesh is up", 60)
         _stream_two_requests(f"127.0.0.1:{port}")
         worker_metrics, router_metrics = _scrape(metrics_base), _scrape(metrics_base + 1)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
+        up.stop(30)
     spans = [span for log in logs.glob("*.log") for span in _spans(log.read_text())]
     by_id = {span["context"]["span_id"]: span for span in spans}
     children: dict[str, list[dict[str, Any]]] = defaultdict(list)

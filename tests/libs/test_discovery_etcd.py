@@ -297,7 +297,7 @@ async def test_a_watch_that_stalls_without_an_error_is_listed_again(etcd_server:
     prefix = instance_prefix(ns)
     try:
         watch = await tracker(disc, prefix)
-        client = disc._conn.client  # type: ignore[attr-defined]
+        client = disc._conn.client
         await asyncio.sleep(0.2)  # the watch is created after the first Snapshot
         watch_ids = list(client._watcher._callbacks)
         assert watch_ids, "the tracker's watch is registered"
@@ -308,7 +308,7 @@ async def test_a_watch_that_stalls_without_an_error_is_listed_again(etcd_server:
         try:
             lease = await writer.grant_lease()
             await lease.put(f"{prefix}late", b"written while the watch was silent")
-            interval = disc.watch_check_interval  # type: ignore[attr-defined]
+            interval = disc.watch_check_interval
             await watch.wait_for(lambda s: f"{prefix}late" in s, 2 * interval + 3, "the write, after a re-list")
             assert watch.snapshots > snapshots
         finally:

@@ -5,16 +5,13 @@ shows both pools at their minimums; the demo request is served disaggregated; Ct
 from __future__ import annotations
 
 import json
-import queue
-import signal
 import subprocess
-import threading
-import time
 
 import pytest
 
 from tests.support.daemons import script
 from tests.support.etcd import free_port
+from tests.support.kvmesh_up import KvmeshUp
 
 pytestmark = pytest.mark.e2e
 
@@ -22,31 +19,13 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_kvmesh_up_planner_manages_the_prefill_and_decode_pools(tmp_path):
     port, disc = free_port(), f"file://{tmp_path / 'disc'}"
-    proc = subprocess.Popen(
-        [script("kvmesh"), "up", "--planner", "--prefill-workers", "1", "--decode-workers", "1",
-         "--max-engines", "2", "--planner-args", "--interval 1", "--grpc-port", str(port),
-         "--discovery", disc, "--log-dir", str(tmp_path / "logs"), "--speedup-ratio", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    lines: list[str] = []
-    output: queue.Queue[str] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            output.put(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 180  # four daemons and two workers start on a busy machine
-        while not any(line.startswith("demo request") for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            try:
-                lines.append(output.get(timeout=1))
-            except queue.Empty:
-                continue
-        demo = next(line for line in lines if line.startswith("demo request"))
-        assert "failed" not in demo, "".join(lines)
+    with KvmeshUp(
+        ["--planner", "--prefill-workers", "1", "--decode-workers", "1", "--max-engines", "2",
+         "--planner-args", "--interval 1", "--grpc-port", str(port), "--discovery", disc,
+         "--log-dir", str(tmp_path / "logs"), "--speedup-ratio", "0"],
+    ) as up:  # fmt: skip
+        demo = up.wait_for("demo request", 180)  # four daemons and two workers start on a busy machine
+        assert "failed" not in demo, up.text
         status = subprocess.run(
             [script("kvmesh"), "planner", "status", "--discovery", disc, "--namespace", "kvmesh-local", "--json"],
             capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -61,13 +40,7 @@ def test_kvmesh_up_planner_manages_the_prefill_and_decode_pools(tmp_path):
             [script("kvmesh"), "planner", "status", "--discovery", disc, "--namespace", "kvmesh-local"],
             capture_output=True, text=True, timeout=60)  # fmt: skip
         assert "pools: prefill [1, 2], decode [1, 2]; budget 4 engines" in text.stdout, text.stdout + text.stderr
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(90) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        reader.join(10)
+        assert up.stop() == 0
     planner_log = (tmp_path / "logs" / "kvmesh-planner.log").read_text()
     assert "pools prefill in [1, 2], decode in [1, 2], budget 4 engines" in planner_log
     assert "--role prefill" in planner_log and "--role decode" in planner_log

@@ -3,10 +3,6 @@ and a plaintext client gets nothing."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,26 +10,21 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.support.daemons import script
 from tests.support.etcd import free_port
+from tests.support.kvmesh_up import KvmeshUp
 
 pytestmark = pytest.mark.e2e
 
 
 def test_kvmesh_up_tls_serves_the_readme_example_over_tls(tmp_path: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen(
-        [script("kvmesh"), "up", "--tls", "--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'disc'}",
+    with KvmeshUp(
+        ["--tls", "--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'disc'}",
          "--log-dir", str(tmp_path / "logs"), "--speedup-ratio", "0", "--no-demo"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))  # fmt: skip
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 90
-        while not any("client.stop_stream()" in line for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())  # type: ignore[union-attr]
+    ) as up:  # fmt: skip
+        up.wait_for("client.stop_stream()", 90, at_start=False)
         ca = tmp_path / "logs" / "tls" / "ca.crt"
-        assert any(f"ssl=True, root_certificates='{ca}'" in line for line in lines), "".join(lines)
+        assert f"ssl=True, root_certificates='{ca}'" in up.text, up.text
         # The README's example, with the line `kvmesh up --tls` prints.
         outputs: list[object] = []
         client = grpcclient.InferenceServerClient(f"localhost:{port}", ssl=True, root_certificates=str(ca))
@@ -50,9 +41,4 @@ def test_kvmesh_up_tls_serves_the_readme_example_over_tls(tmp_path: Path) -> Non
         assert b"".join(o[0] for o in texts), outputs  # type: ignore[index]
         with grpcclient.InferenceServerClient(f"localhost:{port}") as plain, pytest.raises(InferenceServerException):
             plain.is_server_ready(client_timeout=3)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        assert up.stop(30) == 0
