@@ -84,7 +84,10 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdMesh]:
     metrics_port = free_port()
     try:
         workers = []
-        for role in ("prefill", "decode"):  # both engines start at once (25-50 s on 2 cores)
+        # Both engines start at once (25-50 s on 2 cores). Each gets its own core for its OpenMP threads:
+        # vLLM's default binds both to every core, and the two spinning thread pools starved everything
+        # else (load average ~30: leases expired every few seconds, NIXL's handshake timed out).
+        for core, role in enumerate(("prefill", "decode")):
             port = free_port()
             extra = ["--metrics-port", str(metrics_port)] if role == "decode" else []
             args = [
@@ -97,7 +100,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdMesh]:
                 "--max-model-len", str((NUM_BLOCKS - 1) * BLOCK_SIZE),
                 *extra,
             ]  # fmt: skip
-            daemon = Daemon("kvmesh-worker", args, log_dir, port)
+            daemon = Daemon("kvmesh-worker", args, log_dir, port, env={"VLLM_CPU_OMP_THREADS_BIND": str(core)})
             mesh.daemons.append(daemon)
             workers.append(daemon)
         for daemon in workers:

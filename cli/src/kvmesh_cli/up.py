@@ -31,6 +31,7 @@ from kvmesh_worker.settings import Settings as WorkerSettings
 from kvmesh_cli import planner as up_planner
 from kvmesh_cli.kserve_demo import demo_request, server_ready
 from kvmesh_cli.up_tls import add_tls_argument, daemon_tls_args, kserve_credentials, prepare_tls
+from kvmesh_cli.vllm_cores import worker_environments
 
 EXAMPLE = """\
 import tritonclient.grpc as grpcclient, numpy as np
@@ -186,8 +187,11 @@ def _routable(
     return not (disaggregated and "no prefill engine" in outcome)  # the frontend's kvmesh.disagg reason
 
 
-def _spawn(name: str, args: list[str], log_dir: Path, log_name: str | None = None) -> subprocess.Popen[bytes]:
-    """Start daemon ``name``; it gets the ``KVMESH_*`` variables it declares, not the other daemons'."""
+def _spawn(
+    name: str, args: list[str], log_dir: Path, log_name: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start daemon ``name``; it gets the ``KVMESH_*`` variables it declares, not the other daemons', and
+    ``env``."""
     exe = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
     if exe is None:
         raise FileNotFoundError(f"{name} is not installed (run `make setup`)")
@@ -203,6 +207,7 @@ def _spawn(name: str, args: list[str], log_dir: Path, log_name: str | None = Non
         env={
             **{var: value for var, value in os.environ.items() if not is_setting_variable(var) or var in own},
             "PYTHONUNBUFFERED": "1",
+            **(env or {}),
         },
     )
     _LOGS[proc.pid] = log_path
@@ -210,14 +215,19 @@ def _spawn(name: str, args: list[str], log_dir: Path, log_name: str | None = Non
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM (each daemon drains), SIGKILL whatever still runs after 15 s, or at once on a second Ctrl-C."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 15
+    try:
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        print("kvmesh up: second Ctrl-C: killing the daemons", file=sys.stderr, flush=True)
     for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
             proc.wait()
 
@@ -300,10 +310,13 @@ def run(args: argparse.Namespace) -> int:
         if args.planner:  # the planner starts (and stops) the workers itself, one engine each
             procs.append(_spawn("kvmesh-planner", up_planner.planner_argv(args, common, worker_args), log_dir))
         elif args.decode_workers:
+            # several vLLM engines on one machine: each gets its own cores (see kvmesh_cli.vllm_cores)
+            envs = iter(worker_environments(args.decode_workers + args.prefill_workers) if vllm else [])
             for role, count in (("decode", args.decode_workers), ("prefill", args.prefill_workers)):
                 for i in range(count):
                     role_args = worker(["--num-engines", "1", "--role", role])
-                    procs.append(_spawn("kvmesh-worker", role_args, log_dir, f"kvmesh-worker-{role}-{i}"))
+                    name = f"kvmesh-worker-{role}-{i}"
+                    procs.append(_spawn("kvmesh-worker", role_args, log_dir, name, env=next(envs, None)))
         else:
             procs.append(_spawn("kvmesh-worker", worker(["--num-engines", str(args.num_engines)]), log_dir))
         procs.append(_spawn("kvmesh-router", router_args, log_dir))
