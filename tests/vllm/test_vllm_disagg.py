@@ -10,12 +10,17 @@ aggregated output" shows that the right KV arrived.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 import shutil
+import subprocess
+import sys
+import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +30,8 @@ from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
-from tests.vllm.conftest import BLOCK_SIZE, MODEL, TINY_LLAMA, VllmMesh
-from tests.vllm.test_vllm_mesh import triton, unique_ids
+from tests.vllm.conftest import BLOCK_SIZE, MODEL, ROOT, TINY_LLAMA, VllmMesh
+from tests.vllm.test_vllm_mesh import TRITON_STREAM, triton, unique_ids
 
 NUM_BLOCKS = 48
 MAX_TOKENS = 8
@@ -165,3 +170,48 @@ def test_a_disaggregated_request_equals_vllms_aggregated_output_and_the_decode_e
     # ... and the tokens follow the prompt (the equality is not that of a constant output).
     other = generate_on(pd.prefill, pd.engine_id(pd.prefill), unique_ids(len(prompt), random.Random(22)), "other")
     assert other != reference
+
+
+def _wait_load(
+    daemon: Daemon, done: Callable[[worker_pb2.EngineLoad], bool], timeout: float, *, fresh: bool = True
+) -> float:
+    """Seconds until the worker's ``WatchLoad`` reports a load for which ``done`` holds. The first message is
+    the engine's last recorded load, which may predate the request: with ``fresh`` only later ones count.
+    (Messages come when the load changes, so an engine already in the awaited state sends only that one.)"""
+    start = time.monotonic()
+    with grpc.insecure_channel(daemon.address) as channel:
+        call = worker_pb2_grpc.WorkerServiceStub(channel).WatchLoad(
+            worker_pb2.WatchLoadRequest(forward_pass_metrics=True), timeout=timeout
+        )
+        for index, message in enumerate(call):
+            if (index or not fresh) and done(message.loads[0]):
+                call.cancel()
+                return time.monotonic() - start
+    raise AssertionError(f"{daemon.address}: the load never matched within {timeout:g}s")
+
+
+@pytest.mark.timeout(300)
+def test_a_client_gone_mid_decode_aborts_the_decode_engine_and_leaves_no_blocks_held(pd: PdMesh) -> None:
+    """The client process dies while the decode engine streams (after the NIXL pull): the frontend
+    cancels the decode leg, and within seconds neither engine holds a request or a block in use."""
+    prompt = unique_ids(3 * BLOCK_SIZE + 7, random.Random(23))
+    client = subprocess.Popen(
+        [sys.executable, str(TRITON_STREAM), pd.mesh.frontend.address, MODEL, "120"],  # type: ignore[union-attr]
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert client.stdin is not None and client.stdout is not None
+    spec = {"request_id": "gone", "ids": prompt, "max_tokens": 1000, "sampling": {"ignore_eos": True}}
+    client.stdin.write(json.dumps([spec]))
+    client.stdin.close()
+    assert client.stdout.readline().strip() == "sent"
+    _wait_load(pd.decode, lambda load: load.running >= 1, 120)  # decoding: the prompt's KV was pulled
+    client.kill()
+    client.wait()
+
+    def idle(load: worker_pb2.EngineLoad) -> bool:  # the decode engine ran the request: no stale idle here
+        return (load.running, load.waiting, load.active_blocks) == (0, 0, 0)
+
+    freed = _wait_load(pd.decode, idle, 30, fresh=False)
+    _wait_load(pd.prefill, idle, 30, fresh=False)
+    print(f"\n[client gone mid-decode] decode engine idle {freed:.2f} s after the client died")
