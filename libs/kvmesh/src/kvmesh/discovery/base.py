@@ -25,10 +25,18 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
-from kvmesh.discovery.errors import DiscoveryError
+from kvmesh.discovery.errors import DiscoveryError, bounded
 from kvmesh.discovery.lease import Lease, LeasePolicy
 
 _log = logging.getLogger("kvmesh.discovery")
+
+
+@dataclass(frozen=True, slots=True)
+class _Listing:
+    """A check's read of a watched prefix, queued beside the stream's events (see list_and_watch)."""
+
+    records: dict[str, bytes]
+
 
 __all__ = [
     "INSTANCES_ROOT",
@@ -216,6 +224,8 @@ class Discovery(abc.ABC):
         retry = min(max(policy.ttl / 20, 0.1), 1.0)
         self.removal_grace = min(policy.ttl, max(1.0, 3 * retry))
         """How long a removal is held after this process lost contact with the backend (see list_and_watch)."""
+        self.watch_check_interval = min(max(policy.ttl / 2, 1.0), 30.0)
+        """How often a watched prefix is read again to check the view (see list_and_watch)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url} ttl={self.ttl:g}s>"
@@ -259,8 +269,15 @@ class Discovery(abc.ABC):
         the key comes back meanwhile: a frozen or restarted etcd may expire every lease at once when
         it resumes, and their owners, all alive, re-register within that time. A removal while the
         backend was reachable all along (a kill -9'd owner, a graceful exit) is passed on at once.
+
+        **The view is checked.** Every :attr:`watch_check_interval` (T/2, 1-30 s) the prefix is read
+        again (``get_prefix``) and compared with what the consumer was given (held removals aside). A
+        difference still there at the next check means the backend's stream stalled without an error
+        (CI, 2026-11-24: frontends whose etcd watch stopped delivering for 20-60 s, cause unknown): the
+        stream is dropped, unawaited, and a new one starts with a fresh Snapshot. So a view is never
+        staler than about ``T`` plus a read, whatever stalls the stream. A read that fails is skipped.
         """
-        return self._hold_removals(self._watch(prefix))
+        return self._hold_removals(prefix)
 
     @abc.abstractmethod
     def _watch(self, prefix: str) -> AsyncIterator[WatchEvent]:
@@ -273,10 +290,11 @@ class Discovery(abc.ABC):
     def _holding(self) -> bool:
         return time.monotonic() - self._unreachable_at < self.ttl + self.removal_grace
 
-    async def _hold_removals(self, source: AsyncIterator[WatchEvent]) -> AsyncGenerator[WatchEvent, None]:
-        queue: asyncio.Queue[WatchEvent | BaseException] = asyncio.Queue()
+    async def _hold_removals(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
+        queue: asyncio.Queue[WatchEvent | BaseException | _Listing] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
 
-        async def pump() -> None:
+        async def pump(source: AsyncIterator[WatchEvent]) -> None:
             try:
                 async for event in source:
                     queue.put_nowait(event)
@@ -285,7 +303,17 @@ class Discovery(abc.ABC):
             except BaseException as exc:  # handed to the consumer, which raises it
                 queue.put_nowait(exc)
 
-        task = asyncio.get_running_loop().create_task(pump(), name=f"discovery-watch-{id(source):x}")
+        async def check() -> None:
+            with contextlib.suppress(Exception):  # no answer: nothing to compare, the stream retries itself
+                queue.put_nowait(_Listing(await bounded(self.get_prefix(prefix), self.op_timeout)))
+
+        def start() -> asyncio.Task[None]:
+            return loop.create_task(pump(self._watch(prefix)), name=f"discovery-watch {prefix}")
+
+        task = start()
+        checking: asyncio.Task[None] | None = None
+        next_check = time.monotonic() + self.watch_check_interval
+        suspect: set[tuple[str, bytes | None]] = set()
         state: dict[str, bytes] = {}  # what the consumer believes exists
         held: dict[str, float] = {}  # key -> monotonic time its removal is passed on
         try:
@@ -296,10 +324,32 @@ class Discovery(abc.ABC):
                         del held[key]
                         if state.pop(key, None) is not None:
                             yield Removed(key)
+                if now >= next_check and (checking is None or checking.done()):
+                    checking = loop.create_task(check(), name=f"discovery-check {prefix}")
+                    next_check = now + self.watch_check_interval
+                wake = min([next_check, *held.values()])
                 try:
-                    async with asyncio.timeout(min(held.values()) - now if held else None):
+                    async with asyncio.timeout(max(0.0, wake - now)):
                         item = await queue.get()
                 except TimeoutError:
+                    continue
+                if isinstance(item, _Listing):
+                    listed = item.records
+                    differs = {(k, listed.get(k)) for k in (listed.keys() | state.keys()) - held.keys()
+                               if listed.get(k) != state.get(k)}  # fmt: skip
+                    stale = differs & suspect
+                    suspect = differs
+                    if stale:
+                        _log.warning(
+                            "discovery watch on %r stalled: %d change(s) not delivered for %gs (e.g. %s); "
+                            "restarting it",
+                            prefix,
+                            len(stale),
+                            self.watch_check_interval,
+                            min(stale)[0],
+                        )
+                        task.cancel()  # not awaited: a stalled stream may never finish cancelling
+                        task, suspect = start(), set()
                     continue
                 if isinstance(item, BaseException):
                     raise item
@@ -331,13 +381,11 @@ class Discovery(abc.ABC):
                         del state[item.key]
                         yield item
         finally:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            aclose = getattr(source, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+            for pending in (task, checking):
+                if pending is not None:
+                    pending.cancel()
+            # bounded: a stream that swallows its cancellation must not hang whoever closes the watch
+            await asyncio.wait([t for t in (task, checking) if t is not None], timeout=1.0)
 
     @abc.abstractmethod
     async def get_prefix(self, prefix: str) -> dict[str, bytes]:

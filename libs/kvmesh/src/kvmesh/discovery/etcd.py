@@ -25,11 +25,8 @@
 * Watches: list (get_prefix at revision R), yield Snapshot, watch from R+1. A lost stream
   (ConnectionFailedError), a compacted start revision (RevisionCompactedError) or a watch that
   ends for any other reason restarts the cycle with a fresh list and a fresh Snapshot.
-* Watches are checked: every ``watch_check_interval`` (T/2, 1-30 s) the prefix is listed again and
-  compared, key by key and mod revision, with what the watch delivered. A difference still there at
-  the next check means the stream stalled without an error (aetcd drops the server's ``canceled``
-  responses, and a stream can stop delivering before gRPC keepalives notice): the cycle restarts, so
-  a view is never staler than about two intervals. A check that gets no answer restarts it too.
+* Watches are also checked against a fresh read, a level up (``Discovery.list_and_watch``): aetcd
+  drops the server's ``canceled`` replies, which leaves a stream open and silent.
 """
 
 from __future__ import annotations
@@ -280,7 +277,6 @@ class EtcdDiscovery(Discovery):
         # (a loaded machine) finishes in the background instead of starting over (under _sync_lock)
         self._sync: dict[str, tuple[grpc.Channel, rpc_pb2_grpc.LeaseStub]] = {}
         self._beat_index: int | None = None  # the heartbeat's endpoint (under _sync_lock)
-        self.watch_check_interval = min(max(self.ttl / 2, 1.0), 30.0)
 
     @classmethod
     async def open(
@@ -337,13 +333,11 @@ class EtcdDiscovery(Discovery):
             self._check_open()
             client = self._conn.client
             watch = None
-            checker: asyncio.Task[None] | None = None
             try:
                 if client is None:
                     raise DiscoveryError(f"{self!r} is closed")
                 listed = await bounded(client.get_prefix(raw), self.op_timeout)
                 records = {kv.key.decode(): bytes(kv.value) for kv in listed}
-                delivered = {kv.key.decode(): kv.mod_revision for kv in listed}  # what the consumer got
                 revision = listed.header.revision
                 if failures:
                     log.info("etcd watch on %r: re-listed after %d failed attempt(s)", prefix, failures)
@@ -354,16 +348,11 @@ class EtcdDiscovery(Discovery):
                 # revision was compacted meanwhile etcd says so and we list again.
                 watch = await bounded(client.watch_prefix(raw, start_revision=revision + 1), self.op_timeout)
                 raise_if_cancelling()  # aetcd's watch creation uses wait_for, which can swallow a cancel
-                checker = asyncio.get_running_loop().create_task(
-                    self._check_watch(prefix, client, watch, delivered), name=f"etcd-watch-check {prefix}"
-                )
                 async for event in watch:
                     key = event.kv.key.decode()
                     if event.kind == EventKind.PUT:
-                        delivered[key] = event.kv.mod_revision
                         yield Added(key, bytes(event.kv.value))
                     else:
-                        delivered.pop(key, None)
                         yield Removed(key)
                 log.debug("etcd watch on %r ended; re-listing", prefix)  # e.g. its client was replaced
                 await backoff.sleep()  # never a tight loop, whatever ends the watch
@@ -376,49 +365,20 @@ class EtcdDiscovery(Discovery):
                     self._conn.failed(client)
                 self._note_unreachable()
                 failures += 1
-                level = logging.WARNING if failures == 1 else logging.DEBUG
-                log.log(level, "etcd watch on %r interrupted (%s); re-listing until it answers", prefix, _one_line(exc))
+                level = logging.WARNING if failures == 1 or failures % 20 == 0 else logging.DEBUG  # ~every 20 s
+                log.log(
+                    level,
+                    "etcd watch on %r interrupted (%s: %s); re-listing until it answers (attempt %d)",
+                    prefix,
+                    type(exc).__name__,
+                    _one_line(exc),
+                    failures,
+                )
                 await backoff.sleep()
             finally:
-                if checker is not None:
-                    checker.cancel()
-                    with contextlib.suppress(BaseException):
-                        await checker
                 if watch is not None:
                     with contextlib.suppress(Exception):
                         await bounded(watch.cancel(), 1.0)
-
-    async def _check_watch(self, prefix: str, client: aetcd.Client, watch: Any, delivered: dict[str, int]) -> None:
-        """End ``watch`` once it is shown stale (see the module docstring); the watch cycle re-lists.
-
-        ``delivered`` is the watch's view (key -> mod revision), updated as events are yielded. One
-        check may catch an event in flight, so only a difference seen at two checks in a row counts.
-        """
-        suspect: set[tuple[str, int]] = set()
-        while True:
-            await asyncio.sleep(self.watch_check_interval)
-            try:
-                listed = await bounded(client.get_prefix(prefix.encode()), self.op_timeout)
-            except Exception as exc:
-                if isinstance(exc, _CONNECTIVITY):
-                    self._conn.failed(client)
-                    self._note_unreachable()
-                log.info("etcd watch on %r: check got no answer (%s); re-listing", prefix, _one_line(exc))
-                break
-            differs = {(kv.key.decode(), kv.mod_revision) for kv in listed} ^ set(delivered.items())
-            stale = differs & suspect
-            if stale:
-                log.warning(
-                    "etcd watch on %r stalled: %d change(s) not delivered after %gs (e.g. %s); re-listing",
-                    prefix,
-                    len(stale),
-                    self.watch_check_interval,
-                    min(stale)[0],
-                )
-                break
-            suspect = differs
-        with contextlib.suppress(Exception):
-            await bounded(watch.cancel(), 1.0)  # the cycle's ``async for`` ends: it lists again
 
     async def _close_backend(self) -> None:
         await self._conn.close()
