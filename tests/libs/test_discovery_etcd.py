@@ -289,7 +289,9 @@ async def test_a_put_refused_for_a_vanished_lease_re_registers_instead_of_raisin
         await admin.close()
 
 
-async def test_a_watch_that_stalls_without_an_error_is_listed_again(etcd_server: EtcdServer, ns: str, tracker):
+async def test_a_watch_that_stalls_without_an_error_is_listed_again(
+    etcd_server: EtcdServer, ns: str, tracker, caplog: pytest.LogCaptureFixture
+):
     """etcd cancels the watch on its side and aetcd drops the ``canceled`` reply (it never tells the
     iterator): the stream is open and silent. The periodic check sees a write the watch never
     delivered, twice in a row, and restarts the cycle: the write arrives within about two intervals."""
@@ -311,6 +313,8 @@ async def test_a_watch_that_stalls_without_an_error_is_listed_again(etcd_server:
             interval = disc.watch_check_interval
             await watch.wait_for(lambda s: f"{prefix}late" in s, 2 * interval + 3, "the write, after a re-list")
             assert watch.snapshots > snapshots
+            # the log line says where the stalled stream waited: in the etcd watch's event loop
+            assert "stalled" in caplog.text and "_watch (etcd.py:" in caplog.text, caplog.text
         finally:
             await writer.close()
     finally:

@@ -31,6 +31,23 @@ from kvmesh.discovery.lease import Lease, LeasePolicy
 _log = logging.getLogger("kvmesh.discovery")
 
 
+def _awaiting(source: object) -> str:
+    """Where a suspended async generator waits: its frame, then each awaited coroutine's, innermost last
+    (for the log line of a stalled watch: the stall's cause is not known yet)."""
+    frames = []
+    frame, awaited = getattr(source, "ag_frame", None), getattr(source, "ag_await", None)
+    for _ in range(32):
+        if frame is not None:
+            frames.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+        if awaited is None:
+            break
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
+        if frame is None and awaited is None:
+            break
+    return " -> ".join(frames) or "an unknown place"
+
+
 @dataclass(frozen=True, slots=True)
 class _Listing:
     """A check's read of a watched prefix, queued beside the stream's events (see list_and_watch)."""
@@ -307,8 +324,12 @@ class Discovery(abc.ABC):
             with contextlib.suppress(Exception):  # no answer: nothing to compare, the stream retries itself
                 queue.put_nowait(_Listing(await bounded(self.get_prefix(prefix), self.op_timeout)))
 
+        source: AsyncIterator[WatchEvent] | None = None
+
         def start() -> asyncio.Task[None]:
-            return loop.create_task(pump(self._watch(prefix)), name=f"discovery-watch {prefix}")
+            nonlocal source
+            source = self._watch(prefix)
+            return loop.create_task(pump(source), name=f"discovery-watch {prefix}")
 
         task = start()
         checking: asyncio.Task[None] | None = None
@@ -342,11 +363,12 @@ class Discovery(abc.ABC):
                     if stale:
                         _log.warning(
                             "discovery watch on %r stalled: %d change(s) not delivered for %gs (e.g. %s); "
-                            "restarting it",
+                            "restarting it; it was waiting in %s",
                             prefix,
                             len(stale),
                             self.watch_check_interval,
                             min(stale)[0],
+                            _awaiting(source),
                         )
                         task.cancel()  # not awaited: a stalled stream may never finish cancelling
                         task, suspect = start(), set()
