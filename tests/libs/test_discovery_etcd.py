@@ -7,6 +7,7 @@ import socket
 import time
 
 import aetcd
+import grpc
 import pytest
 from kvmesh.discovery import (
     Discovery,
@@ -319,3 +320,35 @@ async def test_a_watch_that_stalls_without_an_error_is_listed_again(
             await writer.close()
     finally:
         await disc.close()
+
+
+async def test_a_call_whose_channel_is_closed_under_it_raises_a_stray_cancel_not_a_cancellation():
+    """What froze frontends' model views after an etcd failover: grpc.aio ends a call in flight on a channel
+    being closed (the client a failover replaced) with CancelledError, in a task nobody cancelled. Discovery
+    tells it from a real cancellation (``stray_cancel``) and treats it as a connectivity failure."""
+    from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
+    from kvmesh.discovery.errors import stray_cancel
+
+    listener = socket.socket()  # accepts and never answers: the call stays in flight
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{listener.getsockname()[1]}")
+    call = asyncio.ensure_future(rpc_pb2_grpc.KVStub(channel).Range(rpc_pb2.RangeRequest(key=b"k"), timeout=10))
+    await asyncio.sleep(0.3)
+    await channel.close()
+    with pytest.raises(asyncio.CancelledError) as raised:
+        await call
+    assert stray_cancel(raised.value)
+    listener.close()
+
+    async def cancelled_for_real() -> bool:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError as exc:
+            return stray_cancel(exc)
+        return True
+
+    task = asyncio.ensure_future(cancelled_for_real())
+    await asyncio.sleep(0)
+    task.cancel()
+    assert await task is False

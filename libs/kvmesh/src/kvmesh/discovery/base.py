@@ -25,7 +25,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, 
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
-from kvmesh.discovery.errors import DiscoveryError, bounded
+from kvmesh.discovery.errors import DiscoveryError, bounded, stray_cancel
 from kvmesh.discovery.lease import Lease, LeasePolicy
 
 _log = logging.getLogger("kvmesh.discovery")
@@ -46,6 +46,13 @@ def _awaiting(source: object) -> str:
         if frame is None and awaited is None:
             break
     return " -> ".join(frames) or "an unknown place"
+
+
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """The stream ended without an error the consumer should see (see ``_hold_removals``'s pump)."""
+
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,17 +315,21 @@ class Discovery(abc.ABC):
         return time.monotonic() - self._unreachable_at < self.ttl + self.removal_grace
 
     async def _hold_removals(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
-        queue: asyncio.Queue[WatchEvent | BaseException | _Listing] = asyncio.Queue()
+        queue: asyncio.Queue[WatchEvent | BaseException | _Listing | _Ended] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         async def pump(source: AsyncIterator[WatchEvent]) -> None:
             try:
                 async for event in source:
                     queue.put_nowait(event)
-            except asyncio.CancelledError:
-                raise
+            except asyncio.CancelledError as exc:
+                if not stray_cancel(exc):
+                    raise
+                queue.put_nowait(_Ended("a cancellation nobody asked for (a closed gRPC channel?)"))
             except BaseException as exc:  # handed to the consumer, which raises it
                 queue.put_nowait(exc)
+            else:
+                queue.put_nowait(_Ended("the stream ended by itself"))
 
         async def check() -> None:
             with contextlib.suppress(Exception):  # no answer: nothing to compare, the stream retries itself
@@ -372,6 +383,10 @@ class Discovery(abc.ABC):
                         )
                         task.cancel()  # not awaited: a stalled stream may never finish cancelling
                         task, suspect = start(), set()
+                    continue
+                if isinstance(item, _Ended):  # never silently: the consumer would wait forever
+                    _log.warning("discovery watch on %r ended (%s); restarting it", prefix, item.why)
+                    task, suspect = start(), set()
                     continue
                 if isinstance(item, BaseException):
                     raise item

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-__all__ = ["DiscoveryError", "DiscoveryUnavailable", "LeaseNotFound", "bounded", "raise_if_cancelling"]
+__all__ = ["DiscoveryError", "DiscoveryUnavailable", "LeaseNotFound", "bounded", "raise_if_cancelling", "stray_cancel"]
 
 T = TypeVar("T")
 
@@ -22,6 +22,18 @@ async def bounded(aw: Awaitable[T], timeout: float) -> T:
     """
     async with asyncio.timeout(timeout):
         return await aw
+
+
+def stray_cancel(exc: BaseException) -> bool:
+    """A CancelledError that nobody asked for: this task is not being cancelled.
+
+    grpc.aio ends every call of a channel that is being closed with ``asyncio.CancelledError``, so an
+    etcd call on a client that a failover just replaced raises it in a task nobody cancelled. Left to
+    propagate, it ended a discovery watch without a word (its consumer then waited forever: frontends
+    with a frozen model view, issue 18). Such a cancel is a connectivity failure, not a cancellation.
+    """
+    task = asyncio.current_task()
+    return isinstance(exc, asyncio.CancelledError) and task is not None and not task.cancelling()
 
 
 def raise_if_cancelling() -> None:

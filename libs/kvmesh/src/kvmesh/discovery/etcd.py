@@ -56,7 +56,14 @@ from kvmesh.discovery.base import (
     Snapshot,
     WatchEvent,
 )
-from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, LeaseNotFound, bounded, raise_if_cancelling
+from kvmesh.discovery.errors import (
+    DiscoveryError,
+    DiscoveryUnavailable,
+    LeaseNotFound,
+    bounded,
+    raise_if_cancelling,
+    stray_cancel,
+)
 
 __all__ = ["EtcdDiscovery", "parse_etcd_endpoints"]
 
@@ -309,6 +316,11 @@ class EtcdDiscovery(Discovery):
         client = self._client()
         try:
             return await bounded(fn(client), self.op_timeout)
+        except asyncio.CancelledError as exc:
+            if not stray_cancel(exc):
+                raise
+            self._note_unreachable()
+            raise DiscoveryUnavailable(f"etcd {self._conn.endpoint}: {what} failed: connection closed") from None
         except _CONNECTIVITY as exc:
             self._conn.failed(client)
             self._note_unreachable()
@@ -360,7 +372,9 @@ class EtcdDiscovery(Discovery):
                 log.info("etcd watch on %r: %s; re-listing", prefix, exc)
             except DiscoveryError:
                 raise
-            except Exception as exc:  # stream lost, etcd down, closed client: re-list after a pause
+            except (Exception, asyncio.CancelledError) as exc:  # stream lost, etcd down, closed client: re-list
+                if isinstance(exc, asyncio.CancelledError) and not stray_cancel(exc):
+                    raise  # a real cancellation (see stray_cancel)
                 if isinstance(exc, _CONNECTIVITY):
                     self._conn.failed(client)
                 self._note_unreachable()
