@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from types import TracebackType
 
-from tests.support.daemons import script
+from tests.support.daemons import script, stop_process
 
 
 class KvmeshUp:
@@ -80,12 +80,7 @@ class KvmeshUp:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self.proc is not None and self.proc.poll() is None:  # a failed test: still stop its daemons first
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:  # a failed test: still stop its daemons (Ctrl-C) before killing
+            stop_process(self.proc, signal.SIGINT, 30)
         if self._reader is not None:
             self._reader.join(10)

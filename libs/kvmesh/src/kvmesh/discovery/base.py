@@ -33,7 +33,7 @@ _log = logging.getLogger("kvmesh.discovery")
 
 def _awaiting(source: object) -> str:
     """Where a suspended async generator waits: its frame, then each awaited coroutine's, innermost last
-    (for the log line of a stalled watch: the stall's cause is not known yet)."""
+    (for the log line of a stalled watch, so that a new kind of stall says where it hangs)."""
     frames = []
     frame, awaited = getattr(source, "ag_frame", None), getattr(source, "ag_await", None)
     for _ in range(32):
@@ -297,9 +297,10 @@ class Discovery(abc.ABC):
         **The view is checked.** Every :attr:`watch_check_interval` (T/2, 1-30 s) the prefix is read
         again (``get_prefix``) and compared with what the consumer was given (held removals aside). A
         difference still there at the next check means the backend's stream stalled without an error
-        (CI, 2026-11-24: frontends whose etcd watch stopped delivering for 20-60 s, cause unknown): the
-        stream is dropped, unawaited, and a new one starts with a fresh Snapshot. So a view is never
-        staler than about ``T`` plus a read, whatever stalls the stream. A read that fails is skipped.
+        (aetcd drops the server's ``canceled`` replies, which leaves an etcd stream open and silent): the
+        stream is dropped, unawaited, and a new one starts with a fresh Snapshot. A stream that ends
+        (it never should) is restarted too, with a warning. So a view is never staler than about ``T``
+        plus a read, whatever stalls the stream. A read that fails is skipped.
         """
         return self._hold_removals(prefix)
 
