@@ -10,10 +10,13 @@ request rate of 0.5/s and an ISL of 8000 alike.
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-from filterpy.kalman import KalmanFilter
+
+if TYPE_CHECKING:  # imported when a filter is built: filterpy pulls in scipy (~0.7 s), and every CLI
+    # command that only reads the planner's settings (``kvmesh up``, ``kvmesh bench``) would pay for it
+    from filterpy.kalman import KalmanFilter
 
 
 class Predictor(Protocol):
@@ -85,6 +88,8 @@ class KalmanPredictor:
         scale = self._scale or 1.0
         z = value / scale
         if self._kf is None:
+            from filterpy.kalman import KalmanFilter
+
             kf = KalmanFilter(dim_x=2, dim_z=1)
             kf.x = np.array([[z], [0.0]])
             kf.F = np.array([[1.0, 1.0], [0.0, 1.0]])
