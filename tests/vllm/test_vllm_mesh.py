@@ -269,11 +269,6 @@ def _engine_core_pids(worker_pid: int) -> list[int]:
     return pids
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="still flaky beside a CPU hog (stress-ng --cpu 2): the request finished on the mocker with no migration "
-    "once in the full vLLM run after the idle-load fix; cause not found",
-)
 def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(fresh_mesh: VllmMesh) -> None:
     # Its own mesh: it kills the engine, and after the shared mesh's earlier tests (full cache, dropped
     # event sequences) the router could place the request on the mocker from the start.
@@ -286,11 +281,18 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(f
     triton(mesh, [{"request_id": "warm", "ids": prefix, "max_tokens": 1}])
     # Idle again, the engine says so: vLLM's last stats (taken before "warm" finished) still counted it
     # running with its blocks in use, and that stale load once sent "long" to the idle mocker instead.
-    watch = worker.WatchLoad(worker_pb2.WatchLoadRequest(), timeout=10)
-    idle = next(watch).loads[0]
-    watch.cancel()
+    idle = _current_load(worker)
     assert (idle.running, idle.waiting, idle.active_blocks) == (0, 0, 0)
+    cores = _engine_core_pids(mesh.worker.proc.pid)
+    assert cores, "no EngineCore child process found"
+    # The engine is frozen before "long" reaches it, so "long" can neither run nor finish before the kill.
+    # (Killing once vLLM reported it running raced on a loaded machine: this tiny model decodes 1000 tokens
+    # in about a second, and "long" had finished on vLLM, with no migration to show, by the time the
+    # report reached the test.)
+    for pid in cores:
+        os.kill(pid, signal.SIGSTOP)
     mesh.mocker()  # somewhere to migrate to
+    long_ids = [*prefix, 11, 12, 13, 14]
     client = subprocess.Popen(
         [sys.executable, str(TRITON_STREAM), mesh.frontend.address, MODEL, "120"],
         stdin=subprocess.PIPE,
@@ -301,20 +303,14 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(f
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert client.stdin is not None and client.stdout is not None
-    client.stdin.write(json.dumps([{"request_id": "long", "ids": [*prefix, 11, 12, 13, 14], "max_tokens": 1000}]))
+    client.stdin.write(json.dumps([{"request_id": "long", "ids": long_ids, "max_tokens": 1000}]))
     client.stdin.close()
     assert client.stdout.readline().strip() == "sent"
-    # Kill only once the request runs on vLLM (a fixed sleep raced on a loaded machine: killed before it was
-    # routed, the request went straight to the mocker, with no migration to show).
-    # WatchLoad's first message is the engine's last recorded load, which may still be the warm-up
-    # request's pass: only a later message (a pass after the stream opened) proves "long" runs there.
-    watch = worker.WatchLoad(worker_pb2.WatchLoadRequest(forward_pass_metrics=True), timeout=60)
-    for index, message in enumerate(watch):
-        if index and any(load.running >= 1 for load in message.loads):
-            break
-    watch.cancel()
-    cores = _engine_core_pids(mesh.worker.proc.pid)
-    assert cores, "no EngineCore child process found"
+    # Kill once the worker holds "long" for vLLM: its prompt is queued prefill there (nothing has run yet).
+    deadline = time.monotonic() + 60
+    while _current_load(worker).queued_prefill_tokens < len(long_ids):
+        assert time.monotonic() < deadline, "the long request never reached the vLLM engine"
+        time.sleep(0.05)
     for pid in cores:
         os.kill(pid, signal.SIGKILL)
     assert mesh.worker.wait(30) == 1
@@ -324,3 +320,11 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(f
     assert (outcome["num_tokens"], outcome["finish_reason"]) == (1000, "length")
     assert outcome["params"]["kvmesh.migrations"] >= 1
     channel.close()
+
+
+def _current_load(worker: worker_pb2_grpc.WorkerServiceStub) -> worker_pb2.EngineLoad:
+    """The engine's load now: the first message of a WatchLoad stream."""
+    watch = worker.WatchLoad(worker_pb2.WatchLoadRequest(), timeout=10)
+    load = next(watch).loads[0]
+    watch.cancel()
+    return load

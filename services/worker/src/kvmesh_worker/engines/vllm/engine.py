@@ -29,11 +29,13 @@ Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
 import os
-import socket
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,11 +94,14 @@ def parse_engine_args(text: str) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in value.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def _event_endpoints(directory: str) -> tuple[str, str]:
+    """(publisher, replay) endpoints of vLLM's KV-event sockets: Unix sockets in a directory of the worker's own.
+
+    Not TCP: a port picked free at start-up was bound by vLLM's engine core seconds later, and on a busy
+    machine another process had taken it meanwhile ("Address already in use": the worker failed to start).
+    A path in a private directory cannot be taken, and ``ipc://`` makes vLLM bind, as ``tcp://*`` did.
+    """
+    return f"ipc://{directory}/kv-events", f"ipc://{directory}/kv-replay"
 
 
 @dataclass
@@ -520,7 +525,7 @@ def _stat_logger_factory(hub: StatHub) -> Callable[[Any, int], Any]:
     return KvmeshStatLogger
 
 
-def engine_args(settings: Any, model_path: str, kv_port: int, replay_port: int) -> dict[str, Any]:
+def engine_args(settings: Any, model_path: str, kv_endpoint: str, replay_endpoint: str) -> dict[str, Any]:
     """The ``AsyncEngineArgs`` fields: kvmesh's defaults, the user's ``--vllm-engine-args``, then what kvmesh owns."""
     user = parse_engine_args(settings.vllm_engine_args)
     owned = [k for k in OWNED_ARGS if k in user]
@@ -548,8 +553,8 @@ def engine_args(settings: Any, model_path: str, kv_port: int, replay_port: int) 
         kv_events_config={
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{kv_port}",  # a '*' makes vLLM bind (a host makes it connect)
-            "replay_endpoint": f"tcp://*:{replay_port}",
+            "endpoint": kv_endpoint,
+            "replay_endpoint": replay_endpoint,
             "topic": KV_TOPIC,
         },
     )
@@ -573,9 +578,11 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     request_amx_permission()
-    kv_port, replay_port = _free_port(), _free_port()
+    sockets = tempfile.mkdtemp(prefix="kvmesh-vllm-")
+    atexit.register(shutil.rmtree, sockets, ignore_errors=True)
+    kv_endpoint, replay_endpoint = _event_endpoints(sockets)
     try:
-        args = engine_args(settings, settings.model_path, kv_port, replay_port)
+        args = engine_args(settings, settings.model_path, kv_endpoint, replay_endpoint)
     except ValueError as exc:
         raise EngineBuildError(f"--vllm-engine-args: {exc}") from exc
     args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
@@ -629,8 +636,8 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
                 eos_token_id=model.eos_token_id,
                 vocab_size=model.vocab_size,
                 event_buffer_size=settings.event_buffer_size,
-                kv_endpoint=f"tcp://127.0.0.1:{kv_port}",
-                kv_replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+                kv_endpoint=kv_endpoint,
+                kv_replay_endpoint=replay_endpoint,
                 max_waiting_requests=settings.max_waiting_requests,
                 stat_hub=hub,
                 hold_timeout_s=settings.kv_hold_timeout,
