@@ -241,6 +241,28 @@ def test_sla_correction_factor_adds_engines_when_observed_latency_exceeds_the_ex
     assert c.prediction is not None and c.prediction.itl_correction == 1.0
 
 
+def test_sla_correction_learns_engines_three_times_faster_than_the_profile():
+    """Prefix-cache hits the profile does not model make real engines far faster than it predicts: the
+    correction follows them down to a third (a floor of 0.5 held an engine too many at every peak)."""
+    profile = load_profile(None)
+    core = PlannerCore(sla_cfg(), profile)
+    fleet = [eng(i) for i in range(4)]
+    first = core.decide(obs(0, *fleet, traffic=traffic(20)))
+    expected_ttft, expected_itl = first.inputs["expected_ttft_ms"], first.inputs["expected_itl_ms"]
+    decision, sizes = first, []
+    for k in range(1, 8):
+        fast = traffic(20, ttft=expected_ttft / 3, itl=expected_itl / 3)
+        decision = core.decide(obs(10 * k, *fleet, traffic=fast))
+        sizes.append(decision.target["aggregated"])
+        expected_ttft, expected_itl = decision.inputs["expected_ttft_ms"], decision.inputs["expected_itl_ms"]
+    assert decision.prediction is not None and first.prediction is not None
+    assert decision.prediction.itl_correction == pytest.approx(1 / 3, abs=0.02)
+    assert decision.prediction.ttft_correction == pytest.approx(1 / 3, abs=0.02)
+    assert decision.prediction.itl_correction >= 1 / 3  # never past the floor, however fast they look
+    assert decision.prediction.engine_request_rate > 1.3 * first.prediction.engine_request_rate
+    assert first.target["aggregated"] == 4 and min(sizes) == 3  # one engine fewer serves the same traffic
+
+
 def test_sla_scale_down_sheds_at_most_a_quarter_per_interval():
     core = PlannerCore(sla_cfg(), load_profile(None))
     d = core.decide(Observation(0, (), {"aggregated": 12}, {}, traffic(0.5)))

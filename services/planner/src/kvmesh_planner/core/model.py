@@ -124,7 +124,11 @@ class PlannerConfig:
     """SLA mode also sizes each pool for the rate predicted this many seconds past the next interval (the
     predictor's trend extrapolated over the engines' start-up time): an engine asked for now serves only
     then, and one drained now cannot be back sooner."""
-    correction_bounds: tuple[float, float] = (0.5, 3.0)
+    correction_bounds: tuple[float, float] = (1 / 3, 3.0)
+    """Observed / expected latency is believed up to 3x either way. The profile knows nothing of the prefix
+    cache, so engines serving multi-turn traffic run well under its latencies (a third of its ITL on the
+    synthesized conversation traces); a floor of 0.5 kept the planner from learning that and it bought an
+    engine too many at every peak."""
     correction_smoothing: float = 0.5
     """Weight of the newest observed/expected ratio in the correction factors (exponential smoothing)."""
     shape: EngineShape = field(default_factory=EngineShape)
