@@ -1,6 +1,6 @@
 """Disaggregation under faults, with real processes: cancels at every phase, a prefill worker killed
 mid-transfer, backpressure, enforce-disagg, workers added and removed under load. After each, 0 blocks
-are held anywhere."""
+are held anywhere. The faults discovery takes part in run on the file backend and on a real etcd."""
 
 from __future__ import annotations
 
@@ -9,18 +9,33 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.disagg.kserve.test_mesh import LONG, assert_nothing_held, request
 from tests.kserve_clients.mesh import MODEL, Mesh, Outcome, absorb, param, stream_error, stream_requests
+from tests.support.etcd import EtcdServer, etcd_available
 
 pytestmark = pytest.mark.e2e
 
 
-def _mesh(tmp_path) -> Mesh:
-    return Mesh(tmp_path, f"file://{tmp_path / 'disc'}", f"pf{uuid.uuid4().hex[:8]}", lease_ttl=1.0)
+def _mesh(tmp_path, discovery_url: str | None = None) -> Mesh:
+    url = discovery_url or f"file://{tmp_path / 'disc'}"
+    return Mesh(tmp_path, url, f"pf{uuid.uuid4().hex[:8]}", lease_ttl=1.0)
+
+
+@pytest.fixture(params=["file", pytest.param("etcd", marks=pytest.mark.etcd)])
+def discovery_url(request, tmp_path) -> Iterator[str]:
+    """The faults where discovery takes part (a worker dies or joins, a pool empties) run on both backends."""
+    if request.param == "file":
+        yield f"file://{tmp_path / 'disc'}"
+        return
+    if not etcd_available():
+        pytest.skip("etcd binary not installed")
+    with EtcdServer(tmp_path / "etcd") as etcd:
+        yield etcd.url
 
 
 def _build(mesh: Mesh, prefill: int, decode: int, decode_args=(), prefill_args=(), router_args=(), fe_args=(),
@@ -69,8 +84,8 @@ def test_client_cancel_at_any_phase_frees_both_sides_within_1s(tmp_path, phase, 
         mesh.close()
 
 
-def test_prefill_worker_killed_mid_transfer_fails_fast_and_the_request_migrates(tmp_path):
-    mesh = _mesh(tmp_path)
+def test_prefill_worker_killed_mid_transfer_fails_fast_and_the_request_migrates(tmp_path, discovery_url):
+    mesh = _mesh(tmp_path, discovery_url)
     try:
         _build(mesh, 1, 1, decode_env={"KVMESH_TEST_PULL_DELAY_S": "0.5"})
         warm = stream_requests(mesh.url_frontend, [request("warm", "warm " + LONG, 4)])["warm"]
@@ -135,8 +150,8 @@ def test_backpressure_prefill_pool_busy_falls_back_or_rejects(tmp_path):
         mesh.close()
 
 
-def test_without_prefill_engines_serve_aggregated_unless_enforced(tmp_path):
-    mesh = _mesh(tmp_path)
+def test_without_prefill_engines_serve_aggregated_unless_enforced(tmp_path, discovery_url):
+    mesh = _mesh(tmp_path, discovery_url)
     try:
         _build(mesh, 0, 1)
         out = stream_requests(mesh.url_frontend, [request("a", LONG)])["a"]
@@ -152,8 +167,8 @@ def test_without_prefill_engines_serve_aggregated_unless_enforced(tmp_path):
         mesh.close()
 
 
-def test_prefill_and_decode_workers_added_and_removed_under_load_fail_nothing(tmp_path):
-    mesh = _mesh(tmp_path)
+def test_prefill_and_decode_workers_added_and_removed_under_load_fail_nothing(tmp_path, discovery_url):
+    mesh = _mesh(tmp_path, discovery_url)
     try:
         _build(mesh, 1, 1, decode_args=("--speedup-ratio", "4"), prefill_args=("--speedup-ratio", "4"))
         stop = threading.Event()
@@ -209,7 +224,9 @@ def _metric(daemon, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
 
 
-def test_prefill_worker_killed_while_its_blocks_are_being_read_fails_fast_and_the_request_migrates(tmp_path):
+def test_prefill_worker_killed_while_its_blocks_are_being_read_fails_fast_and_the_request_migrates(
+    tmp_path, discovery_url
+):
     """The kill lands inside the decode side's NIXL READ, not before or after it. The bytes go over UCX's TCP
     lane (as between hosts), so they leave only through the prefill process: the test waits until the decode
     worker's ``kvmesh_engine_kv_reading_blocks`` gauge shows the read in flight, freezes the prefill worker
@@ -220,7 +237,7 @@ def test_prefill_worker_killed_while_its_blocks_are_being_read_fails_fast_and_th
     from tests.support.daemons import Daemon
     from tests.support.etcd import free_port
 
-    mesh = _mesh(tmp_path)
+    mesh = _mesh(tmp_path, discovery_url)
     tcp_only = {"UCX_TLS": "tcp"}  # no shared-memory lane: a stopped or dead peer really stops the bytes
     workers: dict[str, Daemon] = {}
     try:
