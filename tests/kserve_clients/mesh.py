@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from kvmesh_bench.prometheus_text import metric_total, metrics_url
 from tritonclient.utils import InferenceServerException
 
 from tests.support.daemons import Daemon
@@ -89,12 +90,8 @@ class Mesh:
             return reply.read().decode()
 
     def router_metric(self, name: str) -> float:
-        """One unlabelled sample of the first router's Prometheus exposition (0 when absent)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.router_metrics_port}/metrics", timeout=5) as reply:
-            for line in reply.read().decode().splitlines():
-                if line.startswith(f"{name} "):
-                    return float(line.split()[1])
-        return 0.0
+        """A metric of the first router (its samples summed; 0 when absent)."""
+        return metric_total(metrics_url(self.router_metrics_port), name)
 
     def wait_router_metric(self, name: str, at_least: float, timeout: float = 30.0) -> float:
         return wait_metric(lambda: self.router_metric(name), name, at_least, timeout, self.logs)

@@ -44,7 +44,7 @@ def test_skewed_wall_and_monotonic_clocks_keep_leases_and_bookings(mesh: Cluster
             until = time.monotonic() + 3 * LEASE_TTL
             while time.monotonic() < until:
                 for router in mesh.routers:
-                    peers = mesh.metric(router, "kvmesh_router_active_bookings", 'origin="peer"')
+                    peers = mesh.metric(router, "kvmesh_router_active_bookings", {"origin": "peer"})
                     peak[router.name] = max(peak.get(router.name, 0.0), peers)
                 time.sleep(0.2)
         served = {r.engine_id for r in load.results}

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import signal
 import time
-import urllib.request
 
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvmesh.v1 import planner_pb2, planner_pb2_grpc
+from kvmesh_bench.prometheus_text import metric_total, metrics_url
 
 from tests.support.daemons import Daemon, run_cli, running
 from tests.support.etcd import free_port
@@ -66,8 +66,9 @@ def test_serves_health_reflection_status_metrics_and_exits_0_on_sigterm(tmp_path
                 time.sleep(0.1)
             assert status.leader and status.connector == "virtual" and status.mode == "load"
             assert status.latest.target.aggregated == 1  # the minimum, from an empty fleet
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
-        assert "kvmesh_planner_leader 1.0" in text and 'kvmesh_planner_pool_target{pool="aggregated"} 1.0' in text
+        url = metrics_url(metrics)
+        assert metric_total(url, "kvmesh_planner_leader") == 1.0
+        assert metric_total(url, "kvmesh_planner_pool_target", {"pool": "aggregated"}) == 1.0
         d.wait_log(r"decision 1 mode=load aggregated=0->1 reason='aggregated: below its minimum 1'")
         d.signal(signal.SIGTERM)
         assert d.wait(20) == 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import queue
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import grpc
 from kvmesh.hashing import block_hashes
 from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
+from kvmesh_bench.prometheus_text import metrics_url, samples
 
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
@@ -290,11 +289,8 @@ def active_load(stub: router_pb2_grpc.RouterServiceStub) -> dict[int, tuple[int,
 
 def scrape(port: int) -> dict[str, float]:
     """``{"name{label=value,...}": value}`` of a /metrics page (samples only, labels sorted)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    for sample in samples(metrics_url(port)):
+        labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+        out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out

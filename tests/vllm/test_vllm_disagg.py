@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh_bench.prometheus_text import metric_total, metrics_url
 
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
@@ -70,15 +69,10 @@ class PdMesh:
 
     def decode_counters(self) -> dict[str, float]:
         """The decode worker's Prometheus counters (vLLM's own transfer figures among them)."""
-        url = f"http://127.0.0.1:{self.decode_metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
-        found: dict[str, float] = {}
-        for name in ("kvmesh_engine_kv_pulled_tokens_total", "kvmesh_engine_kv_pulled_bytes_total",
-                     "kvmesh_engine_prefill_tokens_total"):  # fmt: skip
-            match = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
-            found[name] = float(match.group(1)) if match else 0.0
-        return found
+        url = metrics_url(self.decode_metrics_port)
+        names = ("kvmesh_engine_kv_pulled_tokens_total", "kvmesh_engine_kv_pulled_bytes_total",
+                 "kvmesh_engine_prefill_tokens_total")  # fmt: skip
+        return {name: metric_total(url, name, timeout=10) for name in names}
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ shared ``kvmesh.kv_publisher``), load with forward-pass metrics, Prometheus, ``R
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 from kvmesh.hashing import block_hashes
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
+from kvmesh_bench.prometheus_text import metrics_url, samples
 
 from tests.support.daemons import Daemon, run_cli
 from tests.support.etcd import free_port
@@ -133,12 +132,9 @@ async def test_its_passes_reach_watchers_and_prometheus(echo_worker, stub):
             passes.extend((await watch.read()).passes)
     watch.cancel()
     assert passes[0].prefill_tokens == 3 and {p.engine_id for p in passes} == {engine}
-    url = f"http://127.0.0.1:{echo_worker.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        families = text_string_to_metric_families(response.read().decode())
-    samples = {(s.name, s.labels.get("engine")): s.value for f in families for s in f.samples}
-    assert samples["kvmesh_engine_passes_total", f"{engine:x}"] >= 4
-    assert samples["kvmesh_engine_decode_tokens_total", f"{engine:x}"] >= 3
+    values = {(s.name, s.labels.get("engine")): s.value for s in samples(metrics_url(echo_worker.metrics_port))}
+    assert values["kvmesh_engine_passes_total", f"{engine:x}"] >= 4
+    assert values["kvmesh_engine_decode_tokens_total", f"{engine:x}"] >= 3
 
 
 @pytest.mark.parametrize(

@@ -17,14 +17,13 @@ import itertools
 import shutil
 import signal
 import time
-import urllib.request
 
 import grpc
 import pytest
 from kvmesh.discovery import instance_prefix, model_prefix, open_discovery
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh_bench.prometheus_text import metrics_url, samples
 from kvmesh_worker.model_files import BUILTIN_MODELS, DEFAULT_MODEL, SERVED_FILES, load_model_files
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.daemons import Daemon, run_cli
 from tests.support.etcd import free_port
@@ -152,12 +151,9 @@ async def stream(channel):
 
 def scrape(daemon: Daemon) -> dict[tuple[str, str], float]:
     """(sample name, engine label) -> value of every kvmesh_engine_* sample."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     return {
         (sample.name, sample.labels.get("engine", "")): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
+        for sample in samples(metrics_url(daemon.metrics_port))
         if sample.name.startswith("kvmesh_engine_")
     }
 
@@ -336,7 +332,7 @@ async def test_prometheus_shows_per_engine_gauges(worker, channel):
     stub = worker_pb2_grpc.WorkerServiceStub(channel)
     engines = await engine_ids(stub)
     await generate(stub, request(engines[0], range(3, 40), 5, ignore_eos=True))
-    samples = scrape(worker)
+    values = scrape(worker)
     for engine in engines:
         label = f"{engine:x}"
         for gauge in (
@@ -346,13 +342,13 @@ async def test_prometheus_shows_per_engine_gauges(worker, channel):
             "running_requests",
             "queued_prefill_tokens",
         ):
-            assert (f"kvmesh_engine_{gauge}", label) in samples, gauge
-        assert samples["kvmesh_engine_total_blocks", label] == NUM_BLOCKS
-        assert samples["kvmesh_engine_active_blocks", label] == 0  # idle
+            assert (f"kvmesh_engine_{gauge}", label) in values, gauge
+        assert values["kvmesh_engine_total_blocks", label] == NUM_BLOCKS
+        assert values["kvmesh_engine_active_blocks", label] == 0  # idle
     first = f"{engines[0]:x}"
-    assert samples["kvmesh_engine_passes_total", first] >= 5
-    assert samples["kvmesh_engine_decode_tokens_total", first] >= 4
-    assert samples["kvmesh_engine_cached_blocks", first] >= 37 // BLOCK
+    assert values["kvmesh_engine_passes_total", first] >= 5
+    assert values["kvmesh_engine_decode_tokens_total", first] >= 4
+    assert values["kvmesh_engine_cached_blocks", first] >= 37 // BLOCK
 
 
 async def test_watch_load_streams_loads_and_forward_pass_metrics(channel):

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import shlex
 import shutil
 import signal
@@ -49,6 +48,7 @@ from kvmesh_bench.chaos_multihost import MultiHostMesh
 from kvmesh_bench.frontend_bench import kserve_request as streamed_request
 from kvmesh_bench.local_procs import free_port, process_cpu_s, script
 from kvmesh_bench.multihost import Cluster, missing_requirements
+from kvmesh_bench.prometheus_text import metric_total, metrics_url
 
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime; types-grpcio omits it
 MODEL = "kvmesh-mock"
@@ -231,10 +231,8 @@ class Mesh:
     @staticmethod
     def metric(proc: Proc, name: str) -> float:
         """Sum of a Prometheus metric's samples (every label set) on one daemon (0 if it does not answer)."""
-        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
-        url = f"http://127.0.0.1:{proc.metrics_port}/metrics"
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as reply:
-            return sum(float(v) for v in pattern.findall(reply.read().decode()))
+        with contextlib.suppress(OSError):
+            return metric_total(metrics_url(proc.metrics_port), name, timeout=2)
         return 0.0
 
     def close(self) -> None:

@@ -62,7 +62,7 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -70,6 +70,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh_bench.local_procs import script
+from kvmesh_bench.prometheus_text import metric_total
 
 __all__ = [
     "Cluster",
@@ -679,12 +680,11 @@ class Cluster:
         self.net.heal()
 
     @staticmethod
-    def metric(daemon: Daemon, name: str, labels: str = "") -> float:
-        """Sum of a Prometheus metric's samples on one daemon whose labels contain ``labels`` (0 if none)."""
-        pattern = re.compile(rf"^{re.escape(name)}(?:{{([^}}]*)}})? ([0-9.e+-]+)$", re.M)
-        with contextlib.suppress(OSError), urllib.request.urlopen(daemon.metrics_url, timeout=3) as reply:
-            text = reply.read().decode()
-            return sum(float(v) for lab, v in pattern.findall(text) if labels in lab)
+    def metric(daemon: Daemon, name: str, labels: Mapping[str, str] | None = None) -> float:
+        """Sum of a Prometheus metric's samples on one daemon whose labels include ``labels`` (0 if none, or if
+        the daemon does not answer)."""
+        with contextlib.suppress(OSError):
+            return metric_total(daemon.metrics_url, name, labels, timeout=3)
         return 0.0
 
     def metric_sum(self, kind: str, name: str) -> float:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import tritonclient.grpc as grpcclient
+from kvmesh_bench.prometheus_text import metric_total, metrics_url
 
 from tests.disagg.kserve.test_mesh import LONG, assert_nothing_held, request
 from tests.kserve_clients.mesh import MODEL, Mesh, Outcome, absorb, param, stream_error, stream_requests
@@ -215,13 +216,8 @@ def test_prefill_and_decode_workers_added_and_removed_under_load_fail_nothing(tm
 
 
 def _metric(daemon, name: str) -> float:
-    """Sum of one metric family's samples in a daemon's Prometheus exposition."""
-    import urllib.request
-
-    port = int(daemon.args[daemon.args.index("--metrics-port") + 1])
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-        lines = reply.read().decode().splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{"))
+    """A metric of a daemon started with ``--metrics-port`` (its samples summed)."""
+    return metric_total(metrics_url(int(daemon.args[daemon.args.index("--metrics-port") + 1])), name)
 
 
 def test_prefill_worker_killed_while_its_blocks_are_being_read_fails_fast_and_the_request_migrates(
