@@ -521,7 +521,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="indexer_microbench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="kvmesh bench indexer", description=__doc__.split("\n\n")[0])
     add_replay_args(p)
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument(

@@ -127,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--arrival-speedup", type=positive_float, default=0.5,
                         help="arrival times / N (default 0.5: 3 engines, not 8, serve the trace's rate)")  # fmt: skip
     names = [c.name for c in lc.CONDITIONS]
-    parser.add_argument("--conditions", default=",".join(names), help=f"comma-separated among: {', '.join(names)}")
+    listed = ", ".join(names).replace("%", "%%")  # argparse %-formats help texts ("loss 0.1 %")
+    parser.add_argument("--conditions", default=",".join(names), help=f"comma-separated among: {listed}")
     parser.add_argument("--seed", type=int, default=0, help="token mapping (live run k uses seed + k)")
     parser.add_argument("--drain-timeout", type=positive_float, default=120.0, help="live: wait S s for in-flight")
     parser.add_argument("--workdir", help="logs of the mesh (default: a temporary directory)")
