@@ -94,6 +94,7 @@ protos: $(STAMP)
 
 lint: setup-dev
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 	node_modules/.bin/buf lint
 	scripts/buf-breaking.sh

@@ -72,6 +72,7 @@ class Settings(DaemonSettings):
             except (TypeError, ValueError):
                 return data  # the max_num_seqs field reports its own error
         return data
+
     speedup_ratio: Annotated[float, Field(ge=0)] = 1.0
     """simulated time runs this many times faster than real time (0 = no sleeping)"""
     perf_model: str = "polynomial"
