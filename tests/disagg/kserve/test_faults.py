@@ -1,6 +1,7 @@
 """Disaggregation under faults, with real processes: cancels at every phase, a prefill worker killed
 mid-transfer, backpressure, enforce-disagg, workers added and removed under load. After each, 0 blocks
-are held anywhere. The faults discovery takes part in run on the file backend and on a real etcd."""
+are held anywhere. The faults discovery takes part in run on the file backend and on a real etcd
+(the ``discovery_url`` fixture, conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -17,7 +17,6 @@ from kvmesh_bench.prometheus_text import metric_total, metrics_url
 
 from tests.disagg.kserve.test_mesh import LONG, assert_nothing_held, request
 from tests.kserve_clients.mesh import MODEL, Mesh, Outcome, absorb, param, stream_error, stream_requests
-from tests.support.etcd import EtcdServer, etcd_available
 
 pytestmark = pytest.mark.e2e
 
@@ -25,18 +24,6 @@ pytestmark = pytest.mark.e2e
 def _mesh(tmp_path, discovery_url: str | None = None) -> Mesh:
     url = discovery_url or f"file://{tmp_path / 'disc'}"
     return Mesh(tmp_path, url, f"pf{uuid.uuid4().hex[:8]}", lease_ttl=1.0)
-
-
-@pytest.fixture(params=["file", pytest.param("etcd", marks=pytest.mark.etcd)])
-def discovery_url(request, tmp_path) -> Iterator[str]:
-    """The faults where discovery takes part (a worker dies or joins, a pool empties) run on both backends."""
-    if request.param == "file":
-        yield f"file://{tmp_path / 'disc'}"
-        return
-    if not etcd_available():
-        pytest.skip("etcd binary not installed")
-    with EtcdServer(tmp_path / "etcd") as etcd:
-        yield etcd.url
 
 
 def _build(mesh: Mesh, prefill: int, decode: int, decode_args=(), prefill_args=(), router_args=(), fe_args=(),

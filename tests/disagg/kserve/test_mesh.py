@@ -122,8 +122,8 @@ def test_conditional_disaggregation_takes_both_branches(tmp_path):
         mesh.close()
 
 
-def test_2p2d_spreads_over_both_pools(tmp_path):
-    mesh = Mesh(tmp_path, f"file://{tmp_path / 'disc'}", f"pd{uuid.uuid4().hex[:8]}")
+def test_2p2d_spreads_over_both_pools(tmp_path, discovery_url):
+    mesh = Mesh(tmp_path, discovery_url, f"pd{uuid.uuid4().hex[:8]}")
     try:
         disagg_mesh(mesh, 2, 2)
         requests = [request(f"r{i}", f"topic {i}: {LONG}", max_tokens=6) for i in range(24)]
