@@ -10,10 +10,12 @@ aggregated output" shows that the right KV arrived.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,7 +32,7 @@ from kvmesh_bench.prometheus_text import metric_total, metrics_url
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
 from tests.vllm.conftest import BLOCK_SIZE, MODEL, ROOT, TINY_LLAMA, VllmMesh
-from tests.vllm.test_vllm_mesh import TRITON_STREAM, triton, unique_ids
+from tests.vllm.test_vllm_mesh import TRITON_STREAM, engine_core_pids, triton, unique_ids
 
 NUM_BLOCKS = 48
 MAX_TOKENS = 8
@@ -184,6 +186,15 @@ def _wait_load(
     raise AssertionError(f"{daemon.address}: the load never matched within {timeout:g}s")
 
 
+def _load_now(daemon: Daemon) -> worker_pb2.EngineLoad:
+    """The worker's load now: the first message of a fresh WatchLoad stream."""
+    with grpc.insecure_channel(daemon.address) as channel:
+        call = worker_pb2_grpc.WorkerServiceStub(channel).WatchLoad(worker_pb2.WatchLoadRequest(), timeout=10)
+        load = next(call).loads[0]
+        call.cancel()
+    return load
+
+
 @pytest.mark.timeout(300)
 def test_a_client_gone_mid_decode_aborts_the_decode_engine_and_leaves_no_blocks_held(pd: PdMesh) -> None:
     """The client process dies while the decode engine streams (after the NIXL pull): the frontend
@@ -209,3 +220,45 @@ def test_a_client_gone_mid_decode_aborts_the_decode_engine_and_leaves_no_blocks_
     freed = _wait_load(pd.decode, idle, 30, fresh=False)
     _wait_load(pd.prefill, idle, 30, fresh=False)
     print(f"\n[client gone mid-decode] decode engine idle {freed:.2f} s after the client died")
+
+
+@pytest.mark.timeout(300)
+def test_a_prefill_worker_killed_holding_a_request_leaves_the_decode_engine_to_prefill_it(pd: PdMesh) -> None:
+    """The prefill worker dies while it holds a request (its engine frozen first, so the request can neither
+    finish nor hand its KV over before the kill): the decode engine's vLLM prefills it itself, and the client
+    sees one whole stream. Last in this module: the mesh loses its prefill worker."""
+    prompt = unique_ids(3 * BLOCK_SIZE + 7, random.Random(24))
+    cores = engine_core_pids(pd.prefill.proc.pid)
+    assert cores, "no EngineCore child process found"
+    for pid in cores:
+        os.kill(pid, signal.SIGSTOP)
+    client = subprocess.Popen(
+        [sys.executable, str(TRITON_STREAM), pd.mesh.frontend.address, MODEL, "120"],  # type: ignore[union-attr]
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert client.stdin is not None and client.stdout is not None
+    spec = {"request_id": "orphan", "ids": prompt, "max_tokens": MAX_TOKENS, "sampling": {"ignore_eos": True}}
+    client.stdin.write(json.dumps([spec]))
+    client.stdin.close()
+    assert client.stdout.readline().strip() == "sent"
+    # The prefill worker holds it: its prompt is queued prefill there (the frozen engine ran nothing). A frozen
+    # engine takes no step, so no WatchLoad message follows the first: poll with a fresh stream each time.
+    deadline = time.monotonic() + 60
+    while _load_now(pd.prefill).queued_prefill_tokens < len(prompt):
+        assert time.monotonic() < deadline, "the request never reached the prefill worker"
+        time.sleep(0.05)
+    pd.prefill.proc.kill()
+    for pid in cores:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert client.wait(150) == 0, client.stderr.read()[-3000:] if client.stderr else ""
+    report = json.loads(client.stdout.read().splitlines()[-1])["orphan"]
+    params = report["params"]
+    assert (report["num_tokens"], report["finish_reason"]) == (MAX_TOKENS, "length"), report
+    # The prefill leg failed before any token: the frontend prefills on the decode engine instead (not a
+    # migration: no decode engine failed, nothing streamed yet) and says why.
+    assert params["kvmesh.disagg"] == "local: the prefill engine failed", params
+    assert params["kvmesh.kv_transferred_blocks"] == 0 and params["kvmesh.migrations"] == 0, params
+    assert params["kvmesh.worker_id"] == pd.engine_id(pd.decode)
+    _wait_load(pd.decode, lambda load: (load.running, load.waiting, load.active_blocks) == (0, 0, 0), 30, fresh=False)

@@ -253,7 +253,7 @@ def test_bad_requests_get_a_clear_status(worker: worker_pb2_grpc.WorkerServiceSt
     assert "context length 1504" in by_id["long"].error_message
 
 
-def _engine_core_pids(worker_pid: int) -> list[int]:
+def engine_core_pids(worker_pid: int) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -283,7 +283,7 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(f
     # running with its blocks in use, and that stale load once sent "long" to the idle mocker instead.
     idle = _current_load(worker)
     assert (idle.running, idle.waiting, idle.active_blocks) == (0, 0, 0)
-    cores = _engine_core_pids(mesh.worker.proc.pid)
+    cores = engine_core_pids(mesh.worker.proc.pid)
     assert cores, "no EngineCore child process found"
     # The engine is frozen before "long" reaches it, so "long" can neither run nor finish before the kill.
     # (Killing once vLLM reported it running raced on a loaded machine: this tiny model decodes 1000 tokens

@@ -29,14 +29,12 @@ Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -94,14 +92,17 @@ def parse_engine_args(text: str) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in value.items()}
 
 
-def _event_endpoints(directory: str) -> tuple[str, str]:
-    """(publisher, replay) endpoints of vLLM's KV-event sockets: Unix sockets in a directory of the worker's own.
+def _event_endpoints() -> tuple[str, str]:
+    """(publisher, replay) endpoints of vLLM's KV-event sockets: Unix sockets in the abstract namespace, named
+    by a fresh random id.
 
     Not TCP: a port picked free at start-up was bound by vLLM's engine core seconds later, and on a busy
     machine another process had taken it meanwhile ("Address already in use": the worker failed to start).
-    A path in a private directory cannot be taken, and ``ipc://`` makes vLLM bind, as ``tcp://*`` did.
+    An abstract socket (``ipc://@...``, Linux) cannot be taken by chance and leaves no file behind, even
+    when the worker is killed; ``ipc://`` makes vLLM bind, as ``tcp://*`` did.
     """
-    return f"ipc://{directory}/kv-events", f"ipc://{directory}/kv-replay"
+    name = f"kvmesh-vllm-{uuid.uuid4().hex}"
+    return f"ipc://@{name}/kv-events", f"ipc://@{name}/kv-replay"
 
 
 @dataclass
@@ -578,9 +579,7 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     request_amx_permission()
-    sockets = tempfile.mkdtemp(prefix="kvmesh-vllm-")
-    atexit.register(shutil.rmtree, sockets, ignore_errors=True)
-    kv_endpoint, replay_endpoint = _event_endpoints(sockets)
+    kv_endpoint, replay_endpoint = _event_endpoints()
     try:
         args = engine_args(settings, settings.model_path, kv_endpoint, replay_endpoint)
     except ValueError as exc:
