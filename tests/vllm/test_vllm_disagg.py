@@ -16,8 +16,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,8 +29,15 @@ from kvmesh_bench.prometheus_text import metric_total, metrics_url
 
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
-from tests.vllm.conftest import BLOCK_SIZE, MODEL, ROOT, TINY_LLAMA, VllmMesh
-from tests.vllm.test_vllm_mesh import TRITON_STREAM, engine_core_pids, triton, unique_ids
+from tests.vllm.conftest import BLOCK_SIZE, MODEL, TINY_LLAMA, VllmMesh
+from tests.vllm.test_vllm_mesh import (
+    current_load,
+    engine_core_pids,
+    stream_client,
+    triton,
+    unique_ids,
+    wait_until_queued,
+)
 
 NUM_BLOCKS = 48
 MAX_TOKENS = 8
@@ -63,11 +68,7 @@ class PdMesh:
     decode_metrics_port: int
 
     def engine_id(self, daemon: Daemon) -> int:
-        with grpc.insecure_channel(daemon.address) as channel:
-            call = worker_pb2_grpc.WorkerServiceStub(channel).WatchLoad(worker_pb2.WatchLoadRequest(), timeout=10)
-            first = next(call)
-            call.cancel()
-        return int(first.loads[0].engine_id)
+        return int(current_load(daemon.address).engine_id)
 
     def decode_counters(self) -> dict[str, float]:
         """The decode worker's Prometheus counters (vLLM's own transfer figures among them)."""
@@ -186,30 +187,13 @@ def _wait_load(
     raise AssertionError(f"{daemon.address}: the load never matched within {timeout:g}s")
 
 
-def _load_now(daemon: Daemon) -> worker_pb2.EngineLoad:
-    """The worker's load now: the first message of a fresh WatchLoad stream."""
-    with grpc.insecure_channel(daemon.address) as channel:
-        call = worker_pb2_grpc.WorkerServiceStub(channel).WatchLoad(worker_pb2.WatchLoadRequest(), timeout=10)
-        load = next(call).loads[0]
-        call.cancel()
-    return load
-
-
 @pytest.mark.timeout(300)
 def test_a_client_gone_mid_decode_aborts_the_decode_engine_and_leaves_no_blocks_held(pd: PdMesh) -> None:
     """The client process dies while the decode engine streams (after the NIXL pull): the frontend
     cancels the decode leg, and within seconds neither engine holds a request or a block in use."""
     prompt = unique_ids(3 * BLOCK_SIZE + 7, random.Random(23))
-    client = subprocess.Popen(
-        [sys.executable, str(TRITON_STREAM), pd.mesh.frontend.address, MODEL, "120"],  # type: ignore[union-attr]
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert client.stdin is not None and client.stdout is not None
     spec = {"request_id": "gone", "ids": prompt, "max_tokens": 1000, "sampling": {"ignore_eos": True}}
-    client.stdin.write(json.dumps([spec]))
-    client.stdin.close()
-    assert client.stdout.readline().strip() == "sent"
+    client = stream_client(pd.mesh.frontend.address, [spec])  # type: ignore[union-attr]
     _wait_load(pd.decode, lambda load: load.running >= 1, 120)  # decoding: the prompt's KV was pulled
     client.kill()
     client.wait()
@@ -232,27 +216,15 @@ def test_a_prefill_worker_killed_holding_a_request_leaves_the_decode_engine_to_p
     assert cores, "no EngineCore child process found"
     for pid in cores:
         os.kill(pid, signal.SIGSTOP)
-    client = subprocess.Popen(
-        [sys.executable, str(TRITON_STREAM), pd.mesh.frontend.address, MODEL, "120"],  # type: ignore[union-attr]
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert client.stdin is not None and client.stdout is not None
     spec = {"request_id": "orphan", "ids": prompt, "max_tokens": MAX_TOKENS, "sampling": {"ignore_eos": True}}
-    client.stdin.write(json.dumps([spec]))
-    client.stdin.close()
-    assert client.stdout.readline().strip() == "sent"
-    # The prefill worker holds it: its prompt is queued prefill there (the frozen engine ran nothing). A frozen
-    # engine takes no step, so no WatchLoad message follows the first: poll with a fresh stream each time.
-    deadline = time.monotonic() + 60
-    while _load_now(pd.prefill).queued_prefill_tokens < len(prompt):
-        assert time.monotonic() < deadline, "the request never reached the prefill worker"
-        time.sleep(0.05)
+    client = stream_client(pd.mesh.frontend.address, [spec])  # type: ignore[union-attr]
+    wait_until_queued(pd.prefill.address, len(prompt))  # the prefill worker holds it; its frozen engine ran nothing
     pd.prefill.proc.kill()
     for pid in cores:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     assert client.wait(150) == 0, client.stderr.read()[-3000:] if client.stderr else ""
+    assert client.stdout is not None
     report = json.loads(client.stdout.read().splitlines()[-1])["orphan"]
     params = report["params"]
     assert (report["num_tokens"], report["finish_reason"]) == (MAX_TOKENS, "length"), report

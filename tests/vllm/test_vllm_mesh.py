@@ -49,6 +49,39 @@ def triton(mesh: VllmMesh, specs: list[dict[str, object]], timeout: float = 120)
     return report
 
 
+def stream_client(frontend: str, specs: list[dict[str, object]], timeout: float = 120) -> subprocess.Popen[str]:
+    """The stock-tritonclient script of ``triton`` in a process of its own, returned once it sent ``specs``:
+    for tests that kill something while the requests run. Its last stdout line is the report."""
+    client = subprocess.Popen(
+        [sys.executable, str(TRITON_STREAM), frontend, MODEL, str(timeout)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert client.stdin is not None and client.stdout is not None
+    client.stdin.write(json.dumps(specs))
+    client.stdin.close()
+    assert client.stdout.readline().strip() == "sent"
+    return client
+
+
+def current_load(address: str) -> worker_pb2.EngineLoad:
+    """A worker's (first) engine load now: the first message of a fresh WatchLoad stream, computed when it opens."""
+    with grpc.insecure_channel(address) as channel:
+        call = worker_pb2_grpc.WorkerServiceStub(channel).WatchLoad(worker_pb2.WatchLoadRequest(), timeout=10)
+        load: worker_pb2.EngineLoad = next(call).loads[0]
+        call.cancel()
+    return load
+
+
+def wait_until_queued(address: str, prompt_tokens: int, timeout: float = 60) -> None:
+    """Until the worker holds a prompt of ``prompt_tokens`` as queued prefill. Polled: a frozen engine takes no
+    step, so a WatchLoad stream sends nothing after its first message."""
+    deadline = time.monotonic() + timeout
+    while current_load(address).queued_prefill_tokens < prompt_tokens:
+        assert time.monotonic() < deadline, f"{address} never held the request"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def worker(mesh: VllmMesh) -> Iterator[worker_pb2_grpc.WorkerServiceStub]:
     assert mesh.worker is not None
@@ -274,14 +307,12 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(f
     # event sequences) the router could place the request on the mocker from the start.
     mesh = fresh_mesh
     assert mesh.worker is not None and mesh.frontend is not None
-    channel = grpc.insecure_channel(mesh.worker.address)
-    worker = worker_pb2_grpc.WorkerServiceStub(channel)
     # A prefix vLLM holds, so that the KV router sends the long request there and not to the mocker.
     prefix = unique_ids(10 * BLOCK_SIZE, random.Random(7))
     triton(mesh, [{"request_id": "warm", "ids": prefix, "max_tokens": 1}])
     # Idle again, the engine says so: vLLM's last stats (taken before "warm" finished) still counted it
     # running with its blocks in use, and that stale load once sent "long" to the idle mocker instead.
-    idle = _current_load(worker)
+    idle = current_load(mesh.worker.address)
     assert (idle.running, idle.waiting, idle.active_blocks) == (0, 0, 0)
     cores = engine_core_pids(mesh.worker.proc.pid)
     assert cores, "no EngineCore child process found"
@@ -293,38 +324,15 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(f
         os.kill(pid, signal.SIGSTOP)
     mesh.mocker()  # somewhere to migrate to
     long_ids = [*prefix, 11, 12, 13, 14]
-    client = subprocess.Popen(
-        [sys.executable, str(TRITON_STREAM), mesh.frontend.address, MODEL, "120"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert client.stdin is not None and client.stdout is not None
-    client.stdin.write(json.dumps([{"request_id": "long", "ids": long_ids, "max_tokens": 1000}]))
-    client.stdin.close()
-    assert client.stdout.readline().strip() == "sent"
+    client = stream_client(mesh.frontend.address, [{"request_id": "long", "ids": long_ids, "max_tokens": 1000}])
     # Kill once the worker holds "long" for vLLM: its prompt is queued prefill there (nothing has run yet).
-    deadline = time.monotonic() + 60
-    while _current_load(worker).queued_prefill_tokens < len(long_ids):
-        assert time.monotonic() < deadline, "the long request never reached the vLLM engine"
-        time.sleep(0.05)
+    wait_until_queued(mesh.worker.address, len(long_ids))
     for pid in cores:
         os.kill(pid, signal.SIGKILL)
     assert mesh.worker.wait(30) == 1
     assert "died" in mesh.worker.log_text()
     assert client.wait(150) == 0, client.stderr.read()[-3000:] if client.stderr else ""
+    assert client.stdout is not None
     outcome = json.loads(client.stdout.read().splitlines()[-1])["long"]
     assert (outcome["num_tokens"], outcome["finish_reason"]) == (1000, "length")
     assert outcome["params"]["kvmesh.migrations"] >= 1
-    channel.close()
-
-
-def _current_load(worker: worker_pb2_grpc.WorkerServiceStub) -> worker_pb2.EngineLoad:
-    """The engine's load now: the first message of a WatchLoad stream."""
-    watch = worker.WatchLoad(worker_pb2.WatchLoadRequest(), timeout=10)
-    load = next(watch).loads[0]
-    watch.cancel()
-    return load
