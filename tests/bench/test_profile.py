@@ -1,4 +1,4 @@
-"""``kvmesh profile`` against a real worker (the mocker here; tests/vllm and docs/benchmarks.md do vLLM).
+"""``kvmesh profile`` against a real worker (the mocker here; docs/benchmarks.md profiles vLLM).
 
 The profile it writes is a perf model the mocker loads (``--perf-model``), and the mocker driven by
 a profile of itself reproduces its own timing shape: prefill grows with the ISL.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvmesh_bench.profile import decode_window
 from kvmesh_worker.engine import load_perf_model
 
 from tests.support.daemons import Daemon, run_cli
@@ -69,3 +70,19 @@ def test_profile_of_a_running_engine_is_a_perf_model_the_mocker_loads(tmp_path) 
         assert list(data["prefill_isl"]) == [32, 512]
         assert data["decode_itl"].shape == (4, 2)  # 2 batch sizes x 2 contexts of active-KV points, 2 contexts
     assert model.prefill_ms(512) > model.prefill_ms(32) > 0
+
+
+def test_decode_itl_is_timed_only_while_the_whole_batch_decodes() -> None:
+    """Request a's first tokens come while b still prefills (slow mixed passes); only the shared window counts."""
+    a = [(0.010, 1), (0.040, 1), (0.070, 1), (0.072, 1), (0.074, 1), (0.076, 1)]
+    b = [(0.070, 1), (0.072, 1), (0.074, 1), (0.076, 1), (0.078, 1)]
+    itls, mean_context = decode_window([a, b], context=100)
+    assert itls == pytest.approx([2.0, 2.0])  # not a's 13.2 ms over its whole stream
+    # a: 3 tokens before the window's first gap, 3 gaps in it; b: 1 token, 3 gaps (b's last is past a's end)
+    assert mean_context == pytest.approx(100 + ((3 + 1.5) + (1 + 1.5)) / 2)
+
+
+def test_a_batch_that_never_decodes_together_has_no_window() -> None:
+    a = [(0.010, 1), (0.020, 1)]
+    b = [(0.030, 1), (0.040, 1)]
+    assert decode_window([a, b], context=100) == ([], None)

@@ -11,12 +11,17 @@ directly (the cleanest figures: no routing); ``--frontend`` goes through KServe.
   (median of ``--repeats``). With ``--cached`` fractions, the same prompt's first part is warmed
   first, to show TTFT against cached tokens (reported; the NPZ keys prefill on uncached tokens,
   which is what the mocker's ``prefill_ms`` takes).
-- **Decode:** for each batch size B and context C, B concurrent fresh prompts of C tokens, each
-  ``--decode-tokens`` long; ITL = (last token − first token) / (tokens − 1), median over requests.
+- **Decode:** for each batch size B and context C, B concurrent fresh prompts of C tokens. ITL is
+  timed only in the window where all B are decoding (from the last first token to the first last
+  token), median over requests: the early requests' first tokens come while the others still
+  prefill, and counting those mixed passes made a batch of 8 x 1024 tokens look up to 1.8x slower
+  than its decode passes are. Each request asks for ``--decode-tokens`` plus one token per 512
+  prompt tokens of the batch (a conservative prefill budget per pass), so the window keeps about
+  ``--decode-tokens`` passes.
 
 The NPZ is what ``kvmesh-worker --perf-model PATH`` reads (``InterpolatedPerfModel``):
 ``prefill_isl`` → ``prefill_ttft_ms``; ``decode_itl[active_kv_tokens, context]`` on the grid of
-``B × (C + D/2)`` active KV tokens by ``C + D/2`` mean context (each context column interpolated
+``B × C'`` active KV tokens by ``C'``, the window's mean context (each context column interpolated
 over its measured batch sizes).
 """
 
@@ -166,13 +171,36 @@ class DecodePoint:
     mean_context: float
 
 
-def _itl_ms(times: list[tuple[float, int]]) -> float | None:
-    tokens = sum(n for _, n in times)
-    if tokens < 2 or len(times) < 2:
-        return None
-    first, last = times[0][0], times[-1][0]
-    # Tokens after the first response's: the span covers exactly those.
-    return (last - first) * 1000.0 / (tokens - times[0][1]) if tokens > times[0][1] else None
+#: Prompt tokens one pass is assumed to prefill at least, to size the decode requests' lead-in.
+_PREFILL_TOKENS_PER_PASS = 512
+
+
+def decode_window(results: list[list[tuple[float, int]]], context: int) -> tuple[list[float], float | None]:
+    """Per-request ITL (ms) while all requests of a batch decode together, and that window's mean context.
+
+    ``results`` holds each request's ``(seconds since send, tokens in that response)``. The window runs
+    from the last request's first token to the first request's last one; a request contributes the gaps
+    between its responses inside it. Empty results: the batch never decoded all at once.
+    """
+    start = max(times[0][0] for times in results)
+    end = min(times[-1][0] for times in results)
+    itls: list[float] = []
+    contexts: list[float] = []
+    for times in results:
+        before = 0  # tokens of this request up to and including its first response in the window
+        inside: list[tuple[float, int]] = []
+        for t, n in times:
+            if t < start:
+                before += n
+            elif t <= end:
+                inside.append((t, n))
+        if len(inside) < 2:
+            continue
+        before += inside[0][1]
+        gaps = sum(n for _, n in inside[1:])
+        itls.append((inside[-1][0] - inside[0][0]) * 1000.0 / gaps)
+        contexts.append(context + before + gaps / 2)
+    return itls, (statistics.fmean(contexts) if contexts else None)
 
 
 async def profile(client: Client, args: argparse.Namespace) -> tuple[list[PrefillPoint], list[DecodePoint]]:
@@ -201,11 +229,20 @@ async def profile(client: Client, args: argparse.Namespace) -> tuple[list[Prefil
     d = args.decode_tokens
     for context in args.context:
         for batch in args.batch:
-            itls = []
+            lead = -(-batch * context // _PREFILL_TOKENS_PER_PASS)  # passes until the last one prefilled
+            itls: list[float] = []
+            contexts: list[float] = []
             for _ in range(args.repeats):
-                results = await client.run([fresh(context) for _ in range(batch)], d)
-                itls += [x for times in results if (x := _itl_ms(times)) is not None]
-            mean_ctx = context + d / 2
+                results = await client.run([fresh(context) for _ in range(batch)], d + lead)
+                window, mean = decode_window(results, context)
+                itls += window
+                contexts += [mean] if mean is not None else []
+            if not itls:
+                raise SystemExit(
+                    f"kvmesh profile: batch {batch} x context {context} never decoded all at once; "
+                    "raise --decode-tokens"
+                )
+            mean_ctx = round(statistics.fmean(contexts))
             decode.append(DecodePoint(batch, context, statistics.median(itls), batch * mean_ctx, mean_ctx))
             print(f"decode batch={batch} context={context}: {decode[-1].itl_ms:.2f} ms", file=sys.stderr)
     return prefill, decode
@@ -214,11 +251,13 @@ async def profile(client: Client, args: argparse.Namespace) -> tuple[list[Prefil
 def perf_model_arrays(prefill: list[PrefillPoint], decode: list[DecodePoint]) -> dict[str, np.ndarray]:
     """The NPZ arrays ``InterpolatedPerfModel`` reads."""
     uncached = sorted({p.isl: p.ttft_ms for p in prefill if p.cached == 0}.items())
-    contexts = sorted({p.mean_context for p in decode})
+    # One column per prompt length; its context is the mean over its batch sizes' decode windows.
+    prompt_lengths = sorted({p.context for p in decode})
+    contexts = [statistics.fmean(p.mean_context for p in decode if p.context == c) for c in prompt_lengths]
     kv_axis = sorted({p.active_kv_tokens for p in decode})
     itl = np.zeros((len(kv_axis), len(contexts)))
-    for j, ctx in enumerate(contexts):
-        column = sorted((p.active_kv_tokens, p.itl_ms) for p in decode if p.mean_context == ctx)
+    for j, prompt_length in enumerate(prompt_lengths):
+        column = sorted((p.active_kv_tokens, p.itl_ms) for p in decode if p.context == prompt_length)
         xs, ys = [c[0] for c in column], [c[1] for c in column]
         itl[:, j] = np.interp(kv_axis, xs, ys)
     return {
