@@ -41,7 +41,12 @@ class Daemon:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
-            [script(name), *self.args], stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            [script(name), *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            process_group=0,  # not a session of its own: see kvmesh_cli.up._spawn
         )
 
     @property

@@ -123,7 +123,11 @@ async def run_direct(args: argparse.Namespace, prompts: list[list[int]]) -> dict
 def _spawn(name: str, argv: list[str], log_dir: Path) -> subprocess.Popen[bytes]:
     exe = Path(sys.executable).parent / name
     log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child's for its lifetime
-    return subprocess.Popen([str(exe), *argv], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # One session with the client and the direct engine (a process group of its own, not a session):
+    # in sessions of their own (Linux autogroup) the mesh measured 1.2-2.3x slower (docs/benchmarks.md).
+    return subprocess.Popen(
+        [str(exe), *argv], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, process_group=0
+    )
 
 
 async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:

@@ -200,9 +200,14 @@ def _spawn(
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     proc = subprocess.Popen(
         [exe, *args],
+        stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
-        start_new_session=True,
+        # Its own process group (the terminal's Ctrl-C reaches only kvmesh up, which drains the daemons),
+        # but not its own session: Linux autogroup schedules each session as one group, and a vLLM
+        # worker in a session of its own held its tokens back until requests finished (docs/benchmarks.md,
+        # "Overhead of the mesh").
+        process_group=0,
         preexec_fn=_die_with_parent,  # only prctl before exec: safe in a forked child
         env={
             **{var: value for var, value in os.environ.items() if not is_setting_variable(var) or var in own},
