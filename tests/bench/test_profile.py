@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvmesh_bench.profile import decode_window
+from kvmesh_bench.profile import DecodePoint, PrefillPoint, decode_window, path_overhead_ms, perf_model_arrays
 from kvmesh_worker.engine import load_perf_model
 
 from tests.support.daemons import Daemon, run_cli
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_profile_of_a_running_engine_is_a_perf_model_the_mocker_loads(tmp_path) -> None:
+    """Two rounds of the sweep, each point the median of both rounds' samples."""
     port = free_port()
     worker = Daemon(
         "kvmesh-worker",
@@ -55,6 +56,8 @@ def test_profile_of_a_running_engine_is_a_perf_model_the_mocker_loads(tmp_path) 
             "8",
             "--repeats",
             "1",
+            "--rounds",
+            "2",
             "--out",
             str(tmp_path / "p.npz"),
             "--json",
@@ -86,3 +89,24 @@ def test_a_batch_that_never_decodes_together_has_no_window() -> None:
     a = [(0.010, 1), (0.020, 1)]
     b = [(0.030, 1), (0.040, 1)]
     assert decode_window([a, b], context=100) == ([], None)
+
+
+def test_a_sweep_of_zero_rounds_is_refused_with_exit_2(tmp_path) -> None:
+    out = run_cli(
+        "kvmesh", "profile", "--engine-address", "127.0.0.1:1", "--rounds", "0", "--out", str(tmp_path / "p.npz")
+    )
+    assert out.returncode == 2
+    assert "--rounds must be at least 1" in out.stderr
+    assert not (tmp_path / "p.npz").exists()
+
+
+def test_net_prefill_takes_the_request_paths_fixed_cost_off_every_prefill_point() -> None:
+    """Shortest prompt 7 ms, a batch-1 decode pass 1.5 ms: 5.5 ms is the path, not the prefill pass."""
+    prefill = [PrefillPoint(32, 0, 7.0), PrefillPoint(1024, 0, 16.0), PrefillPoint(1024, 512, 12.0)]
+    decode = [DecodePoint(1, 64, 1.5, 80, 80), DecodePoint(4, 64, 2.0, 320, 80)]
+    assert path_overhead_ms(prefill, decode) == pytest.approx(5.5)
+    gross = perf_model_arrays(prefill, decode)
+    net = perf_model_arrays(prefill, decode, net_prefill=True)
+    assert list(gross["prefill_ttft_ms"]) == [7.0, 16.0]
+    assert list(net["prefill_ttft_ms"]) == pytest.approx([1.5, 10.5])
+    assert np.array_equal(net["decode_itl"], gross["decode_itl"])  # decode points are passes already

@@ -8,9 +8,9 @@ ids and times the streamed tokens. ``--engine-address`` talks to a worker's ``Ge
 directly (the cleanest figures: no routing); ``--frontend`` goes through KServe.
 
 - **Prefill:** for each ISL, a fresh random prompt with ``max_tokens=2``; TTFT = send → first token
-  (median of ``--repeats``). With ``--cached`` fractions, the same prompt's first part is warmed
-  first, to show TTFT against cached tokens (reported; the NPZ keys prefill on uncached tokens,
-  which is what the mocker's ``prefill_ms`` takes).
+  (median of ``--repeats`` x ``--rounds`` samples). With ``--cached`` fractions, the same prompt's
+  first part is warmed first, to show TTFT against cached tokens (reported; the NPZ keys prefill on
+  uncached tokens, which is what the mocker's ``prefill_ms`` takes).
 - **Decode:** for each batch size B and context C, B concurrent fresh prompts of C tokens. ITL is
   timed only in the window where all B are decoding (from the last first token to the first last
   token), median over requests: the early requests' first tokens come while the others still
@@ -204,53 +204,72 @@ def decode_window(results: list[list[tuple[float, int]]], context: int) -> tuple
 
 
 async def profile(client: Client, args: argparse.Namespace) -> tuple[list[PrefillPoint], list[DecodePoint]]:
+    """Sweep every point ``--rounds`` times, one whole sweep after another; each point is the median of
+    all its samples, so a slow minute on a shared machine moves one round of a point, not the point."""
     rng = np.random.default_rng(args.seed)
 
     def fresh(n: int) -> list[int]:
         return [int(x) for x in rng.integers(10, args.vocab_size, n)]
 
     await client.run([fresh(8)], 2)  # warm-up: connections, first-pass costs
-    prefill: list[PrefillPoint] = []
-    for isl in args.isl:
-        for fraction in args.cached:
-            cached = int(isl * fraction) // args.block_size * args.block_size
-            if fraction and not cached:
-                continue  # less than one block: the same point as no cache
-            samples = []
+    prefill_points = [
+        (isl, int(isl * fraction) // args.block_size * args.block_size)
+        for isl in args.isl
+        for fraction in args.cached
+        if not fraction or int(isl * fraction) >= args.block_size  # under one block: the uncached point
+    ]
+    decode_points = [(batch, context) for context in args.context for batch in args.batch]
+    ttfts: dict[tuple[int, int], list[float]] = {point: [] for point in prefill_points}
+    itls: dict[tuple[int, int], list[float]] = {point: [] for point in decode_points}
+    contexts: dict[tuple[int, int], list[float]] = {point: [] for point in decode_points}
+    d = args.decode_tokens
+    for round_ in range(1, args.rounds + 1):
+        for isl, cached in prefill_points:
             for _ in range(args.repeats):
                 prompt = fresh(isl)
                 if cached:
                     await client.run([prompt[:cached]], 1)  # warm the prefix
                 (times,) = await client.run([prompt], 2)
-                samples.append(times[0][0] * 1000.0)
-            prefill.append(PrefillPoint(isl, cached, statistics.median(samples)))
-            print(f"prefill isl={isl} cached={cached}: {prefill[-1].ttft_ms:.2f} ms", file=sys.stderr)
-    decode: list[DecodePoint] = []
-    d = args.decode_tokens
-    for context in args.context:
-        for batch in args.batch:
+                ttfts[isl, cached].append(times[0][0] * 1000.0)
+        for batch, context in decode_points:
             lead = -(-batch * context // _PREFILL_TOKENS_PER_PASS)  # passes until the last one prefilled
-            itls: list[float] = []
-            contexts: list[float] = []
             for _ in range(args.repeats):
                 results = await client.run([fresh(context) for _ in range(batch)], d + lead)
                 window, mean = decode_window(results, context)
-                itls += window
-                contexts += [mean] if mean is not None else []
-            if not itls:
-                raise SystemExit(
-                    f"kvmesh profile: batch {batch} x context {context} never decoded all at once; "
-                    "raise --decode-tokens"
-                )
-            mean_ctx = round(statistics.fmean(contexts))
-            decode.append(DecodePoint(batch, context, statistics.median(itls), batch * mean_ctx, mean_ctx))
-            print(f"decode batch={batch} context={context}: {decode[-1].itl_ms:.2f} ms", file=sys.stderr)
+                itls[batch, context] += window
+                contexts[batch, context] += [mean] if mean is not None else []
+        print(f"round {round_} of {args.rounds} done", file=sys.stderr)
+    prefill = [PrefillPoint(isl, cached, statistics.median(ttfts[isl, cached])) for isl, cached in prefill_points]
+    for point in prefill:
+        print(f"prefill isl={point.isl} cached={point.cached}: {point.ttft_ms:.2f} ms", file=sys.stderr)
+    decode: list[DecodePoint] = []
+    for batch, context in decode_points:
+        if not itls[batch, context]:
+            raise SystemExit(
+                f"kvmesh profile: batch {batch} x context {context} never decoded all at once; raise --decode-tokens"
+            )
+        mean_ctx = round(statistics.fmean(contexts[batch, context]))
+        decode.append(DecodePoint(batch, context, statistics.median(itls[batch, context]), batch * mean_ctx, mean_ctx))
+        print(f"decode batch={batch} context={context}: {decode[-1].itl_ms:.2f} ms", file=sys.stderr)
     return prefill, decode
 
 
-def perf_model_arrays(prefill: list[PrefillPoint], decode: list[DecodePoint]) -> dict[str, np.ndarray]:
-    """The NPZ arrays ``InterpolatedPerfModel`` reads."""
-    uncached = sorted({p.isl: p.ttft_ms for p in prefill if p.cached == 0}.items())
+def path_overhead_ms(prefill: list[PrefillPoint], decode: list[DecodePoint]) -> float:
+    """The request path's fixed cost in a TTFT: the shortest uncached prompt's TTFT minus one decode pass
+    of the smallest batch and context (a short prefill pass costs about what a small decode pass does on
+    a real engine; not on the mocker's polynomial model, whose prefill has a 16.5 ms constant)."""
+    shortest = min((p for p in prefill if p.cached == 0), key=lambda p: p.isl)
+    smallest = min(decode, key=lambda p: (p.context, p.batch))
+    return max(0.0, shortest.ttft_ms - smallest.itl_ms)
+
+
+def perf_model_arrays(
+    prefill: list[PrefillPoint], decode: list[DecodePoint], net_prefill: bool = False
+) -> dict[str, np.ndarray]:
+    """The NPZ arrays ``InterpolatedPerfModel`` reads; ``net_prefill`` takes :func:`path_overhead_ms` off
+    every prefill point (the mocker then models the prefill pass, and its own live path adds the rest)."""
+    overhead = path_overhead_ms(prefill, decode) if net_prefill else 0.0
+    uncached = sorted({p.isl: max(0.0, p.ttft_ms - overhead) for p in prefill if p.cached == 0}.items())
     # One column per prompt length; its context is the mean over its batch sizes' decode windows.
     prompt_lengths = sorted({p.context for p in decode})
     contexts = [statistics.fmean(p.mean_context for p in decode if p.context == c) for c in prompt_lengths]
@@ -285,17 +304,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_ints, default=_ints("1,2,4,8"), help="decode batch sizes")
     p.add_argument("--context", type=_ints, default=_ints("64,256,1024"), help="decode prompt lengths")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode request")
-    p.add_argument("--repeats", type=int, default=3, help="samples per point (median)")
+    p.add_argument("--repeats", type=int, default=3, help="samples per point in each round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="whole sweeps, one after another; a point is the median of all its samples",
+    )
     p.add_argument("--block-size", type=int, default=32, help="the engine's block size (cached prefixes align to it)")
     p.add_argument("--vocab-size", type=int, default=2000, help="token ids drawn below it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", metavar="NPZ", required=True, help="where the mocker's perf model goes")
+    p.add_argument(
+        "--net-prefill",
+        action="store_true",
+        help="take the request path's fixed cost (shortest prompt's TTFT minus a batch-1 decode pass) off every "
+        "prefill point: for a profile taken through a mesh, since the mocker's live mesh pays that path again",
+    )
     p.add_argument("--json", metavar="PATH", help="write every measured point as JSON")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.rounds < 1:
+        parser.error("--repeats and --rounds must be at least 1")
     if 0.0 not in args.cached:
         args.cached = [0.0, *args.cached]
 
@@ -311,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             await client.close()
 
     prefill, decode = asyncio.run(go())
-    arrays = perf_model_arrays(prefill, decode)
+    arrays = perf_model_arrays(prefill, decode, args.net_prefill)
     with open(args.out, "wb") as out:
         np.savez(out, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
     print("prefill (TTFT against ISL and cached tokens)")
@@ -321,10 +355,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     columns = [("batch", "batch", "{}"), ("context", "context", "{}"), ("itl_ms", "ITL ms", "{:.2f}"),
                ("active_kv_tokens", "active KV tokens", "{:.0f}")]  # fmt: skip
     print(format_table([asdict(p) for p in decode], columns))
+    print(f"request path's fixed cost in a TTFT: {path_overhead_ms(prefill, decode):.2f} ms"
+          f" ({'taken off' if args.net_prefill else 'kept in'} the prefill points)")  # fmt: skip
     print(f"perf model written to {args.out} (kvmesh-worker --perf-model {args.out})")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"prefill": [asdict(p) for p in prefill], "decode": [asdict(p) for p in decode]}, indent=1)
+            json.dumps(
+                {
+                    "prefill": [asdict(p) for p in prefill],
+                    "decode": [asdict(p) for p in decode],
+                    "path_overhead_ms": path_overhead_ms(prefill, decode),
+                    "net_prefill": args.net_prefill,
+                },
+                indent=1,
+            )
         )
     return 0
 
