@@ -21,6 +21,7 @@ import grpc
 import pytest
 from kvmesh.hashing import block_hashes
 from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh_cli.vllm_cores import keep_off_model_cores, model_processes
 
 from tests.vllm.conftest import BLOCK_SIZE, MODEL, NUM_BLOCKS, VllmMesh
 
@@ -117,6 +118,28 @@ def test_tritonclient_streams_exactly_max_tokens_and_the_second_request_hits_vll
     # vLLM's KV events, re-hashed, give exactly kvmesh's hashes of the prompt's full blocks.
     _, sequence = block_hashes(prefix, BLOCK_SIZE)
     assert set(sequence) <= dump_hashes(worker, engine_id)
+
+
+def test_the_mesh_moves_off_the_cores_vllm_binds_its_model_to(mesh: VllmMesh) -> None:
+    """What ``kvmesh up`` does once vLLM is up: vLLM's own model process is found by name and keeps its
+    binding; every other process of the mesh (vLLM's scheduler included) moves to the cores left over.
+    The rest of this module then runs on that placement."""
+    daemons = [d for d in (mesh.worker, mesh.router, mesh.frontend) if d is not None]
+    split = keep_off_model_cores([d.proc.pid for d in daemons])
+    if len(os.sched_getaffinity(0)) < 2:  # vLLM then binds the model to the only core: nothing is left over
+        assert split is None
+        return
+    assert split is not None
+    model_cores, serving = split
+    assert model_cores and serving and not model_cores & serving
+    assert model_cores | serving <= os.sched_getaffinity(0)
+    for daemon in daemons:
+        for tid in os.listdir(f"/proc/{daemon.proc.pid}/task"):
+            assert os.sched_getaffinity(int(tid)) == serving, daemon.name
+    models = model_processes([d.proc.pid for d in daemons])
+    assert models and all(os.sched_getaffinity(pid) <= model_cores for pid in models)
+    served = triton(mesh, [{"request_id": "pinned", "ids": unique_ids(40, random.Random(2)), "max_tokens": 4}])
+    assert served["pinned"]["num_tokens"] == 4
 
 
 def test_logprobs_are_vllms_own(mesh: VllmMesh) -> None:

@@ -10,6 +10,10 @@ Same requests (seeded random token ids), same engine arguments, same machine, on
    discovery), the same closed loop over one KServe ``ModelStreamInfer`` (input_ids, stream=true),
    as tritonclient's ``start_stream`` does; TTFT = request written → first streamed response.
 
+In both modes, once the engine is up, the processes other than vLLM's model runner (this one, the
+engine's scheduler, the mesh's daemons) move off the model's cores, as ``kvmesh up`` does
+(``kvmesh_cli.vllm_cores``); ``--share-model-cores`` leaves every process everywhere, in both modes.
+
 Throughput is output tokens per second of wall time over the whole closed loop. Reported: each
 mode's figures, the mesh/direct throughput ratio (goal ≥ 0.95) and the added TTFT p50 (goal < 2 ms).
 Needs the vLLM venv (``make setup-vllm``).
@@ -31,9 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kvmesh_cli.vllm_cores import confine, keep_off_model_cores
 
 from kvmesh_bench.tables import format_table
 
+ALL_CORES = frozenset(os.sched_getaffinity(0))  # as this process started
 TINY_LLAMA = Path(__file__).resolve().parents[3] / "services/worker/src/kvmesh_worker/models/tiny-llama"
 
 
@@ -71,6 +77,16 @@ async def _closed_loop(prompts: list[list[int]], concurrency: int, one: Any) -> 
     start = time.monotonic()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     return ttfts, total, time.monotonic() - start
+
+
+def _keep_off_model_cores(args: argparse.Namespace, pids: list[int]) -> None:
+    if not args.share_model_cores:
+        keep_off_model_cores([os.getpid(), *pids])
+
+
+def _unconfine() -> None:
+    """This process back on every core, so that the next engine picks its cores from all of them."""
+    confine(os.getpid(), ALL_CORES)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -113,10 +129,12 @@ async def run_direct(args: argparse.Namespace, prompts: list[list[int]]) -> dict
         return first or 0.0, n
 
     try:
+        _keep_off_model_cores(args, [])
         await one(prompts[0][:16])  # warm-up
         ttfts, tokens, wall = await _closed_loop(prompts, args.concurrency, one)
     finally:
         llm.shutdown()
+        _unconfine()
     return _summary("direct AsyncLLM", ttfts, tokens, wall)
 
 
@@ -165,6 +183,7 @@ async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"the mesh did not come up; logs in {log_dir}")
             await asyncio.sleep(0.5)
+        _keep_off_model_cores(args, [p.pid for p in procs])
         model = Path(args.model_path).name
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         stub = kserve_grpc.GRPCInferenceServiceStub(channel)
@@ -238,6 +257,7 @@ async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        _unconfine()
     return _summary("kvmesh (KServe→frontend→router→worker)", ttfts, tokens, wall)
 
 
@@ -253,6 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grpc-port", type=int, default=18041, help="the mesh's frontend port")
+    p.add_argument(
+        "--share-model-cores",
+        action="store_true",
+        help="leave every process on every core (default: off the model's cores once the engine is up)",
+    )
     p.add_argument("--json", metavar="PATH")
     return p
 

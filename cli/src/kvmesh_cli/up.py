@@ -31,7 +31,7 @@ from kvmesh_worker.settings import Settings as WorkerSettings
 from kvmesh_cli import planner as up_planner
 from kvmesh_cli.kserve_demo import demo_request, server_ready
 from kvmesh_cli.up_tls import add_tls_argument, daemon_tls_args, kserve_credentials, prepare_tls
-from kvmesh_cli.vllm_cores import worker_environments
+from kvmesh_cli.vllm_cores import keep_off_model_cores, worker_environments
 
 EXAMPLE = """\
 import tritonclient.grpc as grpcclient, numpy as np
@@ -130,6 +130,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Prometheus /metrics on PORT (worker), PORT+1 (router), PORT+2 (frontend) (default: none)",
     )
     p.add_argument("--no-demo", action="store_true", help="do not send the demo request")
+    p.add_argument(
+        "--share-model-cores",
+        action="store_true",
+        help="let the daemons run on the cores vLLM binds its model to (default: once the mesh is up, they "
+        "move to the cores vLLM leaves over)",
+    )
     add_tls_argument(p)
     p.add_argument(
         "--ready-timeout", type=float, default=None, help="seconds to wait for ServerReady (default: 60, vLLM 240)"
@@ -139,6 +145,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+
+
+def _cores(cores: frozenset[int]) -> str:
+    return ",".join(str(c) for c in sorted(cores))
 
 
 def _die_with_parent() -> None:
@@ -346,6 +356,10 @@ def run(args: argparse.Namespace) -> int:
             ):
                 break
             time.sleep(0.2)
+        # The planner's later workers would inherit a confined affinity, and vLLM picks its cores from it.
+        split = (
+            None if not vllm or args.planner or args.share_model_cores else keep_off_model_cores([p.pid for p in procs])
+        )
         print(
             f"kvmesh is up: KServe gRPC on localhost:{args.grpc_port}, model {model!r}, "
             + (
@@ -357,6 +371,13 @@ def run(args: argparse.Namespace) -> int:
             f"Ctrl-C stops it.",
             flush=True,
         )
+        if split is not None:
+            model_cores, serving = split
+            print(
+                f"vLLM's model runs on cores {_cores(model_cores)}; the daemons moved to {_cores(serving)} "
+                "(--share-model-cores keeps them everywhere)",
+                flush=True,
+            )
         if metrics:
             where = ", ".join(f"{n.removeprefix('kvmesh-')} http://localhost:{p}/metrics" for n, p in metrics.items())
             print(f"Prometheus metrics: {where}", flush=True)
