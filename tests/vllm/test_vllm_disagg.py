@@ -19,13 +19,14 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh_bench.prometheus_text import metric_total, metrics_url
+from kvmesh_cli.vllm_cores import model_processes
 
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
@@ -60,12 +61,37 @@ def seeded_model(directory: Path) -> Path:
     return model_dir
 
 
+# Each engine gets its own core for its OpenMP threads: vLLM's default binds both to every core, and the two
+# spinning thread pools starved everything else (load average ~30: leases expired every few seconds, NIXL's
+# handshake timed out).
+WORKER_ENV = {"prefill": {"VLLM_CPU_OMP_THREADS_BIND": "0"}, "decode": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}
+
+
 @dataclass
 class PdMesh:
     mesh: VllmMesh
-    prefill: Daemon
-    decode: Daemon
+    model: Path
     decode_metrics_port: int
+    prefill: Daemon = field(init=False)
+    decode: Daemon = field(init=False)
+
+    def start_worker(self, role: str) -> Daemon:
+        """A vLLM worker of ``role`` (returned before it serves: engines start in 25-50 s on 2 cores)."""
+        port = free_port()
+        extra = ["--metrics-port", str(self.decode_metrics_port)] if role == "decode" else []
+        args = [
+            *self.mesh.common(port),
+            "--engine", "vllm",
+            "--role", role,
+            "--model-path", str(self.model),
+            "--block-size", str(BLOCK_SIZE),
+            "--num-gpu-blocks", str(NUM_BLOCKS),
+            "--max-model-len", str((NUM_BLOCKS - 1) * BLOCK_SIZE),
+            *extra,
+        ]  # fmt: skip
+        daemon = Daemon("kvmesh-worker", args, self.mesh.log_dir, port, env=WORKER_ENV[role])
+        self.mesh.daemons.append(daemon)
+        return daemon
 
     def engine_id(self, daemon: Daemon) -> int:
         return int(current_load(daemon.address).engine_id)
@@ -83,33 +109,15 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdMesh]:
     model = seeded_model(tmp_path_factory.mktemp("model"))
     log_dir = tmp_path_factory.mktemp("logs")
     mesh = VllmMesh(log_dir, f"file://{tmp_path_factory.mktemp('discovery')}", f"pd{uuid.uuid4().hex[:8]}")
-    metrics_port = free_port()
+    deployment = PdMesh(mesh, model, free_port())
     try:
-        workers = []
-        # Both engines start at once (25-50 s on 2 cores). Each gets its own core for its OpenMP threads:
-        # vLLM's default binds both to every core, and the two spinning thread pools starved everything
-        # else (load average ~30: leases expired every few seconds, NIXL's handshake timed out).
-        for core, role in enumerate(("prefill", "decode")):
-            port = free_port()
-            extra = ["--metrics-port", str(metrics_port)] if role == "decode" else []
-            args = [
-                *mesh.common(port),
-                "--engine", "vllm",
-                "--role", role,
-                "--model-path", str(model),
-                "--block-size", str(BLOCK_SIZE),
-                "--num-gpu-blocks", str(NUM_BLOCKS),
-                "--max-model-len", str((NUM_BLOCKS - 1) * BLOCK_SIZE),
-                *extra,
-            ]  # fmt: skip
-            daemon = Daemon("kvmesh-worker", args, log_dir, port, env={"VLLM_CPU_OMP_THREADS_BIND": str(core)})
-            mesh.daemons.append(daemon)
-            workers.append(daemon)
-        for daemon in workers:
+        deployment.prefill = deployment.start_worker("prefill")  # both engines start at once
+        deployment.decode = deployment.start_worker("decode")
+        for daemon in (deployment.prefill, deployment.decode):
             daemon.wait_serving(300)
         mesh.router = mesh.start("kvmesh-router", ["--router-mode", "kv"])
         mesh.frontend = mesh.start("kvmesh-frontend", [])
-        yield PdMesh(mesh, workers[0], workers[1], metrics_port)
+        yield deployment
     finally:
         mesh.close()
 
@@ -204,6 +212,67 @@ def test_a_client_gone_mid_decode_aborts_the_decode_engine_and_leaves_no_blocks_
     freed = _wait_load(pd.decode, idle, 30, fresh=False)
     _wait_load(pd.prefill, idle, 30, fresh=False)
     print(f"\n[client gone mid-decode] decode engine idle {freed:.2f} s after the client died")
+
+
+def _engine_processes(worker: Daemon) -> list[int]:
+    """A vLLM worker's engine: its EngineCore process(es) and the model process(es) below them."""
+    cores = engine_core_pids(worker.proc.pid)
+    assert cores, "no EngineCore child process found"
+    return [*cores, *sorted(model_processes(cores))]
+
+
+def _signal(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+@pytest.mark.timeout(400)
+def test_a_prefill_worker_killed_before_the_decode_engine_reads_its_kv_leaves_the_decode_engine_to_prefill_it(
+    pd: PdMesh,
+) -> None:
+    """The prefill leg is done and the decode worker holds the request, but its engine (frozen) has not read
+    the KV yet when the prefill worker and its engine are killed. The decode engine's NIXL READ then fails and
+    vLLM fails the request (``kv_load_failure_policy`` "fail", finish reason "error"): the worker reports it
+    in-band as a failed pull, never as a finished request (it once came back as an empty "stop"), and the
+    frontend prefills it on the decode engine: one whole stream, the tokens of an aggregated run. Then a new
+    prefill worker replaces the dead one for the rest of the module."""
+    prompt = unique_ids(30 * BLOCK_SIZE + 5, random.Random(25))  # 31 blocks to read
+    decode_engine = _engine_processes(pd.decode)
+    prefill_engine = _engine_processes(pd.prefill)
+    _signal(decode_engine, signal.SIGSTOP)
+    try:
+        spec = {"request_id": "unread", "ids": prompt, "max_tokens": MAX_TOKENS,
+                "sampling": {"temperature": 0.0}, "flags": {"return_output_ids": True}}  # fmt: skip
+        client = stream_client(pd.mesh.frontend.address, [spec], timeout=300)  # type: ignore[union-attr]
+        wait_until_queued(pd.decode.address, len(prompt), timeout=120)  # the prefill leg is done
+        pd.prefill.proc.kill()
+        _signal(prefill_engine, signal.SIGKILL)
+        pd.prefill.proc.wait()
+        killed = time.monotonic()
+    finally:
+        _signal(decode_engine, signal.SIGCONT)
+    assert client.wait(150) == 0, client.stderr.read()[-3000:] if client.stderr else ""
+    done = time.monotonic() - killed
+    assert client.stdout is not None
+    report = json.loads(client.stdout.read().splitlines()[-1])["unread"]
+    params = report["params"]
+    assert (report["num_tokens"], report["finish_reason"]) == (MAX_TOKENS, "length"), report
+    assert params["kvmesh.disagg"] == "local: no other prefill engine after a failed one", params
+    assert params["kvmesh.migrations"] == 1 and params["kvmesh.worker_id"] == pd.engine_id(pd.decode), params
+    assert "could not pull request" in pd.decode.log_text()  # vLLM's "error" finish, read as a failed pull
+    assert report["output_ids"] == generate_on(pd.decode, pd.engine_id(pd.decode), prompt, "unread-reference")
+    _wait_load(pd.decode, lambda load: (load.running, load.waiting, load.active_blocks) == (0, 0, 0), 30, fresh=False)
+    print(f"\n[prefill killed before the READ] the request was done {done:.2f} s after the kill")
+    # A new prefill worker takes over: once discovery has it, requests are prefilled remotely again.
+    pd.prefill = pd.start_worker("prefill").wait_serving(300)
+    deadline = time.monotonic() + 120
+    while True:
+        again = {"request_id": "again", "ids": unique_ids(2 * BLOCK_SIZE, random.Random(26)), "max_tokens": 2}
+        if triton(pd.mesh, [again])["again"]["params"]["kvmesh.disagg"] == "remote":
+            break
+        assert time.monotonic() < deadline, "the new prefill worker never got a request"
+        time.sleep(1)
 
 
 @pytest.mark.timeout(300)

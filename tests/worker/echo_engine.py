@@ -13,7 +13,9 @@ What it does, so tests can predict every figure:
 - its cache is the set of full prompt blocks it has seen (chained ``kvmesh.hashing`` hashes, like
   every engine's); a request's new blocks are journalled and published through
   ``kvmesh.kv_publisher`` at admission, as one ``BlocksStored``; nothing is ever evicted;
-- ``InvalidRequest`` for an empty prompt, ``QueueFull`` beyond ``--max-num-seqs`` requests.
+- ``InvalidRequest`` for an empty prompt, ``QueueFull`` beyond ``--max-num-seqs`` requests;
+- a prompt that starts with token 0 streams one token, then the engine fails it itself (as vLLM's
+  retryable "error" finish does): its last output carries ``error_code`` UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from kvmesh_worker.engine import (
 )
 from kvmesh_worker.engines import EngineSpec, KvNotHeld, OutputSink, PassObserver
 from kvmesh_worker.model_files import ModelFiles
+
+FAILS = 0  # a prompt starting with this token is failed by the engine after one token
 
 
 @dataclass
@@ -124,6 +128,13 @@ class EchoEngine:
             prefill = [r for r in batch if r.sent == 0]
             for r in batch:
                 prompt = r.request.prompt
+                if r.sent and int(prompt[0]) == FAILS:
+                    del self._running[r.request.request_id]
+                    r.sink.put_nowait(
+                        RequestOutput(r.request.request_id, (), r.sent, True, error_code="UNAVAILABLE",
+                                      error_message="echo: the engine failed the request")
+                    )  # fmt: skip
+                    continue
                 token = int(prompt[r.sent % len(prompt)])
                 r.sent += 1
                 done = r.sent >= r.request.max_tokens

@@ -19,7 +19,7 @@ from kvmesh_bench.prometheus_text import metrics_url, samples
 
 from tests.support.daemons import Daemon, run_cli
 from tests.support.etcd import free_port
-from tests.support.generate import RequestFailed, generate, tokens_of
+from tests.support.generate import RequestFailed, StreamClient, generate, tokens_of
 
 pytestmark = pytest.mark.e2e
 
@@ -97,6 +97,25 @@ async def test_its_failures_come_back_in_band_like_the_mockers(stub):
     with pytest.raises(grpc.aio.AioRpcError) as release:
         await stub.ReleaseKv(worker_pb2.ReleaseKvRequest(engine_id=engines[0], transfer_id="t"))
     assert release.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_request_the_engine_fails_itself_ends_in_band_after_the_tokens_it_streamed(stub):
+    """An engine that fails a request after it started (vLLM's retryable "error" finish) says so with an
+    output carrying an error code: the request ends in-band with that status, never as a finished request,
+    and a request beside it on the same stream is untouched."""
+    engine = (await engine_ids(stub))[0]
+    client = StreamClient(stub)
+    await client.send([request("fails", engine, [0, 7, 8], 5), request("beside", engine, [7, 8], 5)])
+    await client.call.done_writing()
+    async with asyncio.timeout(10):
+        await client.ended.wait()
+    assert client.tokens("fails") == [0]  # the token streamed before the failure
+    failed = client.final("fails")
+    assert failed is not None and not failed.response.finish_reason
+    assert RequestFailed(failed).code == grpc.StatusCode.UNAVAILABLE
+    assert failed.error_message == "echo: the engine failed the request"
+    assert client.tokens("beside") == [7, 8, 7, 8, 7]
+    assert client.final("beside").response.finish_reason == worker_pb2.FINISH_REASON_LENGTH
 
 
 async def test_its_kv_events_reach_subscribers_through_the_shared_publisher(stub):

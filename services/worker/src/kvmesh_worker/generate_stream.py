@@ -11,7 +11,8 @@ Invariants:
   output lands in ``_pending`` and wakes the writer, which sends whatever piled up as one message,
   so a request whose engine ran several passes meanwhile gets one merged entry;
 - a request ends with exactly one final entry (a finish reason, or an in-band error) and is then
-  forgotten; a cancelled request gets nothing more;
+  forgotten; a cancelled request gets nothing more; an engine that fails a request itself says so with
+  an output carrying an error code (``RequestOutput.error_code``), which becomes the in-band error;
 - when the stream ends for any reason, every request still on it is aborted (blocks freed);
 - while the daemon is not serving (lease lost, draining) new requests fail in-band with
   UNAVAILABLE; a draining worker ends the stream once its last request is done, so a drain does
@@ -231,6 +232,10 @@ class GenerateStreamSession:
 
     # -- the engines' sink ------------------------------------------------------------------------
     def put_nowait(self, output: RequestOutput) -> None:
+        if output.error_code is not None:  # the engine failed it: an in-band status ends it
+            self._pending.pop(output.request_id, None)
+            self._fail_active(output.request_id, grpc.StatusCode[output.error_code], output.error_message)
+            return
         outputs = self._pending.get(output.request_id)
         if outputs is None:
             self._pending[output.request_id] = [output]

@@ -102,6 +102,11 @@ class RequestOutput:
     # kvmesh.v1.TokenLogprobs per token id (set by the engine shell). None: the worker fills the mocker's
     # deterministic stand-ins.
     logprobs: Sequence[object] | None = None
+    # Set by an engine shell whose engine failed the request itself (vLLM's retryable "error" finish, e.g.
+    # its KV pull broke): the gRPC status name the request ends with in-band, instead of a finish reason.
+    # Such an output is the request's last and carries no tokens.
+    error_code: str | None = None
+    error_message: str = ""
 
 
 @dataclass(slots=True)

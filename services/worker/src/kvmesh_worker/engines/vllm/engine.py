@@ -23,7 +23,10 @@ Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer
   :meth:`wait_dead` returns and the worker stops serving at once, so the frontend migrates its
   requests elsewhere;
 - ``--role prefill|decode``: vLLM's NixlConnector moves the KV, kvmesh carries vLLM's
-  ``kv_transfer_params`` in ``KvTransferParams.engine_params_json`` (``disagg``).
+  ``kv_transfer_params`` in ``KvTransferParams.engine_params_json`` (``disagg``);
+- vLLM's "error" finish (retryable, e.g. a KV pull that broke) is never passed off as a stop: a decode
+  leg that generated nothing ends in-band ABORTED (the frontend prefills it elsewhere), any other
+  request UNAVAILABLE (the frontend migrates it).
 """
 
 from __future__ import annotations
@@ -138,7 +141,7 @@ def token_logprobs(steps: Any, tokens: tuple[int, ...], top: int) -> list[worker
 
 
 class _Request:
-    __slots__ = ("first", "hold", "num_prompt", "sink", "task", "top", "total")
+    __slots__ = ("first", "hold", "num_prompt", "pulls", "sink", "task", "top", "total")
 
     def __init__(
         self, sink: OutputSink, num_prompt: int, top: int | None = None, hold: list[int] | None = None
@@ -149,6 +152,7 @@ class _Request:
         self.hold = hold  # a prefill leg's prompt: its last output says where vLLM holds the KV
         self.total = 0
         self.first = True
+        self.pulls = False  # a decode leg: vLLM pulls its prompt's KV from a prefill engine first
         self.task: asyncio.Task[None] | None = None
 
 
@@ -279,6 +283,7 @@ class VllmEngine:
         state = self._requests[request.request_id] = _Request(
             sink, len(prompt), top, prompt if request.hold_kv else None
         )
+        state.pulls = request.request_id in self._remote
         loop = asyncio.get_running_loop()
         state.task = loop.create_task(self._generate(request, prompt, state), name=f"vllm-{request.request_id}")
 
@@ -345,6 +350,9 @@ class VllmEngine:
         finish: FinishReason | None = None
         if out.finished:
             reason = completion.finish_reason if completion is not None else None
+            if reason == "error":  # vLLM: a retryable failure of this request, e.g. its KV pull broke
+                state.sink.put_nowait(self._failed(request_id, state))
+                return
             finish = "length" if reason == "length" else "abort" if reason == "abort" else "stop"
         output = RequestOutput(request_id, tokens, state.total, bool(out.finished), finish)
         if state.first:
@@ -363,6 +371,19 @@ class VllmEngine:
             )
             self._holds[request_id] = time.monotonic() + disagg.lease_seconds(self._hold_timeout_s)
         state.sink.put_nowait(output)
+
+    def _failed(self, request_id: str, state: _Request) -> RequestOutput:
+        """vLLM ended the request with its "error" finish (retryable, by vLLM's contract)."""
+        if state.pulls and state.total == 0:
+            # The pull from the prefill engine broke (its source died mid-READ, say) and vLLM's
+            # kv_load_failure_policy "fail" ended it: nothing was generated, so the frontend may prefill
+            # it elsewhere (ABORTED, as a failed pull of the mocker's).
+            log.warning("vLLM could not pull request %s's KV from its prefill engine", request_id)
+            code, message = "ABORTED", "the KV transfer from the prefill engine failed"
+        else:
+            log.warning("vLLM failed request %s after %d tokens (a retryable error)", request_id, state.total)
+            code, message = "UNAVAILABLE", "the engine failed the request"
+        return RequestOutput(request_id, (), state.total, True, error_code=code, error_message=message)
 
     def abort(self, request_id: str) -> None:
         self._remote.pop(request_id, None)
