@@ -1,15 +1,15 @@
 """Split this machine's cores between the vLLM engines ``kvmesh up`` starts, and keep the rest of the mesh
 off the cores an engine's model runs on.
 
-vLLM's CPU build binds every engine's OpenMP threads to all the cores it may use
-(``VLLM_CPU_OMP_THREADS_BIND=auto``), so two engines on one machine run two spinning thread pools on
-the same cores. On 2 cores a prefill and a decode engine then starved every other process: load
+vLLM's CPU build binds every engine's OpenMP threads to the same cores, all those it may use but the
+last (``VLLM_CPU_OMP_THREADS_BIND=auto``), so two engines on one machine run two spinning thread pools
+on the same cores. On 2 cores a prefill and a decode engine then starved every other process: load
 average ~30, discovery leases expiring every few seconds, NIXL's handshake timing out. Giving each
 engine its own cores (``VLLM_CPU_OMP_THREADS_BIND`` per worker) removed all of it. Invariant: with at
 least as many cores as engines, no two engines share a core.
 
-vLLM binds its model-runner process (``VLLM::Worker``) to all cores but the last and leaves that one
-(``reserved_cpus``) to "other processes": its scheduler and API server, in the kvmesh worker. Nothing
+With one engine, vLLM binds its model-runner process (``VLLM::Worker``) to those cores and leaves the
+last one (``reserved_cpus``) to "other processes": its scheduler and API server, in the kvmesh worker. Nothing
 kept the frontend, the router, the kvmesh worker or a local client off the model's core, and Linux ran
 them there too: on 2 cores the model waited for its core behind the mesh (docs/benchmarks.md,
 "Overhead of the mesh"). :func:`keep_off_model_cores` moves every thread of the mesh's other processes onto
