@@ -12,7 +12,8 @@ Invariants:
   so a request whose engine ran several passes meanwhile gets one merged entry;
 - a request ends with exactly one final entry (a finish reason, or an in-band error) and is then
   forgotten; a cancelled request gets nothing more; an engine that fails a request itself says so with
-  an output carrying an error code (``RequestOutput.error_code``), which becomes the in-band error;
+  an output carrying an error code (``RequestOutput.error_code``): the tokens it produced before still
+  go out, then the in-band error;
 - when the stream ends for any reason, every request still on it is aborted (blocks freed);
 - while the daemon is not serving (lease lost, draining) new requests fail in-band with
   UNAVAILABLE; a draining worker ends the stream once its last request is done, so a drain does
@@ -232,10 +233,6 @@ class GenerateStreamSession:
 
     # -- the engines' sink ------------------------------------------------------------------------
     def put_nowait(self, output: RequestOutput) -> None:
-        if output.error_code is not None:  # the engine failed it: an in-band status ends it
-            self._pending.pop(output.request_id, None)
-            self._fail_active(output.request_id, grpc.StatusCode[output.error_code], output.error_message)
-            return
         outputs = self._pending.get(output.request_id)
         if outputs is None:
             self._pending[output.request_id] = [output]
@@ -397,6 +394,20 @@ class GenerateStreamSession:
             for request_id, outputs in pending.items():
                 entry = active.get(request_id)
                 if entry is None:  # cancelled while its outputs waited
+                    continue
+                error_code = outputs[-1].error_code
+                if error_code is not None:  # the engine failed it: its tokens, then the status
+                    failure = outputs.pop()
+                    del active[request_id]
+                    self._reports.pop(request_id, None)
+                    if outputs:
+                        fill_response(message.outputs.add(request_id=request_id).response, outputs,
+                                      entry.num_prompt, entry.logprobs)  # fmt: skip
+                    code = grpc.StatusCode[error_code]
+                    message.outputs.add(
+                        request_id=request_id, error_code=code.value[0], error_message=failure.error_message
+                    )
+                    telemetry.end_request_span(entry.span, failure.error_message)
                     continue
                 item = message.outputs.add(request_id=request_id)
                 entry.num_output = outputs[-1].num_output_tokens

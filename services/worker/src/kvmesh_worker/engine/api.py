@@ -104,7 +104,7 @@ class RequestOutput:
     logprobs: Sequence[object] | None = None
     # Set by an engine shell whose engine failed the request itself (vLLM's retryable "error" finish, e.g.
     # its KV pull broke): the gRPC status name the request ends with in-band, instead of a finish reason.
-    # Such an output is the request's last and carries no tokens.
+    # Such an output is the request's last and carries no tokens (those before it are still delivered).
     error_code: str | None = None
     error_message: str = ""
 
