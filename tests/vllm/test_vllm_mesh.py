@@ -298,6 +298,12 @@ def test_bad_requests_get_a_clear_status(worker: worker_pb2_grpc.WorkerServiceSt
             token_ids=[5] * 1500,
             sampling=worker_pb2.SamplingOptions(max_tokens=10),
         ),
+        worker_pb2.GenerateRequest(  # past vLLM's max_logprobs (20): vLLM itself refuses it
+            request_id="logprobs",
+            engine_id=engine_id,
+            token_ids=[5, 6],
+            sampling=worker_pb2.SamplingOptions(max_tokens=4, logprobs=50),
+        ),
     ]
     outputs = [
         o for m in worker.GenerateStream(iter([worker_pb2.GenerateStreamRequest(requests=bad)])) for o in m.outputs
@@ -307,6 +313,10 @@ def test_bad_requests_get_a_clear_status(worker: worker_pb2_grpc.WorkerServiceSt
     assert "outside the vocabulary" in by_id["vocab"].error_message
     assert by_id["long"].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "context length 1504" in by_id["long"].error_message
+    # Refused by vLLM rather than by the worker's own checks: a status with vLLM's reason, not a finish.
+    refused = [o for o in outputs if o.request_id == "logprobs"]
+    assert [o.error_code for o in refused] == [grpc.StatusCode.INVALID_ARGUMENT.value[0]], refused
+    assert refused[0].error_message.startswith("vLLM refused the request: ") and "logprobs" in refused[0].error_message
 
 
 def engine_core_pids(worker_pid: int) -> list[int]:

@@ -26,7 +26,8 @@ Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer
   ``kv_transfer_params`` in ``KvTransferParams.engine_params_json`` (``disagg``);
 - vLLM's "error" finish (retryable, e.g. a KV pull that broke) is never passed off as a stop: a decode
   leg that generated nothing ends in-band ABORTED (the frontend prefills it elsewhere), any other
-  request UNAVAILABLE (the frontend migrates it).
+  request UNAVAILABLE (the frontend migrates it); a request vLLM refuses (it raises) ends in-band
+  INVALID_ARGUMENT with vLLM's own wording for its client errors, INTERNAL for anything else.
 """
 
 from __future__ import annotations
@@ -318,6 +319,7 @@ class VllmEngine:
         return SamplingParams(**kwargs)
 
     async def _generate(self, request: EngineRequest, prompt: list[int], state: _Request) -> None:
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         request_id = request.request_id
@@ -333,10 +335,10 @@ class VllmEngine:
             raise
         except EngineDeadError as exc:
             self._died(exc)
-        except Exception as exc:  # vLLM refused the request: end it rather than leave it hanging
+        except Exception as exc:  # vLLM refused the request: a clear status, never a finish (nor a hang)
             log.error("vLLM request %s failed: %s", request_id, exc)
             if self._requests.get(request_id) is state:
-                state.sink.put_nowait(RequestOutput(request_id, (), state.total, True, "abort"))
+                state.sink.put_nowait(self._refused(request_id, state, exc, isinstance(exc, VLLMClientError)))
         finally:
             if self._requests.get(request_id) is state:
                 del self._requests[request_id]
@@ -383,6 +385,17 @@ class VllmEngine:
         else:
             log.warning("vLLM failed request %s after %d tokens (a retryable error)", request_id, state.total)
             code, message = "UNAVAILABLE", "the engine failed the request"
+        return RequestOutput(request_id, (), state.total, True, error_code=code, error_message=message)
+
+    @staticmethod
+    def _refused(request_id: str, state: _Request, exc: Exception, client_error: bool) -> RequestOutput:
+        """vLLM raised instead of generating. Its client errors (``VLLMClientError``, its 4xx) and
+        ``ValueError``s are its validation of the request, worded for the caller (``logprobs`` above
+        ``max_logprobs``, say); anything else is internal and stays in the log."""
+        if client_error or isinstance(exc, ValueError):
+            code, message = "INVALID_ARGUMENT", f"vLLM refused the request: {str(exc)[:300]}"
+        else:
+            code, message = "INTERNAL", "the engine could not run the request"
         return RequestOutput(request_id, (), state.total, True, error_code=code, error_message=message)
 
     def abort(self, request_id: str) -> None:
