@@ -131,7 +131,7 @@ def replay_figures(
 ) -> dict[str, dict[str, float]]:
     """Offline replays of the first ``max_requests`` requests (8 engines, block size 64, 16384 blocks: the
     replay's defaults) per load and routing mode: ``{"round_robin x1": {ttft_p50_ms, ttft_p99_ms, hit_rate}}``."""
-    from kvmesh_router.settings import DEFAULT_COST_POLICY
+    from kvmesh_router.policies import DEFAULT_COST_POLICY
 
     from kvmesh_bench.replay.offline import OfflineConfig, run_offline
     from kvmesh_bench.replay.report import summarize as summarize_run

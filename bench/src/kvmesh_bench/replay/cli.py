@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh_router.cost import MODES
-from kvmesh_router.policies import POLICIES
-from kvmesh_router.settings import DEFAULT_COST_POLICY
+from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 from kvmesh_worker.engine import load_perf_model
 
 from kvmesh_bench.argtypes import positive_float, positive_int

@@ -51,7 +51,7 @@ from kvmesh.hashing import block_hashes, local_block_hashes, sequence_hashes
 from kvmesh_router.admission import Admission, BusyThresholds, Decision, EngineSpec, RouteRequest
 from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
-from kvmesh_router.settings import DEFAULT_COST_POLICY
+from kvmesh_router.policies import DEFAULT_COST_POLICY
 from kvmesh_router.slot_tracker import DEFAULT_EXPIRY_S, SlotTracker
 from kvmesh_worker.engine import EngineConfig, EngineCore, EngineError, EngineRequest, load_perf_model
 

@@ -24,7 +24,13 @@ if TYPE_CHECKING:
     from kvmesh_router.cost import CostPolicy
     from kvmesh_router.selection import Selector
 
-__all__ = ["POLICIES", "PolicyRegistry"]
+__all__ = ["DEFAULT_COST_POLICY", "POLICIES", "PolicyRegistry"]
+
+#: What plain ``kv`` ranks by unless the settings or a query say otherwise (the router daemon's default):
+#: kvmesh's "affinity" beats Dynamo's cost on the Mooncake trace at low and high load (docs/benchmarks.md);
+#: "dynamo" stays selectable (--cost-policy, or per request). Here, not in the settings, so that offline
+#: replays need not import the daemon's settings (pydantic, gRPC) to know it.
+DEFAULT_COST_POLICY = "affinity"
 
 _T = TypeVar("_T")
 

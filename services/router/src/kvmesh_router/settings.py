@@ -10,11 +10,7 @@ from kvmesh.settings import DaemonSettings, Port, Seconds
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from kvmesh_router.indexer import DEFAULT_MAX_ENTRIES
-from kvmesh_router.policies import POLICIES
-
-# The daemon's kv cost policy: kvmesh's "affinity" beats Dynamo's cost on the Mooncake trace at low and
-# high load (docs/benchmarks.md); "dynamo" stays selectable (--cost-policy, or per request).
-DEFAULT_COST_POLICY = "affinity"
+from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 
 
 def _off_is_none(value: Any) -> Any:
