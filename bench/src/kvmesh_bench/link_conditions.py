@@ -55,6 +55,7 @@ __all__ = [
     "clear_all",
     "netem_available",
     "network_links",
+    "rate_burst_bytes",
 ]
 
 
@@ -171,9 +172,13 @@ def apply(link: Link, *, delay_ms: float = 0.0, loss_pct: float = 0.0, rate_mbit
         raise
 
 
+def rate_burst_bytes(rate_mbit: float) -> int:
+    """The fallback's ``tbf`` bucket: 2 ms of traffic, at least a TSO segment's worth (netem's rate has none)."""
+    return max(32 * 1024, int(rate_mbit * 1e6 / 8 * 0.002))
+
+
 def _tbf(rate_mbit: float) -> list[str]:
-    burst = max(32 * 1024, int(rate_mbit * 1e6 / 8 * 0.002))  # 2 ms of traffic, at least a TSO segment's worth
-    return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "100ms"]
+    return ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(rate_burst_bytes(rate_mbit)), "latency", "100ms"]
 
 
 def _apply_netem(link: Link, state: _State) -> None:
