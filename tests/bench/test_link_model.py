@@ -1,8 +1,12 @@
 """The capped link's model: a token bucket lets a burst through at once, then charges every byte at the rate,
-first come first served; a request's delay grows with its size and with the requests queued before it."""
+first come first served; a request's delay grows with its size and with the requests queued before it, and
+``kvmesh bench multihost-replay`` judges the capped link's row against offline shifted by those delays."""
 
+import numpy as np
 import pytest
+from kvmesh_bench import link_conditions, multihost_replay
 from kvmesh_bench.link_model import MSS, SEGMENT_OVERHEAD, TokenBucket, capped_link_delays, wire_bytes
+from kvmesh_bench.replay.report import summarize
 from kvmesh_bench.replay.workload import ReplayRequest, TokenMapper
 
 RATE = 1_000_000  # bytes/s: 1000 bytes per ms
@@ -76,3 +80,26 @@ def test_requests_sent_together_queue_and_a_later_one_does_not_wait_for_them():
     assert burst[0] < burst[1] < burst[2]  # each waits behind the ones sent before it
     assert burst[2] > 2 * alone
     assert burst[3] == pytest.approx(alone, rel=0.01)  # the link had drained long before it
+
+
+def test_multihost_replay_judges_the_cap_against_offline_with_each_request_delayed_by_the_link(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVMESH_LINK_BACKEND", "fallback")  # tbf's burst, and no namespace probe
+    # Four rounds of three 8k-token prompts sent together, one round every 5 s: the three engines are
+    # free for each round, so every request's TTFT offline is the same prefill, while on the capped link
+    # the three prompts queue behind each other.
+    requests = _requests(*[(5000.0 * k, 8192) for k in range(4) for _ in range(3)])
+    offline = summarize(multihost_replay._offline(requests, seed=0))
+    capped = multihost_replay._offline_through_cap(requests, seed=0, live_seed=1, rate_mbit=20.0)
+    unbounded = multihost_replay._offline_through_cap(requests, seed=0, live_seed=1, rate_mbit=1e7)
+    burst = link_conditions.rate_burst_bytes(20.0)
+    link = capped_link_delays(requests, TokenMapper(seed=1), rate_mbit=20.0, burst_bytes=burst, block_size=16)
+    delays = link.to_worker_ms
+    assert capped.completed == offline.completed == len(requests)
+    assert offline.ttft_p50_ms == pytest.approx(offline.ttft_p99_ms, abs=0.5)  # idle engines: one prefill time
+    # TTFT is still counted from the client's send: offline's plus the link's delay, request by request.
+    assert capped.ttft_p50_ms == pytest.approx(offline.ttft_p50_ms + float(np.median(delays)), abs=0.5)
+    assert capped.ttft_p99_ms == pytest.approx(offline.ttft_p50_ms + float(np.percentile(delays, 99)), abs=0.5)
+    assert np.median(delays) > 10  # the second prompt of a round waits for the first
+    assert unbounded.ttft_p50_ms == pytest.approx(offline.ttft_p50_ms, abs=0.5)  # a link with room costs nothing
