@@ -2,10 +2,13 @@
 
 Leaving the block, however it is left, runs one sequence: draining starts and the lease is revoked
 (``on_draining`` hooks run meanwhile), in-flight calls drain, then the daemon's ``resources`` close
-newest first, then discovery.
+newest first, then discovery. A stop signal during start-up leaves the block the same way, at once.
 """
 
+import asyncio
 import contextlib
+import os
+import signal
 
 import pytest
 from kvmesh.discovery import DiscoveryError, instance_prefix, open_discovery
@@ -40,6 +43,23 @@ async def test_leaving_the_block_drains_then_closes_resources_newest_first(tmp_p
     assert await records(cfg.discovery) == {}  # revoked, not left to expire
     with pytest.raises(DiscoveryError):  # closed last
         await runtime.discovery.get_prefix(instance_prefix("rt"))
+
+
+async def test_a_stop_signal_during_start_up_leaves_the_block_and_revokes_the_lease(tmp_path, monkeypatch):
+    monkeypatch.setattr(DaemonRuntime, "stop_signalled", False)
+    events = []
+    with pytest.raises(asyncio.CancelledError):
+        async with DaemonRuntime("kvmesh-test", settings(tmp_path)) as runtime:
+            runtime.resources.push_async_callback(_note, events, "resource closed")
+            assert list(tmp_path.rglob("*.lease")), "the lease is taken on entering the block"
+            os.kill(os.getpid(), signal.SIGTERM)  # kvmesh up stopping it because a sibling failed to start
+            await asyncio.sleep(10)  # start-up work: the signal cuts it short
+            events.append("start-up went on")
+    assert events == ["resource closed"]
+    assert DaemonRuntime.stop_signalled  # run_daemon exits 0 on this cancellation
+    assert not list(tmp_path.rglob("*.lease")), "revoked, not left to expire"
+    # The handlers went with the runtime: SIGTERM is the default action again.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 async def _note(events, text):

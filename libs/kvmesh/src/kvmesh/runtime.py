@@ -12,7 +12,9 @@ Invariants (the reasons this module exists):
 - **Graceful exit.** SIGTERM/SIGINT: new calls are refused and the lease is revoked first (every
   record vanishes at once, so nobody routes new work here) while ``on_draining`` hooks end endless
   streams; then health goes NOT_SERVING, in-flight calls get ``--drain-timeout`` seconds to finish,
-  and the process exits 0.
+  and the process exits 0. The handlers are installed before the lease is taken: a signal during
+  start-up (``kvmesh up`` stopping a daemon whose sibling failed) lets the lease grant finish, then
+  cancels the start-up, so leaving the block revokes the lease; it is never left to expire.
 - **Bad config or unreachable discovery** exits 2 with one line (``kvmesh.settings.fail``).
 - **Ownership.** ``async with DaemonRuntime(...)`` is the process's lifetime, as with Temporal's
   ``Worker``. Leaving the block (stop signal, error or ``fail``) always runs the same sequence:
@@ -145,7 +147,12 @@ def run_daemon(prog: str, settings: _S, serve: Callable[[_S], Coroutine[Any, Any
     """A daemon's ``main`` after parsing its settings: logging and tracing set up, then ``serve`` on uvloop."""
     telemetry.setup_logging(prog, settings.log_level, settings.log_format)
     telemetry.setup_tracing(prog, settings.otel_exporter, settings.otel_endpoint)
-    return uvloop.run(serve(settings)) or 0
+    try:
+        return uvloop.run(serve(settings)) or 0
+    except asyncio.CancelledError:
+        if not DaemonRuntime.stop_signalled:
+            raise
+        return 0  # stopped by SIGTERM/SIGINT during start-up, after a clean unwind (see DaemonRuntime)
 
 
 class DaemonRuntime:
@@ -161,6 +168,9 @@ class DaemonRuntime:
             await runtime.register(runtime.instance_record(...))
             await runtime.wait_for_stop()
     """
+
+    stop_signalled = False
+    """A stop signal reached a runtime of this process (``run_daemon`` then exits 0 on a cancelled start-up)."""
 
     def __init__(
         self,
@@ -199,6 +209,8 @@ class DaemonRuntime:
         self._draining = False
         self._ready = True
         self._stop = asyncio.Event()
+        self._started_task: asyncio.Task[Any] | None = None  # the block's task: a start-up signal cancels it
+        self._waiting = False  # in wait_for_stop: a signal then just ends the wait
         self._drain_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._exit = AsyncExitStack()
         self.started_unix_ms = int(time.time() * 1000)
@@ -221,6 +233,7 @@ class DaemonRuntime:
         settings = self.settings
         async with AsyncExitStack() as stack:  # unwinds what was opened if anything here fails
             stack.callback(telemetry.shutdown_tracing)
+            self._handle_stop_signals(stack)
             self._open_tls_and_watchdog(stack)
             try:
                 self._discovery = await open_discovery(settings.discovery, ttl=settings.lease_ttl)
@@ -237,6 +250,9 @@ class DaemonRuntime:
             stack.push_async_callback(self.resources.aclose)
             stack.push_async_callback(self._drain)  # exits run newest first: drain, resources, discovery
             self._exit = stack.pop_all()
+        self._started_task = asyncio.current_task()
+        if self._stop.is_set():  # signalled while taking the lease: leave the block as soon as it is entered
+            self._cancel_start_up()
         return self
 
     async def __aexit__(
@@ -244,6 +260,28 @@ class DaemonRuntime:
     ) -> None:
         # only callbacks are on the stack, so it never suppresses: None tells mypy the body's return is final
         await self._exit.__aexit__(exc_type, exc, tb)
+
+    def _handle_stop_signals(self, stack: AsyncExitStack) -> None:
+        """SIGTERM/SIGINT set the stop event from now on, start-up included (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(sig, self._on_stop_signal)
+            except (ValueError, RuntimeError):  # a loop outside the main thread (in-process tests): no signals
+                return
+            stack.callback(loop.remove_signal_handler, sig)
+
+    def _on_stop_signal(self) -> None:
+        DaemonRuntime.stop_signalled = True
+        self._stop.set()
+        if not self._waiting:
+            self._cancel_start_up()
+
+    def _cancel_start_up(self) -> None:
+        task = self._started_task
+        if task is not None and not task.done() and not self._draining:
+            log.info("stop signal during start-up: leaving before serving")
+            task.cancel()
 
     def _open_tls_and_watchdog(self, stack: AsyncExitStack) -> None:
         """Load this daemon's mesh identity (client and server side) and start systemd's watchdog pings."""
@@ -366,9 +404,8 @@ class DaemonRuntime:
         return f"{self.name} is not started yet; retry on another instance"
 
     async def wait_for_stop(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+        """Serve until SIGTERM/SIGINT (or a drain request); leaving the block then drains."""
+        self._waiting = True
         await self._stop.wait()
 
     # -- lease callbacks ------------------------------------------------------------------------
