@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from kvmesh.hashing import block_hashes, local_block_hashes, sequence_hashes
+from kvmesh.hashing import block_hashes, local_block_hashes, sequence_hashes, u32_block_hashes
 from kvmesh_router.admission import Admission, BusyThresholds, Decision, EngineSpec, RouteRequest
 from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
@@ -167,11 +167,14 @@ class _PromptHasher:
         seq: list[int] = []
         parent: int | None = None
         full = len(tokens) // bt  # trace blocks whose every token is in the prompt
+        raw: memoryview | None = None  # the full trace blocks as u32 bytes, converted once, on the first miss
         for j in range(full):
             key = (parent, hash_ids[j])
             hit = memo.get(key)
             if hit is None:
-                lo = local_block_hashes(tokens[j * bt : (j + 1) * bt], bs)
+                if raw is None:
+                    raw = memoryview(np.ascontiguousarray(tokens[: full * bt], dtype="<u4").tobytes())
+                lo = u32_block_hashes(raw[j * bt * 4 : (j + 1) * bt * 4], bs)
                 hit = memo[key] = (lo, sequence_hashes(lo, parent=parent))
             local += hit[0]
             seq += hit[1]

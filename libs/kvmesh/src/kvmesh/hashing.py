@@ -49,9 +49,16 @@ def local_block_hashes(tokens: Sequence[int] | np.ndarray, block_size: int, seed
     n_full = len(tokens) // block_size
     if n_full == 0:
         return []
-    raw = _u32_le_bytes(tokens, n_full * block_size)
+    return u32_block_hashes(_u32_le_bytes(tokens, n_full * block_size), block_size, seed)
+
+
+def u32_block_hashes(raw: bytes | memoryview, block_size: int, seed: int = XXH3_SEED) -> list[int]:
+    """Tokens hash of every full block of ``raw``: token ids already as u32 little-endian bytes.
+
+    For a caller that converts a whole prompt once and hashes parts of it (no copy with a memoryview).
+    """
     step = block_size * 4
-    return [_xxh3(raw[i : i + step], seed) for i in range(0, n_full * step, step)]
+    return [_xxh3(raw[i : i + step], seed) for i in range(0, len(raw) - step + 1, step)]
 
 
 def chain_hash(parent: int, local: int, seed: int = XXH3_SEED) -> int:
