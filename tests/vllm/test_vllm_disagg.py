@@ -221,6 +221,15 @@ def _engine_processes(worker: Daemon) -> list[int]:
     return [*cores, *sorted(model_processes(cores))]
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by init, whenever it gets to it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def _signal(pids: list[int], signum: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -279,19 +288,22 @@ def test_a_prefill_worker_killed_before_the_decode_engine_reads_its_kv_leaves_th
 def test_a_prefill_worker_killed_holding_a_request_leaves_the_decode_engine_to_prefill_it(pd: PdMesh) -> None:
     """The prefill worker dies while it holds a request (its engine frozen first, so the request can neither
     finish nor hand its KV over before the kill): the decode engine's vLLM prefills it itself, and the client
-    sees one whole stream. Last in this module: the mesh loses its prefill worker."""
+    sees one whole stream. Only the worker is killed: vLLM's engine processes, which would outlive it
+    (vllm-project/vllm#55510), go down with it. Last in this module: the mesh loses its prefill worker."""
     prompt = unique_ids(3 * BLOCK_SIZE + 7, random.Random(24))
+    engine = _engine_processes(pd.prefill)
     cores = engine_core_pids(pd.prefill.proc.pid)
-    assert cores, "no EngineCore child process found"
     for pid in cores:
         os.kill(pid, signal.SIGSTOP)
     spec = {"request_id": "orphan", "ids": prompt, "max_tokens": MAX_TOKENS, "sampling": {"ignore_eos": True}}
     client = stream_client(pd.mesh.frontend.address, [spec])  # type: ignore[union-attr]
     wait_until_queued(pd.prefill.address, len(prompt))  # the prefill worker holds it; its frozen engine ran nothing
-    pd.prefill.proc.kill()
-    for pid in cores:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    pd.prefill.proc.kill()  # only the worker: its orphan guard takes vLLM's processes down with it
+    pd.prefill.proc.wait()
+    deadline = time.monotonic() + 30
+    while left := [pid for pid in engine if _running(pid)]:
+        assert time.monotonic() < deadline, f"vLLM's processes {left} outlived their SIGKILLed worker"
+        time.sleep(0.1)
     assert client.wait(150) == 0, client.stderr.read()[-3000:] if client.stderr else ""
     assert client.stdout is not None
     report = json.loads(client.stdout.read().splitlines()[-1])["orphan"]

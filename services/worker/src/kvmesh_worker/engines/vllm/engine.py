@@ -22,6 +22,8 @@ Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer
 - if the engine core dies (``EngineDeadError``, or ``AsyncLLM.errored`` while idle),
   :meth:`wait_dead` returns and the worker stops serving at once, so the frontend migrates its
   requests elsewhere;
+- vLLM's engine processes never outlive the worker: a guard process started before them
+  (``orphan_guard``) SIGKILLs them when the worker dies without shutting them down;
 - ``--role prefill|decode``: vLLM's NixlConnector moves the KV, kvmesh carries vLLM's
   ``kv_transfer_params`` in ``KvTransferParams.engine_params_json`` (``disagg``);
 - vLLM's "error" finish (retryable, e.g. a KV pull that broke) is never passed off as a stop: a decode
@@ -62,7 +64,7 @@ from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, KvPullFailed, Outpu
 from kvmesh_worker.engines.registry import EngineBuildError
 from kvmesh_worker.model_files import ModelFiles
 
-from . import disagg
+from . import disagg, orphan_guard
 from .amx import request_amx_permission
 from .zmq_events import ReHasher, VllmCleared, VllmEvent, ZmqKvSubscriber
 
@@ -613,6 +615,7 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     request_amx_permission()
+    orphan_guard.start()  # vLLM's engine processes would outlive a SIGKILLed worker
     kv_endpoint, replay_endpoint = _event_endpoints()
     try:
         args = engine_args(settings, settings.model_path, kv_endpoint, replay_endpoint)

@@ -1,0 +1,132 @@
+"""Kill a vLLM worker's engine processes when the worker dies without shutting them down.
+
+vLLM's ``VLLM::EngineCore`` process, and the ``VLLM::Worker`` model process below it, outlive an
+API process that dies without running its shutdown path (SIGKILL, the OOM killer, a crash).
+Reparented, they keep the engine's memory and busy-wait on a core forever (vllm-project/vllm#55510,
+open upstream). systemd kills a unit's whole cgroup, but ``kvmesh up``, the planner's local connector
+and a plain shell do not.
+
+So a vLLM worker starts this guard before its engine (:func:`start`). The guard is a stdlib-only
+process, run by file path, so it imports nothing of kvmesh or vLLM. It holds a pidfd on the worker
+and takes a snapshot of the worker's descendants: every 0.5 s while the tree changes, backing off to
+every 8 s once it is stable. When the worker exits, the guard SIGKILLs every process of the last
+snapshot that is still alive, then exits. A clean stop leaves nothing to kill.
+
+Invariants:
+- Only processes that were descendants of the worker at the last snapshot are signalled, and only
+  if their start time is unchanged, so a recycled pid is never hit.
+- SIGINT and SIGTERM are ignored. A Ctrl-C or a unit stop reaches the whole process group, and the
+  guard must outlive the worker to do its job. It exits once the worker is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+FIRST_INTERVAL_S = 0.5
+MAX_INTERVAL_S = 8.0
+
+Snapshot = dict[int, int]  # pid -> start time (clock ticks since boot)
+
+_started: subprocess.Popen[bytes] | None = None  # held for the worker's lifetime
+
+
+def start() -> None:
+    """Start this process's guard (once); call it before the engine starts its processes."""
+    global _started
+    if _started is None:
+        _started = subprocess.Popen(
+            [sys.executable, "-I", str(Path(__file__).resolve()), str(os.getpid())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time), for every process visible in /proc."""
+    out: dict[int, tuple[int, int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone since listdir
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) ": state, ppid, ... starttime
+        out[int(name)] = (int(fields[1]), int(fields[19]))
+    return out
+
+
+def descendants(root: int, exclude: int) -> Snapshot:
+    """Every process below ``root`` (not ``exclude``), with its start time."""
+    table = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found: Snapshot = {}
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child != exclude and child not in found:
+                found[child] = table[child][1]
+                todo.append(child)
+    return found
+
+
+def kill_survivors(snapshot: Snapshot) -> list[int]:
+    """SIGKILL the snapshot's processes that still run with the same start time; returns their pids."""
+    now = _processes()
+    killed = []
+    for pid, started in snapshot.items():
+        if pid in now and now[pid][1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append(pid)
+    return killed
+
+
+def guard(worker: int) -> list[int]:
+    """Watch ``worker`` until it exits, then kill what it left behind; returns the pids killed."""
+    try:
+        pidfd = os.pidfd_open(worker)
+    except ProcessLookupError:
+        return []
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    me = os.getpid()
+    snapshot: Snapshot = {}
+    interval = FIRST_INTERVAL_S
+    while True:
+        latest = descendants(worker, exclude=me)
+        interval = min(interval * 2, MAX_INTERVAL_S) if latest == snapshot else FIRST_INTERVAL_S
+        snapshot = latest
+        if poller.poll(interval * 1000):  # readable: the worker has exited
+            break
+    os.close(pidfd)
+    return kill_survivors(snapshot)
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    worker = int(argv[0])
+    killed = guard(worker)
+    if killed:
+        print(
+            f"kvmesh-worker {worker} exited and left engine processes {killed} running: killed them",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,137 @@
+"""The vLLM worker's orphan guard, with real processes: what a worker started dies with it.
+
+vLLM's engine processes outlive a SIGKILLed API process (vllm-project/vllm#55510). These tests stand
+a small Python process in for the worker: it starts a child and a grandchild that ignore SIGTERM
+(as a busy-waiting engine core effectively does), then the guard, exactly as ``--engine vllm`` does.
+``tests/vllm/test_vllm_disagg.py`` checks the same with vLLM's own processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# The stand-in worker: a child that starts a grandchild, both immune to SIGTERM and SIGINT; then the guard.
+WORKER = textwrap.dedent(
+    """
+    import json, signal, subprocess, sys, time
+    from kvmesh_worker.engines.vllm import orphan_guard
+
+    STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"
+    grandparent = (
+        "import subprocess, sys, time; "
+        f"g = subprocess.Popen([sys.executable, '-c', {STUBBORN!r}]); "
+        "print(g.pid, flush=True); " + STUBBORN.replace("import signal, time; ", "import signal; ")
+    )
+    child = subprocess.Popen([sys.executable, "-c", grandparent], stdout=subprocess.PIPE, text=True)
+    grandchild = int(child.stdout.readline())
+    orphan_guard.start()
+    print(json.dumps({"child": child.pid, "grandchild": grandchild, "guard": orphan_guard._started.pid}), flush=True)
+    if sys.stdin.readline().strip() == "exit":  # told once the guard has had its first look
+        child.kill()
+        child.wait()
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] != b"Z"
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+@pytest.fixture
+def worker() -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
+    proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    pids = json.loads(proc.stdout.readline())
+    # The guard takes its first snapshot as it starts; give it that moment on a loaded machine.
+    deadline = time.monotonic() + 30
+    while "orphan_guard" not in Path(f"/proc/{pids['guard']}/cmdline").read_text():
+        assert time.monotonic() < deadline, "the guard never started"
+        time.sleep(0.05)
+    time.sleep(2)
+    yield proc, pids
+    for pid in (proc.pid, *pids.values()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_a_sigkilled_worker_takes_its_engine_processes_with_it(
+    worker: tuple[subprocess.Popen[str], dict[str, int]],
+) -> None:
+    proc, pids = worker
+    assert alive(pids["child"]) and alive(pids["grandchild"])
+    proc.kill()  # no shutdown path runs: what vLLM's processes survive
+    proc.wait()
+    assert wait_gone([pids["child"], pids["grandchild"]], timeout=15) == []
+    assert wait_gone([pids["guard"]], timeout=15) == [], "the guard outlived its job"
+
+
+def test_the_guard_survives_the_stop_signals_a_process_group_gets(
+    worker: tuple[subprocess.Popen[str], dict[str, int]],
+) -> None:
+    """A Ctrl-C or a unit stop signals the whole group: the guard must still be there when the worker dies."""
+    proc, pids = worker
+    os.kill(pids["guard"], signal.SIGTERM)
+    os.kill(pids["guard"], signal.SIGINT)
+    time.sleep(0.5)
+    assert alive(pids["guard"])
+    proc.kill()
+    proc.wait()
+    assert wait_gone([pids["child"], pids["grandchild"]], timeout=15) == []
+
+
+def test_a_clean_exit_leaves_the_guard_nothing_to_do_but_leave(
+    worker: tuple[subprocess.Popen[str], dict[str, int]],
+) -> None:
+    proc, pids = worker
+    assert proc.stdin is not None
+    proc.stdin.write("exit\n")
+    proc.stdin.flush()
+    assert proc.wait(30) == 0
+    assert wait_gone([pids["guard"]], timeout=15) == []
+    # The worker stopped its own child; the grandchild it did not stop went with the guard's sweep.
+    assert wait_gone([pids["grandchild"]], timeout=15) == []
+
+
+def test_a_process_outside_the_workers_tree_is_never_signalled() -> None:
+    from kvmesh_worker.engines.vllm import orphan_guard
+
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        snapshot = orphan_guard.descendants(worker.pid, exclude=-1)
+        assert bystander.pid not in snapshot and snapshot == {}
+        assert bystander.pid in orphan_guard.descendants(os.getpid(), exclude=-1)
+        # A pid whose start time changed (recycled) is left alone.
+        assert orphan_guard.kill_survivors({bystander.pid: 1}) == []
+        assert alive(bystander.pid)
+        worker.kill()
+        worker.wait()
+    finally:
+        bystander.kill()
+        bystander.wait()
