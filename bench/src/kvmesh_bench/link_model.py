@@ -86,12 +86,16 @@ class LinkDelays:
     peak_backlog_bytes: float  # the largest queue either direction needed (compare with tbf's limit)
 
 
+#: Engine ids are 63-bit hashes (``kvmesh_worker.main.engine_id_for``): nearly all take 9 varint bytes, as this one.
+_ENGINE_ID = (1 << 63) - 1
+
+
 def _message_sizes(req: ReplayRequest, tokens: np.ndarray, model: str, block_size: int) -> tuple[int, int, int]:
     infer = build_infer_request(req.request_id, tokens, req.max_tokens, model).ByteSize()
     ids = tokens.tolist()
     query = router_pb2.RouteQuery(request_id=req.request_id, model=model, block_hashes=block_hashes(ids, block_size)[1],
                                   num_tokens=len(ids), expected_output_tokens=req.max_tokens)  # fmt: skip
-    generate = worker_pb2.GenerateRequest(request_id=req.request_id, engine_id=1 << 40, token_ids=ids,
+    generate = worker_pb2.GenerateRequest(request_id=req.request_id, engine_id=_ENGINE_ID, token_ids=ids,
                                           sampling=worker_pb2.SamplingOptions(max_tokens=req.max_tokens))  # fmt: skip
     return wire_bytes(infer), wire_bytes(query.ByteSize()), wire_bytes(generate.ByteSize())
 
