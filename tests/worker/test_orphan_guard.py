@@ -20,13 +20,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvmesh_worker.engines.vllm import orphan_guard
 
-# The stand-in worker: a child that starts a grandchild, both immune to SIGTERM and SIGINT; then the guard.
+# The stand-in worker, in vLLM's order: the guard first, then a child that starts a grandchild, both
+# immune to SIGTERM and SIGINT. It exits cleanly, stopping only its child, when told "exit" on stdin.
 WORKER = textwrap.dedent(
     """
     import json, signal, subprocess, sys, time
     from kvmesh_worker.engines.vllm import orphan_guard
 
+    orphan_guard.start()
     STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
         "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"
     grandparent = (
@@ -36,9 +39,8 @@ WORKER = textwrap.dedent(
     )
     child = subprocess.Popen([sys.executable, "-c", grandparent], stdout=subprocess.PIPE, text=True)
     grandchild = int(child.stdout.readline())
-    orphan_guard.start()
     print(json.dumps({"child": child.pid, "grandchild": grandchild, "guard": orphan_guard._started.pid}), flush=True)
-    if sys.stdin.readline().strip() == "exit":  # told once the guard has had its first look
+    if sys.stdin.readline().strip() == "exit":
         child.kill()
         child.wait()
     """
@@ -67,12 +69,12 @@ def worker() -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
     proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     pids = json.loads(proc.stdout.readline())
-    # The guard takes its first snapshot as it starts; give it that moment on a loaded machine.
     deadline = time.monotonic() + 30
     while "orphan_guard" not in Path(f"/proc/{pids['guard']}/cmdline").read_text():
         assert time.monotonic() < deadline, "the guard never started"
         time.sleep(0.05)
-    time.sleep(2)
+    # The processes started after the guard: it sees them at its next snapshot, at most MAX_INTERVAL_S away.
+    time.sleep(2 * orphan_guard.MAX_INTERVAL_S)
     yield proc, pids
     for pid in (proc.pid, *pids.values()):
         with contextlib.suppress(ProcessLookupError):
@@ -114,13 +116,11 @@ def test_a_clean_exit_leaves_the_guard_nothing_to_do_but_leave(
     proc.stdin.flush()
     assert proc.wait(30) == 0
     assert wait_gone([pids["guard"]], timeout=15) == []
-    # The worker stopped its own child; the grandchild it did not stop went with the guard's sweep.
+    # The worker stopped its child, not the grandchild: the guard's sweep took that one.
     assert wait_gone([pids["grandchild"]], timeout=15) == []
 
 
 def test_a_process_outside_the_workers_tree_is_never_signalled() -> None:
-    from kvmesh_worker.engines.vllm import orphan_guard
-
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])

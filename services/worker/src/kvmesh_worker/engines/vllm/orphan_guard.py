@@ -9,12 +9,13 @@ and a plain shell do not.
 So a vLLM worker starts this guard before its engine (:func:`start`). The guard is a stdlib-only
 process, run by file path, so it imports nothing of kvmesh or vLLM. It holds a pidfd on the worker
 and takes a snapshot of the worker's descendants: every 0.5 s while the tree changes, backing off to
-every 8 s once it is stable. When the worker exits, the guard SIGKILLs every process of the last
-snapshot that is still alive, then exits. A clean stop leaves nothing to kill.
+every 2 s once it is stable (vLLM starts its processes several seconds into its import, and a worker
+killed during that start must not leave them). When the worker exits, the guard SIGKILLs every
+process of the last snapshot that is still alive, then exits. A clean stop leaves nothing to kill.
 
 Invariants:
-- Only processes that were descendants of the worker at the last snapshot are signalled, and only
-  if their start time is unchanged, so a recycled pid is never hit.
+- Only processes seen below the worker are signalled (also once an intermediate parent died and they
+  were reparented), and only if their start time is unchanged, so a recycled pid is never hit.
 - SIGINT and SIGTERM are ignored. A Ctrl-C or a unit stop reaches the whole process group, and the
   guard must outlive the worker to do its job. It exits once the worker is gone.
 """
@@ -29,7 +30,7 @@ import sys
 from pathlib import Path
 
 FIRST_INTERVAL_S = 0.5
-MAX_INTERVAL_S = 8.0
+MAX_INTERVAL_S = 2.0
 
 Snapshot = dict[int, int]  # pid -> start time (clock ticks since boot)
 
@@ -63,9 +64,10 @@ def _processes() -> dict[int, tuple[int, int]]:
     return out
 
 
-def descendants(root: int, exclude: int) -> Snapshot:
+def descendants(root: int, exclude: int, table: dict[int, tuple[int, int]] | None = None) -> Snapshot:
     """Every process below ``root`` (not ``exclude``), with its start time."""
-    table = _processes()
+    if table is None:
+        table = _processes()
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
@@ -102,16 +104,20 @@ def guard(worker: int) -> list[int]:
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     me = os.getpid()
-    snapshot: Snapshot = {}
+    watched: Snapshot = {}
     interval = FIRST_INTERVAL_S
     while True:
-        latest = descendants(worker, exclude=me)
-        interval = min(interval * 2, MAX_INTERVAL_S) if latest == snapshot else FIRST_INTERVAL_S
-        snapshot = latest
+        table = _processes()
+        # Still watched: what was seen below the worker and still runs, although a process whose parent
+        # died (an engine core's model process) is no longer below it.
+        latest = {pid: started for pid, started in watched.items() if table.get(pid, (0, -1))[1] == started}
+        latest.update(descendants(worker, me, table))
+        interval = min(interval * 2, MAX_INTERVAL_S) if latest == watched else FIRST_INTERVAL_S
+        watched = latest
         if poller.poll(interval * 1000):  # readable: the worker has exited
             break
     os.close(pidfd)
-    return kill_survivors(snapshot)
+    return kill_survivors(watched)
 
 
 def main(argv: list[str]) -> int:
