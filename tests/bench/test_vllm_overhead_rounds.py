@@ -1,0 +1,44 @@
+"""``kvmesh bench vllm-overhead --rounds N``: how several direct/mesh pairs of one run are summarized.
+
+The pairs themselves need vLLM (``tests/vllm``); what is checked here is the arithmetic a reader
+relies on: each round's ratio is taken within the round, and the report gives their median.
+"""
+
+from __future__ import annotations
+
+import pytest
+from kvmesh_bench.vllm_overhead import build_parser, compare, summarize_rounds
+
+
+def _mode(tok_s: float, ttft_p50_ms: float) -> dict[str, float]:
+    return {"throughput_tok_s": tok_s, "ttft_p50_ms": ttft_p50_ms}
+
+
+def test_a_round_compares_its_own_two_runs() -> None:
+    round_ = compare(_mode(4000, 10.0), _mode(3000, 16.0))
+    assert round_["throughput_ratio"] == pytest.approx(0.75)
+    assert round_["added_ttft_p50_ms"] == pytest.approx(6.0)
+
+
+def test_the_report_is_the_median_of_per_round_ratios_not_a_ratio_of_medians() -> None:
+    rounds = [
+        compare(_mode(4000, 10.0), _mode(3200, 15.0)),  # 0.80, +5
+        compare(_mode(2000, 10.0), _mode(1900, 11.0)),  # 0.95, +1 (a slow moment for both modes)
+        compare(_mode(4000, 10.0), _mode(2800, 20.0)),  # 0.70, +10
+    ]
+    summary = summarize_rounds(rounds)
+    assert summary["throughput_ratio"] == pytest.approx(0.80)
+    assert summary["added_ttft_p50_ms"] == pytest.approx(5.0)
+    assert summary["throughput_ratio_range"] == pytest.approx([0.70, 0.95])
+    assert summary["rounds"] == rounds
+    # the ratio of the median throughputs would mix rounds: 2800 / 4000 = 0.70
+    assert summary["throughput_ratio"] != pytest.approx(0.70)
+
+
+def test_rounds_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert build_parser().parse_args(["--rounds", "3"]).rounds == 3
+    assert build_parser().parse_args([]).rounds == 1
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--rounds", "0"])
+    assert exit_.value.code == 2
+    assert "--rounds: must be at least 1, got 0" in capsys.readouterr().err
