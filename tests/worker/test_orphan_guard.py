@@ -1,8 +1,8 @@
 """The vLLM worker's orphan guard, with real processes: what a worker started dies with it.
 
 vLLM's engine processes outlive a SIGKILLed API process (vllm-project/vllm#55510). These tests stand
-a small Python process in for the worker: it starts a child and a grandchild that ignore SIGTERM
-(as a busy-waiting engine core effectively does), then the guard, exactly as ``--engine vllm`` does.
+a small Python process in for the worker: it starts the guard, then a child and a grandchild that
+ignore SIGTERM (as a busy-waiting engine core effectively does), in the order ``--engine vllm`` does.
 ``tests/vllm/test_vllm_disagg.py`` checks the same with vLLM's own processes.
 """
 
@@ -29,7 +29,7 @@ WORKER = textwrap.dedent(
     import json, signal, subprocess, sys, time
     from kvmesh_worker.engines.vllm import orphan_guard
 
-    orphan_guard.start()
+    guard = orphan_guard.start()
     STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
         "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"
     grandparent = (
@@ -39,7 +39,7 @@ WORKER = textwrap.dedent(
     )
     child = subprocess.Popen([sys.executable, "-c", grandparent], stdout=subprocess.PIPE, text=True)
     grandchild = int(child.stdout.readline())
-    print(json.dumps({"child": child.pid, "grandchild": grandchild, "guard": orphan_guard._started.pid}), flush=True)
+    print(json.dumps({"child": child.pid, "grandchild": grandchild, "guard": guard}), flush=True)
     if sys.stdin.readline().strip() == "exit":
         child.kill()
         child.wait()

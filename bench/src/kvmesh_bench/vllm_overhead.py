@@ -301,13 +301,11 @@ def compare(direct: dict[str, Any], mesh: dict[str, Any]) -> dict[str, Any]:
 def summarize_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The medians over rounds of each round's own ratio and added TTFT (never a ratio of medians:
     a round's two runs share the machine's state of that moment, different rounds do not)."""
+    ratios = [r["throughput_ratio"] for r in rounds]
     return {
-        "throughput_ratio": statistics.median(r["throughput_ratio"] for r in rounds),
+        "throughput_ratio": statistics.median(ratios),
         "added_ttft_p50_ms": statistics.median(r["added_ttft_p50_ms"] for r in rounds),
-        "throughput_ratio_range": [
-            min(r["throughput_ratio"] for r in rounds),
-            max(r["throughput_ratio"] for r in rounds),
-        ],
+        "throughput_ratio_range": [min(ratios), max(ratios)],
         "rounds": list(rounds),
     }
 

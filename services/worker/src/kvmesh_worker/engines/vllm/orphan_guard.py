@@ -11,7 +11,7 @@ process, run by file path, so it imports nothing of kvmesh or vLLM. It holds a p
 and takes a snapshot of the worker's descendants: every 0.5 s while the tree changes, backing off to
 every 2 s once it is stable (vLLM starts its processes several seconds into its import, and a worker
 killed during that start must not leave them). When the worker exits, the guard SIGKILLs every
-process of the last snapshot that is still alive, then exits. A clean stop leaves nothing to kill.
+process it watches that is still alive, then exits. A clean stop leaves nothing to kill.
 
 Invariants:
 - Only processes seen below the worker are signalled (also once an intermediate parent died and they
@@ -37,8 +37,8 @@ Snapshot = dict[int, int]  # pid -> start time (clock ticks since boot)
 _started: subprocess.Popen[bytes] | None = None  # held for the worker's lifetime
 
 
-def start() -> None:
-    """Start this process's guard (once); call it before the engine starts its processes."""
+def start() -> int:
+    """Start this process's guard (once) and return its pid; call it before the engine starts its processes."""
     global _started
     if _started is None:
         _started = subprocess.Popen(
@@ -46,6 +46,7 @@ def start() -> None:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
         )
+    return _started.pid
 
 
 def _processes() -> dict[int, tuple[int, int]]:
