@@ -3,7 +3,7 @@
 What the e2e tests cannot force deterministically is checked here: a KV subscriber that registers
 while a pass is in flight (its events are already in the journal but not delivered yet) gets every
 event exactly once, and the shared deadline timer wakes sleepers in deadline order, never early,
-and leaves nothing behind.
+runs every due delivery before any woken sleeper steps again, and leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -113,6 +113,47 @@ async def test_deadline_timer_wakes_in_deadline_order_never_early_and_cleans_up(
     finally:
         timer.release()
     assert loop not in DeadlineTimer._by_loop
+
+
+async def test_deadline_timer_runs_every_due_callback_before_any_sleeper_resumes():
+    """Deliveries happen at the deadline; the sleepers' next (slow) steps come after all of them."""
+    loop = asyncio.get_running_loop()
+    timer = DeadlineTimer.acquire(loop)
+    try:
+        log: list[str] = []
+
+        async def sleeper(tag: str, deadline: float) -> None:
+            await timer.sleep_until(deadline, lambda: log.append(f"due {tag}"))
+            log.append(f"resumed {tag}")
+
+        async def failing(deadline: float) -> None:
+            def boom() -> None:
+                raise RuntimeError("delivery failed")
+
+            await timer.sleep_until(deadline, boom)
+
+        deadline = time.monotonic() + 0.01
+        cancelled = asyncio.create_task(sleeper("cancelled", deadline - 0.005))
+        tasks = [asyncio.create_task(sleeper(tag, deadline)) for tag in "abc"]
+        failed = asyncio.create_task(failing(deadline))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(*tasks)
+        assert log[:3] == ["due a", "due b", "due c"]
+        assert sorted(log[3:]) == ["resumed a", "resumed b", "resumed c"]
+        try:
+            await failed
+        except RuntimeError as exc:
+            assert str(exc) == "delivery failed"
+        else:
+            raise AssertionError("the sleeper whose callback raised returned normally")
+
+        log.clear()
+        await timer.sleep_until(time.monotonic() - 1, lambda: log.append("due late"))  # already due: runs at once
+        assert log == ["due late"]
+        assert not timer._heap
+    finally:
+        timer.release()
 
 
 async def test_runners_share_one_timer_per_loop_and_release_it_on_stop():

@@ -2,6 +2,11 @@
 
 The loop is step → sleep → deliver: a pass's tokens and KV events exist only once the pass is
 over, so they are delivered after sleeping the pass's modelled duration (÷ ``speedup_ratio``).
+The delivery runs in the timer's own callback, for every pass due at that wakeup, before any
+runner computes its next pass: computing a pass is the slow part (tens of microseconds, more for a
+prefill), and its result is not needed until its deadline, whereas a delivery is late by whatever
+runs before it. With a thousand engines in one loop, runners resuming one after another to
+deliver *and* step made the k-th due delivery wait for k-1 steps.
 Deadlines are absolute (``next += modelled``), so the time spent in Python does not accumulate as
 drift; only after a stall longer than ``MAX_CATCH_UP_S`` (a starved process) does the schedule
 restart from now instead of rushing the following passes. The sleeps go through one
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import heapq
 import itertools
 import logging
@@ -44,6 +50,7 @@ from kvmesh_worker.engine import (
     ForwardPassMetrics,
     InvalidRequest,
     RequestOutput,
+    StepOutput,
 )
 from kvmesh_worker.engines.api import EngineSpec, KvNotHeld, KvPullFailed, OutputSink, PassObserver, Role
 from kvmesh_worker.kv_transfer.mocker_kv import MockerKv
@@ -107,7 +114,7 @@ class DeadlineTimer:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._users = 0
-        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._heap: list[tuple[float, int, asyncio.Future[None], Callable[[], None] | None]] = []
         self._seq = itertools.count()
         self._armed_at = float("inf")
         self._spec = _Itimerspec()
@@ -129,16 +136,27 @@ class DeadlineTimer:
             os.close(self._fd)
             self._fd = -1
 
-    async def sleep_until(self, deadline: float) -> None:
+    async def sleep_until(self, deadline: float, on_due: Callable[[], None] | None = None) -> None:
+        """Return at ``deadline``; ``on_due`` runs at the deadline, in the timer's callback.
+
+        Every ``on_due`` of one wakeup runs before any of the woken sleepers resumes, so work that
+        must happen *at* the deadline (a delivery) is not queued behind work that can wait (the
+        sleepers' next steps). A sleeper cancelled before its deadline never runs its ``on_due``; an
+        ``on_due`` that raises makes its sleeper raise.
+        """
         if self._fd < 0:
             delay = deadline - time.monotonic()
             await asyncio.sleep(delay if delay > 0 else 0)
+            if on_due is not None:
+                on_due()
             return
         if deadline - time.monotonic() <= _TIMER_SLACK_S:
-            await asyncio.sleep(0)  # due already: just let other tasks run
+            if on_due is not None:
+                on_due()  # due already: at once, then let other tasks run
+            await asyncio.sleep(0)
             return
         future = self._loop.create_future()
-        heapq.heappush(self._heap, (deadline, next(self._seq), future))
+        heapq.heappush(self._heap, (deadline, next(self._seq), future, on_due))
         if deadline < self._armed_at:
             self._arm(deadline)
         await future
@@ -158,9 +176,16 @@ class DeadlineTimer:
         heap = self._heap
         due = time.monotonic() + _TIMER_SLACK_S
         while heap and heap[0][0] <= due:
-            future = heapq.heappop(heap)[2]
-            if not future.done():  # a cancelled sleeper leaves its entry behind
-                future.set_result(None)
+            _, _, future, on_due = heapq.heappop(heap)
+            if future.done():  # a cancelled sleeper leaves its entry behind
+                continue
+            if on_due is not None:
+                try:
+                    on_due()
+                except Exception as exc:  # the sleeper's own failure, raised where it awaits
+                    future.set_exception(exc)
+                    continue
+            future.set_result(None)
         self._armed_at = float("inf")
         if heap:
             self._arm(heap[0][0])
@@ -305,9 +330,12 @@ class EngineRunner:
                 if started - deadline > MAX_CATCH_UP_S:
                     deadline = started  # stalled: restart the schedule rather than rush the next passes
                 deadline += out.metrics.duration_ms / scale
-                await timer.sleep_until(deadline)
-                self._deliver(out.outputs, out.kv_events)
-                self._account(out.metrics, clock() - started)
+                await timer.sleep_until(deadline, functools.partial(self._complete, out, started))
+
+    def _complete(self, out: StepOutput, started: float) -> None:
+        """The pass is over: deliver its tokens and KV events, then account for it."""
+        self._deliver(out.outputs, out.kv_events)
+        self._account(out.metrics, time.monotonic() - started)
 
     async def _run_unpaced(self, clock: Callable[[], float]) -> None:
         """Speedup 0: no modelled time, so passes run back to back in slices of ``UNPACED_SLICE_S``.
