@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from kvmesh.discovery import DiscoveryUnavailable, default_file_root, instance_key, instance_prefix, open_discovery
-from kvmesh.discovery.file import FileDiscovery
+from kvmesh.discovery.file import FileDiscovery, _Scanner, _Store
 
 
 async def test_layout_is_atomic_and_readable(tmp_path: Path, ns: str):
@@ -134,3 +134,62 @@ async def test_poll_interval_from_url(tmp_path: Path):
         await d.close()
     with pytest.raises(ValueError, match="poll"):
         await open_discovery(f"file://{tmp_path}?poll=abc")
+
+
+def _settle(directory: Path) -> None:
+    """Backdate a record directory's mtime, as if nothing had changed in it for a while."""
+    old = time.time() - 10
+    os.utime(directory, (old, old))
+
+
+def test_a_settled_directory_is_not_listed_again_yet_every_change_in_it_is_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A scan of an unchanged fleet costs directory stats, not file stats; any write still shows at once."""
+    store = _Store(tmp_path)
+    store.prepare()
+    lease = store.grant(ttl=30)
+    for i in range(3):
+        store.put(f"fleet/engine/{i}", b"v0", lease)
+    directory = store.scan_dir("fleet/engine/")
+    scanner = _Scanner(store, "fleet/engine/")
+    assert scanner.scan() == {f"fleet/engine/{i}": b"v0" for i in range(3)}
+
+    listed: list[str] = []
+    real_scandir = os.scandir
+
+    def counting_scandir(path: str) -> object:
+        listed.append(str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", counting_scandir)
+    _settle(directory)
+    scanner.scan()  # the directory's mtime moved (backdated): listed once more, now settled
+    listed.clear()
+    assert scanner.scan() == {f"fleet/engine/{i}": b"v0" for i in range(3)}
+    assert str(directory) not in listed, "a settled, unchanged directory is not listed again"
+
+    store.put("fleet/engine/1", b"v1", lease)  # a rewrite renames over the record: the directory changes
+    store.delete("fleet/engine/2")
+    store.put("fleet/engine/3", b"new", lease)
+    assert scanner.scan() == {"fleet/engine/0": b"v0", "fleet/engine/1": b"v1", "fleet/engine/3": b"new"}
+    assert str(directory) in listed
+
+    store.put("fleet/engine/0", b"v2", lease)  # changed again within the settling margin: still seen
+    assert scanner.scan()["fleet/engine/0"] == b"v2"
+
+
+def test_the_gc_finds_dead_records_through_its_scanner_and_removes_unreadable_ones(tmp_path: Path):
+    store = _Store(tmp_path)
+    store.prepare()
+    live, dead = store.grant(ttl=30), store.grant(ttl=0.1)
+    store.put("fleet/engine/live", b"l", live)
+    store.put("fleet/engine/dead", b"d", dead)
+    junk = store.record_path("fleet/engine/junk")
+    junk.write_bytes(b"no header line")
+    store.gc()  # the dead lease has not expired yet: nothing goes
+    assert {p.name for p in junk.parent.iterdir()} == {"live.rec", "dead.rec"}
+    time.sleep(0.1 + 1.2)  # the dead lease's TTL and the GC's grace
+    _settle(junk.parent)
+    store.gc()
+    assert {p.name for p in junk.parent.iterdir()} == {"live.rec"}

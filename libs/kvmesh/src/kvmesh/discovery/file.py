@@ -15,7 +15,12 @@ Layout under the root directory (format version 1)::
 * Key segments are percent-encoded (``quote(seg, safe="")``; '' -> '%', a leading '.' and a
   trailing '.rec' are escaped) so any key maps to one path and never collides with a directory.
 * Watching is a polling scan (default every 0.1 s) that only re-reads files whose inode, size or
-  mtime changed; watchers see Added/Removed within TTL + poll interval.
+  mtime changed; watchers see Added/Removed within TTL + poll interval. A record directory whose
+  own (inode, mtime) is unchanged since a listing made at least ``_SETTLED_S`` after its mtime is
+  not listed again, nor its files stat'ed: every change to a record (write, delete, GC) renames or
+  unlinks an entry of its directory, which moves the directory's mtime, and the margin covers the
+  filesystem's coarse timestamps (a change in the same clock tick as the listing). With a thousand
+  engines, a scan of an unchanged fleet is a few directory stats instead of thousands of file stats.
 * Garbage collection: every open FileDiscovery sweeps once per TTL (at most every 5 s, at least
   every 0.5 s): lease files stale for TTL + 1 s, records whose lease is dead or missing, and
   temp files older than 60 s are deleted. A record is removed by renaming it aside first, so a
@@ -62,6 +67,8 @@ log = logging.getLogger("kvmesh.discovery.file")
 _LEASE_SUFFIX = ".lease"
 _RECORD_SUFFIX = ".rec"
 _GC_GRACE = 1.0
+# A directory listed at least this long after its last change is trusted while its mtime stays put.
+_SETTLED_S = 1.0
 _TMP_MAX_AGE = 60.0
 DEFAULT_POLL_INTERVAL = 0.1
 
@@ -136,6 +143,7 @@ class _Store:
         self.leases = root / "leases"
         self.kv = root / "kv"
         self._gc_ttls: dict[tuple[int, int], float] = {}
+        self._gc_scanner: _Scanner | None = None  # every record's lease, kept up to date cheaply
 
     # -- paths ---------------------------------------------------------------------------------
     def lease_path(self, lease_id: int) -> Path:
@@ -324,8 +332,11 @@ class _Store:
             mtime, ttl = entry
             return time.time() - mtime > ttl + _GC_GRACE
 
-        for record in self._walk(self.kv):
-            self._remove_record_if(record, dead)
+        if self._gc_scanner is None:
+            self._gc_scanner = _Scanner(self, "")
+        for record, _, lease_id, _ in self._gc_scanner.records():
+            if dead(lease_id):
+                self._remove_record_if(record, dead)  # re-reads it: the record may have been rewritten since
         self._sweep_tmp(now)
 
     def _sweep_tmp(self, now: float) -> None:
@@ -339,47 +350,111 @@ class _Store:
 
 
 class _Scanner:
-    """Live records under one prefix; re-reads only files whose (inode, size, mtime) changed."""
+    """Live records under one prefix: re-lists only directories, and re-reads only files, that changed.
+
+    A file is re-read when its (inode, size, mtime) changed; a directory is re-listed unless its own
+    (inode, mtime) is the one seen at a listing made ``_SETTLED_S`` or more after that mtime (see
+    the module docstring for why that is safe).
+    """
 
     def __init__(self, store: _Store, prefix: str) -> None:
         self.store = store
         self.prefix = prefix
         self.top = store.scan_dir(prefix)
+        # record path -> (signature, key, lease id, value); an unreadable record is cached as lease -1
         self._cache: dict[str, tuple[tuple[int, int, int], str, int, bytes]] = {}
+        # directory -> ((inode, mtime_ns), settled, its record paths, its subdirectories) at its last listing
+        self._dirs: dict[str, tuple[tuple[int, int], bool, list[str], list[str]]] = {}
         self._ttls: dict[tuple[int, int], float] = {}
+
+    def records(self) -> list[tuple[str, str, int, bytes]]:
+        """``(path, key, lease id, value)`` of every record below the top, live or not (unreadable: lease -1)."""
+        cache = self._cache
+        out: list[tuple[str, str, int, bytes]] = []
+        seen_dirs: set[str] = set()
+        stack = [str(self.top)]
+        while stack:
+            d = stack.pop()
+            try:
+                st = os.stat(d)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            seen_dirs.add(d)
+            sig = (st.st_ino, st.st_mtime_ns)
+            last = self._dirs.get(d)
+            if last is not None and last[1] and last[0] == sig:
+                paths, subdirs = last[2], last[3]
+            else:
+                listed_at = time.time()
+                paths, subdirs = self._list(d)
+                if last is not None:
+                    for gone in set(last[2]).difference(paths):
+                        cache.pop(gone, None)
+                self._dirs[d] = (sig, listed_at - st.st_mtime >= _SETTLED_S, paths, subdirs)
+            stack.extend(subdirs)
+            for path in paths:
+                cached = cache.get(path)
+                if cached is not None:
+                    out.append((path, cached[1], cached[2], cached[3]))
+        for d in self._dirs.keys() - seen_dirs:  # removed directories: forget them and their records
+            for gone in self._dirs.pop(d)[2]:
+                cache.pop(gone, None)
+        return out
+
+    def _list(self, d: str) -> tuple[list[str], list[str]]:
+        """List ``d`` (not settled): its readable record paths, refreshed in the file cache, and its subdirectories."""
+        try:
+            entries = list(os.scandir(d))
+        except (FileNotFoundError, NotADirectoryError):
+            return [], []
+        cache = self._cache
+        paths: list[str] = []
+        subdirs: list[str] = []
+        for e in entries:
+            name = e.name
+            if name.startswith("."):
+                continue
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    subdirs.append(e.path)
+                    continue
+            except OSError:
+                continue
+            if not name.endswith(_RECORD_SUFFIX):
+                continue
+            path = e.path
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                cache.pop(path, None)
+                continue
+            sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+            cached = cache.get(path)
+            if cached is None or cached[0] != sig:
+                try:
+                    key, lease_id, value = self.store.read_record(path)
+                except FileNotFoundError:
+                    cache.pop(path, None)
+                    continue
+                except (OSError, ValueError, KeyError, TypeError):
+                    log.debug("file discovery: skipping unreadable record %s", path)
+                    key, lease_id, value = "", -1, b""  # never live; the GC removes it
+                cache[path] = (sig, key, lease_id, value)
+            paths.append(path)
+        return paths, subdirs
 
     def scan(self) -> dict[str, bytes]:
         leases = self.store.lease_table(self._ttls)
         now = time.time()
         out: dict[str, bytes] = {}
-        seen: set[str] = set()
-        for path in self.store._walk(self.top):
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                continue
-            sig = (st.st_ino, st.st_size, st.st_mtime_ns)
-            cached = self._cache.get(path)
-            if cached is not None and cached[0] == sig:
-                _, key, lease_id, value = cached
-            else:
-                try:
-                    key, lease_id, value = self.store.read_record(path)
-                except FileNotFoundError:
-                    continue
-                except (OSError, ValueError, KeyError, TypeError):
-                    log.debug("file discovery: skipping unreadable record %s", path)
-                    continue
-                self._cache[path] = (sig, key, lease_id, value)
-            seen.add(path)
-            if not key.startswith(self.prefix):
+        prefix = self.prefix
+        for _, key, lease_id, value in self.records():
+            if not key.startswith(prefix):
                 continue
             lease = leases.get(lease_id)
             if lease is None or now - lease[0] > lease[1]:
                 continue
             out[key] = value
-        for path in self._cache.keys() - seen:
-            del self._cache[path]
         return out
 
 
