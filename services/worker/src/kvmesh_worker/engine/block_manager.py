@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import lshift, or_
 from typing import Protocol
 
 from kvmesh.kv_events import AllCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
@@ -39,6 +41,18 @@ from kvmesh.kv_events import AllCleared, BlocksRemoved, BlocksStored, EventData,
 from .evictor import LRUEvictor
 
 _NO_CHILDREN: tuple[int, ...] = ()  # typed so that ``children.get(h, _NO_CHILDREN)[0]`` is an int
+
+# A cached block's metadata is one int, ``parent << 64 | tokens_hash`` (parent None -> _NO_PARENT, not
+# a u64): a tuple per block would be tracked by the cyclic GC from its creation until a collection
+# untracks it, so every block stored would count towards the next young collection, whose pause, in a
+# worker hosting a thousand engines, delays every engine in the loop. Ints are never tracked.
+_U64 = (1 << 64) - 1
+_NO_PARENT = 1 << 64
+
+
+def _parent_of(packed: int) -> int | None:
+    top = packed >> 64
+    return None if top == _NO_PARENT else top
 
 
 class KvSink(Protocol):
@@ -85,7 +99,8 @@ class BlockManager:
     ) -> None:
         """Events go to ``sink`` if given (no metadata, no dumps), else to ``emit`` as EventData."""
         # Every cached full block: sequence hash -> (parent hash | None, tokens hash); None with a sink.
-        self._meta: dict[int, tuple[int | None, int]] | None = {} if sink is None else None
+        # block hash -> packed (parent, tokens hash), see _pack_meta; None with a sink
+        self._meta: dict[int, int] | None = {} if sink is None else None
         if sink is None:
             if emit is None:
                 raise ValueError("BlockManager needs an emit callback or a sink")
@@ -169,7 +184,8 @@ class BlockManager:
             parent = hashes[a - 1] if a else None
             active.update(dict.fromkeys(blocks, 1))
             if meta is not None:
-                meta.update(zip(blocks, zip([parent, *blocks[:-1]], tokens, strict=True), strict=True))
+                parents = [_NO_PARENT if parent is None else parent, *blocks[:-1]]
+                meta.update(zip(blocks, map(or_, map(lshift, parents, repeat(64)), tokens), strict=True))
             self._stored(parent, blocks, tokens)
 
     def _take(self, hashes: Sequence[int], lo: int, hi: int, runs: list[tuple[int, int]] | None) -> int:
@@ -221,7 +237,7 @@ class BlockManager:
         else:
             self.active[block_hash] = 1
             if self._meta is not None:
-                self._meta[block_hash] = (parent, tokens_hash)
+                self._meta[block_hash] = (_NO_PARENT if parent is None else parent) << 64 | tokens_hash
             self._stored(parent, (block_hash,), (tokens_hash,))
 
     def deref(self, keys: Sequence[int]) -> None:
@@ -290,26 +306,27 @@ class BlockManager:
         meta = self._require_meta("dump")
         children: dict[int, list[int]] = {}
         roots: list[int] = []
-        for h, (parent, _) in meta.items():
+        for h, packed in meta.items():
+            parent = _parent_of(packed)
             if parent is not None and parent in meta:
                 children.setdefault(parent, []).append(h)
             else:
                 roots.append(h)  # a sequence start (or, never in practice, a block whose parent left)
         out: list[BlocksStored] = []
-        stack = [(meta[h][0], h) for h in reversed(roots)]
+        stack = [(_parent_of(meta[h]), h) for h in reversed(roots)]
         while stack:
             parent, h = stack.pop()
             chain = [h]
             while len(kids := children.get(h, _NO_CHILDREN)) == 1:
                 h = kids[0]
                 chain.append(h)
-            out.append(BlocksStored(parent, tuple(StoredBlock(b, meta[b][1]) for b in chain)))
+            out.append(BlocksStored(parent, tuple(StoredBlock(b, meta[b] & _U64) for b in chain)))
             stack.extend((h, kid) for kid in reversed(children.get(h, _NO_CHILDREN)))
         return out
 
     # ----------------------------------------------------------------------------------------- helpers
 
-    def _require_meta(self, what: str) -> dict[int, tuple[int | None, int]]:
+    def _require_meta(self, what: str) -> dict[int, int]:
         if self._meta is None:
             raise RuntimeError(f"{what} needs block metadata, which a block manager with a KvSink does not keep")
         return self._meta
