@@ -290,6 +290,49 @@ def test_prefill_fraction_threshold_uses_max_num_batched_tokens():
     assert adm.is_busy(A_)
 
 
+@pytest.mark.parametrize(
+    "thresholds",
+    [
+        BusyThresholds(kv_usage_frac=0.95, requests_frac=1.0),  # the router's defaults
+        BusyThresholds(active_prefill_tokens=6, active_prefill_tokens_frac=0.5, prefill_backlog_tokens=4),
+        BusyThresholds(kv_usage_frac=0.3),
+        BusyThresholds(requests_frac=0.0),  # fires on idle engines too: every engine is checked
+        BusyThresholds(active_prefill_tokens=-1),
+    ],
+)
+def test_the_busy_filter_checks_only_engines_that_can_be_busy_and_agrees_with_checking_all(thresholds):
+    """Only booked engines and engines reporting KV in use are checked; the answer is the full scan's."""
+    rng = random.Random(7)
+    engines = list(range(1, 41))
+    adm = make(engines=(), thresholds=thresholds)
+    for e in engines:
+        limit = rng.choice([None, 0, 1, 2, 3])  # 0: an engine that holds no request at all
+        adm.add_engine(EngineSpec(e, total_blocks=12, block_size=BS, max_requests=limit, max_num_batched_tokens=16))
+    names = list(LOCAL)
+    live: list[str] = []
+    for step in range(300):
+        roll = rng.random()
+        if roll < 0.45:
+            rid = f"r{step}"
+            prompt = rng.sample(names, rng.randint(1, 5))
+            result = adm.decide(request(rid, *prompt, allowed_engines=rng.sample(engines, 10)), float(step))
+            if isinstance(result, Decision):
+                live.append(rid)
+        elif roll < 0.65 and live:
+            adm.free(live.pop(rng.randrange(len(live))))
+        elif roll < 0.75 and live:
+            adm.mark_prefill_completed(rng.choice(live))
+        elif roll < 0.95:
+            adm.report_kv_usage(rng.choice(engines), rng.choice([None, 0, 0, 3, 11]))
+        else:
+            gone = rng.choice(adm.engines())
+            adm.remove_engine(gone)
+            live = [rid for rid in live if adm.slots.has_request(rid)]
+            adm.add_engine(EngineSpec(gone, total_blocks=12, block_size=BS, max_requests=2))
+        eligible = adm.engines()
+        assert list(adm.available(eligible)) == [e for e in eligible if not adm.is_busy(e)]
+
+
 def test_no_engines_and_engine_removal():
     adm = make(engines=())
     rej = adm.decide(request("r", "A"), 0.0)

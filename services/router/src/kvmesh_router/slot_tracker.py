@@ -221,6 +221,10 @@ class SlotTracker:
 
     # ------------------------------------------------------------------ queries
 
+    def booked_engines(self) -> set[int]:
+        """Engines holding at least one booking (a new set; O(bookings), not O(engines))."""
+        return {b.engine_id for b in self._bookings.values()}
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._bookings
 
