@@ -73,7 +73,7 @@ class Disaggregator:
         self,
         engines: EngineStreams,
         policy: DisaggPolicy,
-        model_roles: Callable[[str], set[int]],
+        model_roles: Callable[[str], frozenset[int]],
     ) -> None:
         self._engines = engines
         self.policy = policy

@@ -93,7 +93,7 @@ class Generator:
         no_engine_grace: float = 2.0,
         address_live: Callable[[str], bool] = lambda _address: True,
         disagg_policy: DisaggPolicy | None = None,
-        model_roles: Callable[[str], set[int]] = lambda _model: set(),
+        model_roles: Callable[[str], frozenset[int]] = lambda _model: frozenset(),
         engine_addresses: Callable[[str], Mapping[int, str]] = lambda _model: {},
         down_s: float = 11.0,
         departed_engines: Callable[[str], Sequence[int]] = lambda _model: (),

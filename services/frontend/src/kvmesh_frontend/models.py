@@ -66,6 +66,9 @@ class ModelEntry:
     # Requests the serving engines hold at most: running plus waiting; 0 = no bound (an engine with an
     # unbounded queue, or a card without the field). The frontend's admission bound derives from it.
     capacity: int = 0
+    # Worker roles (``discovery_pb2.WorkerRole``) of the live engines: asked on every request, kept here
+    # so that the question does not cost a pass over a thousand cards each time.
+    roles: frozenset[int] = frozenset()
 
     @property
     def live(self) -> bool:
@@ -82,6 +85,7 @@ class ModelEntry:
         serving = [c for c in cards if c.role != discovery_pb2.WORKER_ROLE_PREFILL] or cards
         unbounded = not serving or any(c.max_waiting_requests == 0 for c in serving)
         self.capacity = 0 if unbounded else sum(c.max_num_seqs + c.max_waiting_requests for c in serving)
+        self.roles = frozenset(c.role for c in cards)
         if not cards:
             return
         self.block_size = cards[-1].block_size
@@ -219,10 +223,10 @@ class ModelRegistry:
             return pinned in entry.cards and pinned not in excluded
         return any(engine not in excluded for engine in entry.cards)
 
-    def roles(self, name: str) -> set[int]:
+    def roles(self, name: str) -> frozenset[int]:
         """Worker roles (``discovery_pb2.WorkerRole``) of the model's live engines."""
         entry = self._models.get(name)
-        return {card.role for card in entry.cards.values()} if entry else set()
+        return entry.roles if entry else frozenset()
 
     def engine_addresses(self, name: str) -> dict[int, str]:
         """``{engine id: worker address}`` of model ``name`` (to exclude every engine of a dead worker)."""
