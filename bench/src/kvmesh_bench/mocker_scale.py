@@ -87,6 +87,8 @@ class Result:
     runq_wait_pct: float  # time the loop thread was runnable but not running / wall time
     gc_full: int  # full (generation 2) collections during the load
     gc_max_pause_ms: float
+    gc_young: int  # generation 0 and 1 collections during the load (each stalls every engine in the loop)
+    gc_young_ms: float  # their pauses, summed
     load_cpu_pct: float  # process CPU time / wall time under load, in %
     cpu_us_per_pass: float
 
@@ -269,7 +271,9 @@ async def _measure(n: int, args: argparse.Namespace) -> Result:
     wall = np.asarray(probe.wall)
     drift = np.abs(wall / modelled - 1.0) if modelled.size else np.asarray([])
     delayed = np.asarray(probe.delayed, dtype=bool)
-    full = [(t0_, t1_) for gen, t0_, t1_ in gc_pauses.pauses if gen == 2 and t0_ >= probe.measure_from]
+    measured_gc = [(gen, t0_, t1_) for gen, t0_, t1_ in gc_pauses.pauses if t0_ >= probe.measure_from]
+    full = [(t0_, t1_) for gen, t0_, t1_ in measured_gc if gen == 2]
+    young = [t1_ - t0_ for gen, t0_, t1_ in measured_gc if gen < 2]
     return Result(
         engines=n,
         idle_cpu_pct=100.0 * idle_cpu,
@@ -290,6 +294,8 @@ async def _measure(n: int, args: argparse.Namespace) -> Result:
         runq_wait_pct=100.0 * runq_wait / load_wall,
         gc_full=len(full),
         gc_max_pause_ms=1000.0 * max((b - a for a, b in full), default=0.0),
+        gc_young=len(young),
+        gc_young_ms=1000.0 * sum(young),
         load_cpu_pct=100.0 * load_cpu / load_wall,
         cpu_us_per_pass=1e6 * load_cpu / passes if passes else math.nan,
     )
@@ -310,6 +316,7 @@ _COLUMNS = (
     ("runq wait", 9, lambda r: f"{r.runq_wait_pct:.1f}%"),
     ("floor p99", 9, lambda r: f"{r.floor_p99_pct:.1f}%"),
     ("full GC", 12, lambda r: f"{r.gc_full} ({r.gc_max_pause_ms:.0f}ms)"),
+    ("young GC", 12, lambda r: f"{r.gc_young} ({r.gc_young_ms:.0f}ms)"),
     ("load CPU", 8, lambda r: f"{r.load_cpu_pct:.1f}%"),
     ("CPU/pass", 8, lambda r: f"{r.cpu_us_per_pass:.0f}us"),
 )
@@ -329,7 +336,8 @@ drift = wall / modelled - 1 per pass (wall between delivery points, modelled = p
 p50/p99 of |drift|, mean signed. p99 no-OS: over the passes during which the loop thread did not wait
 for a CPU (OS-delayed: waited > 2 % of the pass); runq wait: share of the time it waited for a CPU;
 floor p99: a plain time.sleep() of the median pass on this machine in the same run. idle wk/s:
-wakeups of the loop thread per second with every engine idle."""
+wakeups of the loop thread per second with every engine idle. full GC: count (longest pause); young
+GC: generation 0-1 collections (their pauses summed), all while the load was measured."""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
