@@ -402,7 +402,7 @@ class _Scanner:
         return out
 
     def _list(self, d: str) -> tuple[list[str], list[str]]:
-        """List ``d`` (not settled): its readable record paths, refreshed in the file cache, and its subdirectories."""
+        """List ``d`` (not settled): its record paths, each refreshed in the file cache, and its subdirectories."""
         try:
             entries = list(os.scandir(d))
         except (FileNotFoundError, NotADirectoryError):
