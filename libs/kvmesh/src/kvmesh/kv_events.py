@@ -40,6 +40,29 @@ class AllCleared:
 
 EventData = BlocksStored | BlocksRemoved | AllCleared
 
+# A cached block's (parent, tokens hash) as one int, ``parent << 64 | tokens_hash``, for the tables that
+# keep one row per block (the router's index, the mocker's block manager). Ints are never tracked by the
+# cyclic GC, whereas a tuple per block is tracked from its creation until a collection has seen it: every
+# block stored would count towards the next young collection and be walked by it.
+U64_MASK = (1 << 64) - 1
+#: The "parent" of a sequence's first block: not a u64, so no block hash equals it (and a store loop
+#: needs no None test per block).
+NO_PARENT = 1 << 64
+
+
+def pack_block_meta(parent_hash: int | None, tokens_hash: int) -> int:
+    return (NO_PARENT if parent_hash is None else parent_hash) << 64 | tokens_hash
+
+
+def parent_of(packed: int) -> int | None:
+    """The parent hash of a :func:`pack_block_meta` row (None at a sequence start)."""
+    top = packed >> 64
+    return None if top == NO_PARENT else top
+
+
+def tokens_hash_of(packed: int) -> int:
+    return packed & U64_MASK
+
 
 @dataclass(frozen=True, slots=True)
 class KvEvent:

@@ -93,7 +93,17 @@ from operator import and_
 from typing import Protocol
 
 import numpy as np
-from kvmesh.kv_events import AllCleared, BlocksRemoved, BlocksStored, EventData, KvEvent, StoredBlock
+from kvmesh.kv_events import (
+    NO_PARENT,
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventData,
+    KvEvent,
+    StoredBlock,
+    parent_of,
+    tokens_hash_of,
+)
 
 __all__ = [
     "DEFAULT_MAX_ENTRIES",
@@ -250,22 +260,6 @@ class EngineSlots:
         return out.copy()
 
 
-_U64 = (1 << 64) - 1
-
-
-#: The "parent" of a sequence's first block in a metadata row: not a u64, so no block hash equals it.
-_NO_PARENT = 1 << 64
-
-
-def _parent_of(packed: int) -> int | None:
-    """Metadata rows are ints, ``parent << 64 | tokens_hash`` (parent None -> :data:`_NO_PARENT`): unlike
-    tuples, ints are not tracked by the cyclic GC, so a dict of them is never traversed (a tuple-valued dict
-    of a million blocks is re-tracked by every insert and costs the next young collection tens of
-    milliseconds). The sentinel spares the store loop a None test and an addition per block."""
-    top = packed >> 64
-    return None if top == _NO_PARENT else top
-
-
 #: Masks with more set bits than this are decoded with numpy (measured break-even is around 20-30).
 _DENSE_DECODE_MIN_BITS = 32
 _DECODE_CACHE_SIZE = 64
@@ -371,8 +365,8 @@ class KvIndexer:
         # Recency is maintained only from this size on (never when uncapped).
         self._track_from: float = max_entries * track_ratio if max_entries is not None else float("inf")
         self._holders: dict[int, int] = {}  # seq hash -> engine bitmask (never 0)
-        # seq hash -> packed (parent hash, tokens hash), see _pack. Its insertion order is the recency order
-        # (oldest first): a touch re-inserts the key (a plain dict is half the memory of an OrderedDict).
+        # seq hash -> kvmesh.kv_events.pack_block_meta(parent hash, tokens hash). Its insertion order is the
+        # recency order (oldest first): a touch re-inserts the key (a plain dict is half the memory of an OrderedDict).
         self._meta: dict[int, int] = {}  # stays empty with dumps=False
         self._dumps = dumps
         self._slots = EngineSlots()
@@ -443,7 +437,7 @@ class KvIndexer:
             return ApplyError.PARENT_NOT_FOUND
         meta = self._meta
         tracking = self._size >= self._track_from
-        prev = _NO_PARENT if parent_hash is None else parent_hash
+        prev = NO_PARENT if parent_hash is None else parent_hash
         # added = blocks new to the fleet (the growth of holders) + blocks other engines already held
         fleet_before = len(holders)
         shared = 0
@@ -495,7 +489,7 @@ class KvIndexer:
         meta = self._meta
         dumps = self._dumps
         tracking = self._size >= self._track_from
-        prev = _NO_PARENT if parent_hash is None else parent_hash
+        prev = NO_PARENT if parent_hash is None else parent_hash
         fleet_before = len(holders)  # see store
         shared = 0
         error: ApplyError | None = None
@@ -693,7 +687,7 @@ class KvIndexer:
         roots: list[int] = []
         children: dict[int, list[int]] = {}
         for h in own:
-            parent = _parent_of(meta[h])
+            parent = parent_of(meta[h])
             if parent is None:
                 roots.append(h)
             elif parent in own:
@@ -707,7 +701,7 @@ class KvIndexer:
             parent, h = stack.pop()
             run: list[StoredBlock] = []
             while True:
-                run.append(StoredBlock(h, meta[h] & _U64))
+                run.append(StoredBlock(h, tokens_hash_of(meta[h])))
                 next_kids = children.get(h)
                 if not next_kids:
                     break

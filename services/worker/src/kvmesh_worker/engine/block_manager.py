@@ -36,23 +36,21 @@ from itertools import repeat
 from operator import lshift, or_
 from typing import Protocol
 
-from kvmesh.kv_events import AllCleared, BlocksRemoved, BlocksStored, EventData, StoredBlock
+from kvmesh.kv_events import (
+    NO_PARENT,
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    EventData,
+    StoredBlock,
+    pack_block_meta,
+    parent_of,
+    tokens_hash_of,
+)
 
 from .evictor import LRUEvictor
 
 _NO_CHILDREN: tuple[int, ...] = ()  # typed so that ``children.get(h, _NO_CHILDREN)[0]`` is an int
-
-# A cached block's metadata is one int, ``parent << 64 | tokens_hash`` (parent None -> _NO_PARENT, not
-# a u64): a tuple per block would be tracked by the cyclic GC from its creation until a collection
-# untracks it, so every block stored would count towards the next young collection, whose pause, in a
-# worker hosting a thousand engines, delays every engine in the loop. Ints are never tracked.
-_U64 = (1 << 64) - 1
-_NO_PARENT = 1 << 64
-
-
-def _parent_of(packed: int) -> int | None:
-    top = packed >> 64
-    return None if top == _NO_PARENT else top
 
 
 class KvSink(Protocol):
@@ -98,8 +96,7 @@ class BlockManager:
         self, num_blocks: int, emit: Callable[[EventData], object] | None = None, sink: KvSink | None = None
     ) -> None:
         """Events go to ``sink`` if given (no metadata, no dumps), else to ``emit`` as EventData."""
-        # Every cached full block: sequence hash -> (parent hash | None, tokens hash); None with a sink.
-        # block hash -> packed (parent, tokens hash), see _pack_meta; None with a sink
+        # Every cached full block: sequence hash -> pack_block_meta(parent, tokens hash); None with a sink.
         self._meta: dict[int, int] | None = {} if sink is None else None
         if sink is None:
             if emit is None:
@@ -184,7 +181,7 @@ class BlockManager:
             parent = hashes[a - 1] if a else None
             active.update(dict.fromkeys(blocks, 1))
             if meta is not None:
-                parents = [_NO_PARENT if parent is None else parent, *blocks[:-1]]
+                parents = [NO_PARENT if parent is None else parent, *blocks[:-1]]
                 meta.update(zip(blocks, map(or_, map(lshift, parents, repeat(64)), tokens), strict=True))
             self._stored(parent, blocks, tokens)
 
@@ -237,7 +234,7 @@ class BlockManager:
         else:
             self.active[block_hash] = 1
             if self._meta is not None:
-                self._meta[block_hash] = (_NO_PARENT if parent is None else parent) << 64 | tokens_hash
+                self._meta[block_hash] = pack_block_meta(parent, tokens_hash)
             self._stored(parent, (block_hash,), (tokens_hash,))
 
     def deref(self, keys: Sequence[int]) -> None:
@@ -307,20 +304,20 @@ class BlockManager:
         children: dict[int, list[int]] = {}
         roots: list[int] = []
         for h, packed in meta.items():
-            parent = _parent_of(packed)
+            parent = parent_of(packed)
             if parent is not None and parent in meta:
                 children.setdefault(parent, []).append(h)
             else:
                 roots.append(h)  # a sequence start (or, never in practice, a block whose parent left)
         out: list[BlocksStored] = []
-        stack = [(_parent_of(meta[h]), h) for h in reversed(roots)]
+        stack = [(parent_of(meta[h]), h) for h in reversed(roots)]
         while stack:
             parent, h = stack.pop()
             chain = [h]
             while len(kids := children.get(h, _NO_CHILDREN)) == 1:
                 h = kids[0]
                 chain.append(h)
-            out.append(BlocksStored(parent, tuple(StoredBlock(b, meta[b] & _U64) for b in chain)))
+            out.append(BlocksStored(parent, tuple(StoredBlock(b, tokens_hash_of(meta[b])) for b in chain)))
             stack.extend((h, kid) for kid in reversed(children.get(h, _NO_CHILDREN)))
         return out
 
