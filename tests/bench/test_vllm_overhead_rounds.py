@@ -1,13 +1,17 @@
 """``kvmesh bench vllm-overhead --rounds N``: how several direct/mesh pairs of one run are summarized.
 
 The pairs themselves need vLLM (``tests/vllm``); what is checked here is the arithmetic a reader
-relies on: each round's ratio is taken within the round, and the report gives their median.
+relies on (each round's ratio is taken within the round, and the report gives their median) and
+that both modes are asked for the same work.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
-from kvmesh_bench.vllm_overhead import build_parser, compare, summarize_rounds
+from kvmesh_bench.replay.live import build_infer_request
+from kvmesh_bench.vllm_overhead import ask_for_outputs, build_parser, compare, summarize_rounds
+from kvmesh_frontend.llm_request import LlmRequest, parse_llm_request
 
 
 def _mode(tok_s: float, ttft_p50_ms: float) -> dict[str, float]:
@@ -42,3 +46,20 @@ def test_rounds_must_be_at_least_one(capsys: pytest.CaptureFixture[str]) -> None
         build_parser().parse_args(["--rounds", "0"])
     assert exit_.value.code == 2
     assert "--rounds: must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_mesh_is_asked_for_token_ids_as_the_direct_run_gets_them_unless_text_is_chosen() -> None:
+    """The direct run does not detokenize; by default neither does the mesh (the frontend's own parser
+    decides what a response carries), and ``--mesh-output text`` asks for KServe's default text."""
+
+    def parsed(mesh_output: str) -> LlmRequest:
+        request = build_infer_request("r1", np.arange(1, 17), 8, "tiny-llama")
+        ask_for_outputs(request, mesh_output)
+        return parse_llm_request(request)
+
+    ids = parsed("ids")
+    assert ids.wants("output_ids") and ids.wants("num_output_tokens")
+    assert not ids.wants("text_output")
+    text = parsed("text")
+    assert text.wants("text_output") and not text.wants("output_ids")
+    assert build_parser().parse_args([]).mesh_output == "ids"

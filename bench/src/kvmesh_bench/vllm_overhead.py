@@ -8,7 +8,10 @@ Same requests (seeded random token ids), same engine arguments, same machine, on
    ``--concurrency`` closed-loop clients; TTFT = ``generate`` called → first delta;
 2. **mesh**: ``kvmesh-worker --engine vllm`` + ``kvmesh-router`` + ``kvmesh-frontend`` (file
    discovery), the same closed loop over one KServe ``ModelStreamInfer`` (input_ids, stream=true),
-   as tritonclient's ``start_stream`` does; TTFT = request written → first streamed response.
+   as tritonclient's ``start_stream`` does; TTFT = request written → first streamed response. The
+   requests name ``output_ids`` as their output (``--mesh-output ids``), so the mesh, like the direct
+   run, returns token ids and detokenizes nothing; ``--mesh-output text`` adds the frontend's
+   detokenization (KServe's default ``text_output``), which the direct run does not do.
 
 In both modes, once the engine is up, the processes other than vLLM's model runner (this one, the
 engine's scheduler, the mesh's daemons) move off the model's cores, as ``kvmesh up`` does
@@ -36,13 +39,16 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from kvmesh_cli.vllm_cores import confine, keep_off_model_cores
 
 from kvmesh_bench.argtypes import positive_int
 from kvmesh_bench.tables import format_table
+
+if TYPE_CHECKING:
+    from inference import grpc_service_pb2 as kserve
 
 ALL_CORES = frozenset(os.sched_getaffinity(0))  # as this process started
 TINY_LLAMA = Path(__file__).resolve().parents[3] / "services/worker/src/kvmesh_worker/models/tiny-llama"
@@ -153,6 +159,19 @@ def _spawn(name: str, argv: list[str], log_dir: Path) -> subprocess.Popen[bytes]
     )
 
 
+def ask_for_outputs(request: kserve.ModelInferRequest, mesh_output: str) -> None:
+    """``ids``: name ``output_ids`` and ``num_output_tokens`` as the request's outputs, so the frontend
+    returns token ids and detokenizes nothing, as the direct run does (``detokenize=False``); ``text``:
+    leave the outputs unnamed, so the frontend also detokenizes every token into ``text_output`` (its
+    KServe default), work the direct run does not do."""
+    if mesh_output == "text":
+        return
+    request.inputs.add(name="return_output_ids", datatype="BOOL", shape=[1])
+    request.raw_input_contents.append(b"\x01")
+    for name in ("output_ids", "num_output_tokens"):
+        request.outputs.add(name=name)
+
+
 async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     import grpc
     from inference import grpc_service_pb2_grpc as kserve_grpc
@@ -239,8 +258,10 @@ async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
             rid = uuid.uuid4().hex
             queue = waiting[rid] = asyncio.Queue()
             start = time.monotonic()
+            request = build_infer_request(rid, np.asarray(prompt), args.osl, model)
+            ask_for_outputs(request, args.mesh_output)
             async with write_lock:
-                await shared.write(build_infer_request(rid, np.asarray(prompt), args.osl, model))
+                await shared.write(request)
             first = None
             n = 0
             while (got := await queue.get()) != -1:
@@ -282,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--share-model-cores",
         action="store_true",
         help="leave every process on every core (default: off the model's cores once the engine is up)",
+    )
+    p.add_argument(
+        "--mesh-output",
+        choices=("ids", "text"),
+        default="ids",
+        help="ids (default): the mesh returns token ids, as the direct run does; text: it also detokenizes",
     )
     p.add_argument("--rounds", type=positive_int, default=1, help="direct/mesh pairs to measure (medians reported)")
     p.add_argument("--json", metavar="PATH")
@@ -341,5 +368,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f"; medians of {len(rounds)} rounds" if len(rounds) > 1 else "")
     )
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        Path(args.json).write_text(json.dumps({**summary, "mesh_output": args.mesh_output}, indent=1))
     return 0
