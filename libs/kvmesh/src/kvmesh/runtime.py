@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import inspect
 import logging
 import os
@@ -153,6 +154,21 @@ def run_daemon(prog: str, settings: _S, serve: Callable[[_S], Coroutine[Any, Any
         if not DaemonRuntime.stop_signalled:
             raise
         return 0  # stopped by SIGTERM/SIGINT during start-up, after a clean unwind (see DaemonRuntime)
+    finally:
+        release_grpc_objects()
+
+
+def release_grpc_objects() -> None:
+    """Free the stopped daemon's objects, gRPC's among them, before the interpreter's exit hooks run.
+
+    With TLS on, gRPC core's exit hook waits up to 2 s for every gRPC object to be released
+    (``grpc_wait_for_shutdown_with_timeout``). A daemon's server, servicers and channels form reference
+    cycles, and the worker and router freeze their start-up objects out of the cyclic GC
+    (``gc.freeze``), so nothing frees them before that hook: every TLS daemon took 2 s more to exit
+    after its drain. Unfrozen and collected here, they are gone when the hook runs.
+    """
+    gc.unfreeze()
+    gc.collect()
 
 
 class DaemonRuntime:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -145,17 +146,17 @@ class PassClock:
         self.wall = wall_s
 
 
-_CLOCKS: dict[int, tuple[Engine, PassClock]] = {}
+# Weak: the engines are the daemon's, and a process-wide table must not keep them (and through their
+# observers the whole daemon, gRPC server included) alive after the daemon has stopped.
+_CLOCKS: weakref.WeakKeyDictionary[Engine, PassClock] = weakref.WeakKeyDictionary()
 
 
 def pass_clock(engine: Engine) -> PassClock:
     """The engine's PassClock, registered as its observer on first use."""
-    found = _CLOCKS.get(id(engine))
-    if found is not None and found[0] is engine:
-        return found[1]
-    clock = PassClock()
-    engine.add_observer(clock)
-    _CLOCKS[id(engine)] = (engine, clock)
+    clock = _CLOCKS.get(engine)
+    if clock is None:
+        clock = _CLOCKS[engine] = PassClock()
+        engine.add_observer(clock)
     return clock
 
 

@@ -103,7 +103,7 @@ async def serve(cfg: Settings) -> int:
             worker_pb2_grpc.add_WorkerServiceServicer_to_server,
             servicer,
         )
-        EngineCollector.register(runners, model.name)
+        runtime.resources.callback(EngineCollector.register(runners, model.name).unregister)
         await runtime.start(cfg.grpc_port)
         for runner in runners:
             runner.start()

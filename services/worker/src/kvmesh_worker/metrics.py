@@ -56,6 +56,11 @@ class EngineCollector(Collector):
         REGISTRY.register(collector)
         return collector
 
+    def unregister(self) -> None:
+        """Leave the process-wide registry: it would otherwise keep the engines, and through them the
+        whole daemon, alive to the end of the process."""
+        REGISTRY.unregister(self)
+
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         loads = [(f"{e.engine_id:x}", e.load(), e) for e in self.engines]
         yield from self._gauges(loads, self.model)
