@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 GRPC_API_TRACE = {"GRPC_VERBOSITY": "debug", "GRPC_TRACE": "api"}
 
 
-def test_worker_router_and_frontend_release_every_grpc_object_before_exiting(pki: Path, tmp_path: Path) -> None:
+def test_every_daemon_releases_every_grpc_object_before_exiting(pki: Path, tmp_path: Path) -> None:
     mesh = TlsMesh(tmp_path, f"file://{tmp_path / 'discovery'}", f"x{uuid.uuid4().hex[:8]}", certs=pki)
     try:
         worker = mesh.wait_serving(
@@ -31,12 +31,13 @@ def test_worker_router_and_frontend_release_every_grpc_object_before_exiting(pki
         )
         router = mesh.wait_serving(mesh.start("kvmesh-router", "router", env=GRPC_API_TRACE))
         frontend = mesh.wait_serving(mesh.start("kvmesh-frontend", "frontend", env=GRPC_API_TRACE))
+        planner = mesh.wait_serving(mesh.start("kvmesh-planner", "planner", env=GRPC_API_TRACE))
         # One request, so that every daemon has opened its client channels too (router session, engine stream).
         with channel(frontend.address, pki, role=None) as ch:
             request = build_infer_request("r1", np.arange(1, 40), 4, "kvmesh-mock")
             replies = list(kserve_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(iter([request]), timeout=30))
         assert replies and not any(r.error_message for r in replies)
-        for daemon in (frontend, router, worker):
+        for daemon in (planner, frontend, router, worker):
             daemon.close()
             assert daemon.proc.returncode == 0
             log = daemon.log_text()
