@@ -26,15 +26,30 @@ def test_microbench_runs_and_writes_json(tmp_path, capsys):
     _tiny_trace(trace)
     out = tmp_path / "figures.json"
     argv = ["--trace", str(trace), "--engines", "2,5", "--block-size", "16", "--engine-capacity-blocks", "12"]
-    rc = main([*argv, "--concurrency", "4", "--repeat", "1", "--no-memory", "--json", str(out)])
+    rc = main([*argv, "--concurrency", "4", "--repeat", "1", "--no-memory", "--busy-thresholds", "off",
+               "--json", str(out)])  # fmt: skip
     assert rc == 0
     table = capsys.readouterr().out
     assert "events/s" in table and "decide p99" in table
     figures = json.loads(out.read_text())
     assert [r["engines"] for r in figures["results"]] == [2, 5]
     for r in figures["results"]:
-        assert r["requests"] == 60 and r["events"] > 0 and r["blocks_removed"] > 0  # the small caches evicted
+        assert r["requests"] == 60 and r["rejected"] == 0
+        assert r["events"] > 0 and r["blocks_removed"] > 0  # the small caches evicted
         assert 0.0 < r["prefix_hit_ratio"] < 1.0
+
+
+def test_microbench_decides_with_the_daemons_busy_thresholds_by_default(tmp_path, capsys):
+    """With the router daemon's defaults, engines of 12 blocks are soon over 95 % KV booked: as the daemon
+    would, the bench rejects the requests every engine is busy for, and counts them."""
+    trace = tmp_path / "trace.jsonl"
+    _tiny_trace(trace)
+    out = tmp_path / "figures.json"
+    argv = ["--trace", str(trace), "--engines", "2", "--block-size", "16", "--engine-capacity-blocks", "12"]
+    assert main([*argv, "--concurrency", "4", "--repeat", "1", "--no-memory", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["rejected"] > 0 and r["requests"] + r["rejected"] == 60
+    assert "rejected" in capsys.readouterr().out
 
 
 def test_microbench_rejects_bad_fleet_sizes(tmp_path, capsys):
@@ -62,7 +77,7 @@ def test_the_dynamo_comparison_shows_the_ratios_and_what_dynamos_thread_hand_off
                   events_per_s=100_000.0, find_matches_per_s=200_000.0, find_p50_us=1.7, find_p99_us=21.0,
                   indexer_ops_per_s=150_000.0, decide_p50_us=460.0, decide_p99_us=550.0, decide_raw_p99_us=600.0,
                   decide_max_us=900.0, index_entries=73526, index_blocks=73526, bytes_per_entry=0.0,
-                  prefix_hit_ratio=0.28, decision_quality=1.0)  # fmt: skip
+                  prefix_hit_ratio=0.28, decision_quality=1.0, rejected=0)  # fmt: skip
     dynamo = {"events_per_s": 25_000.0, "find_matches_per_s": 26_000.0, "find_p50_us": 48.0, "find_p99_us": 55.0,
               "events_refused": 0, "kernel_cpu_share": 0.61, "context_switches_per_call": 2.0}  # fmt: skip
     report = format_baseline([(ours, dynamo)])

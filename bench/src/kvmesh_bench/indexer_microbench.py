@@ -61,9 +61,10 @@ from typing import Any
 
 from kvmesh.hashing import chain_hash, sequence_hashes
 from kvmesh.kv_events import BlocksRemoved, BlocksStored, EventData, StoredBlock
-from kvmesh_router.admission import Admission, Decision, EngineSpec, RouteRequest
+from kvmesh_router.admission import Admission, BusyThresholds, Decision, EngineSpec, RouteRequest
 from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
+from kvmesh_router.settings import RouterSettings
 from kvmesh_router.slot_tracker import SlotTracker
 
 from kvmesh_bench.argtypes import fleet_sizes
@@ -99,6 +100,7 @@ class Result:
     bytes_per_entry: float
     prefix_hit_ratio: float
     decision_quality: float
+    rejected: int
 
 
 @dataclass
@@ -111,6 +113,7 @@ class Workload:
     total_blocks: int
     quality_sum: float
     decisions: int
+    rejected: int
 
 
 def trace_requests(path: Path, max_requests: int | None, block_size: int) -> list[tuple[float, int, list[int]]]:
@@ -161,6 +164,18 @@ class SimEngine:
         return events
 
 
+def daemon_thresholds() -> BusyThresholds:
+    """The router daemon's default busy thresholds, so that ``decide`` times the daemon's decision path."""
+    f = RouterSettings.model_fields
+    return BusyThresholds(
+        f["busy_prefill_tokens"].default,
+        f["busy_prefill_frac"].default,
+        f["busy_kv_usage"].default,
+        f["prefill_backlog_tokens"].default,
+        f["busy_requests"].default,
+    )
+
+
 def live_replay(
     requests: list[tuple[float, int, list[int]]],
     n_engines: int,
@@ -170,10 +185,14 @@ def live_replay(
     prefill_lag: int,
     block_size: int,
     seed: int,
+    thresholds: BusyThresholds | None = None,
 ) -> Workload:
+    """A request every engine is busy for (by ``thresholds``) is rejected, as the daemon rejects it, and skipped."""
     index = KvIndexer(max_entries=None)
     slots = SlotTracker(block_size)
-    admission = Admission(index, slots, config=RouterPolicyConfig(mode=policy), rng=random.Random(seed))
+    admission = Admission(
+        index, slots, config=RouterPolicyConfig(mode=policy), thresholds=thresholds, rng=random.Random(seed)
+    )
     engine_ids = [(i * 0x9E3779B97F4A7C15) & 0x7FFF_FFFF_FFFF_FFFF for i in range(1, n_engines + 1)]
     engines = {}
     for e in engine_ids:
@@ -182,7 +201,7 @@ def live_replay(
     ops: list[Op] = []
     decide_ns: list[int] = []
     active: deque[str] = deque()
-    hit = total = 0
+    hit = total = rejected = 0
     quality = 0.0
     clock = time.perf_counter_ns
     for i, (now, isl, seq) in enumerate(requests):
@@ -192,7 +211,9 @@ def live_replay(
         t0 = clock()
         decision = admission.decide(req, now)
         decide_ns.append(clock() - t0)
-        assert isinstance(decision, Decision)
+        if not isinstance(decision, Decision):
+            rejected += 1
+            continue
         hit += decision.overlap_blocks
         total += len(seq)
         quality += decision.quality
@@ -204,7 +225,7 @@ def live_replay(
             admission.mark_prefill_completed(active[-1 - prefill_lag])
         if len(active) > concurrency:
             admission.free(active.popleft())
-    return Workload(ops, decide_ns, hit, total, quality, len(requests))
+    return Workload(ops, decide_ns, hit, total, quality, len(requests) - rejected, rejected)
 
 
 def replay_indexer(
@@ -299,18 +320,19 @@ def run_one(
     dynamo: str | None = None,
     baseline_out: list[dict[str, float]] | None = None,
 ) -> Result:
+    thresholds = daemon_thresholds() if args.busy_thresholds == "daemon" else None
     gc.collect()
     gc.freeze()  # the trace and everything built so far: not the indexer's garbage to scan
     try:
         work = live_replay(
             requests, n_engines, args.policy, args.engine_capacity_blocks, args.concurrency, args.prefill_lag,
-            args.block_size, args.seed,
+            args.block_size, args.seed, thresholds,
         )  # fmt: skip
         raw_decide = sorted(work.decide_ns)
         for _ in range(args.repeat - 1):
             again = live_replay(
                 requests, n_engines, args.policy, args.engine_capacity_blocks, args.concurrency, args.prefill_lag,
-                args.block_size, args.seed,
+                args.block_size, args.seed, thresholds,
             )  # fmt: skip
             work.decide_ns = list(map(min, work.decide_ns, again.decide_ns))
             del again
@@ -356,6 +378,7 @@ def run_one(
         bytes_per_entry=per_entry,
         prefix_hit_ratio=work.hit_blocks / work.total_blocks if work.total_blocks else 0.0,
         decision_quality=work.quality_sum / work.decisions if work.decisions else 0.0,
+        rejected=work.rejected,
         **figures,
     )
 
@@ -375,6 +398,7 @@ _COLUMNS = [
     ("index_entries", "entries", "{:d}"),
     ("bytes_per_entry", "B/entry", "{:.0f}"),
     ("prefix_hit_ratio", "hit", "{:.3f}"),
+    ("rejected", "rejected", "{:d}"),
 ]
 
 
@@ -552,6 +576,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="routing mode for the live replay (default: %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--busy-thresholds",
+        choices=("daemon", "off"),
+        default="daemon",
+        help="the router daemon's default busy thresholds (requests every engine is busy for are rejected and "
+        "counted), or none (default: %(default)s)",
+    )
     p.add_argument("--repeat", type=int, default=3, help="replays per figure, fastest kept (default: %(default)s)")
     p.add_argument(
         "--throughput-clock",
