@@ -164,18 +164,6 @@ class SimEngine:
         return events
 
 
-def daemon_thresholds() -> BusyThresholds:
-    """The router daemon's default busy thresholds, so that ``decide`` times the daemon's decision path."""
-    f = RouterSettings.model_fields
-    return BusyThresholds(
-        f["busy_prefill_tokens"].default,
-        f["busy_prefill_frac"].default,
-        f["busy_kv_usage"].default,
-        f["prefill_backlog_tokens"].default,
-        f["busy_requests"].default,
-    )
-
-
 def live_replay(
     requests: list[tuple[float, int, list[int]]],
     n_engines: int,
@@ -320,7 +308,7 @@ def run_one(
     dynamo: str | None = None,
     baseline_out: list[dict[str, float]] | None = None,
 ) -> Result:
-    thresholds = daemon_thresholds() if args.busy_thresholds == "daemon" else None
+    thresholds = RouterSettings().busy_thresholds() if args.busy_thresholds == "daemon" else None
     gc.collect()
     gc.freeze()  # the trace and everything built so far: not the indexer's garbage to scan
     try:

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from kvmesh.settings import DaemonSettings, Port, Seconds
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PositiveFloat, PositiveInt
 
+from kvmesh_router.admission import BusyThresholds
 from kvmesh_router.indexer import DEFAULT_MAX_ENTRIES
 from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 
@@ -78,6 +79,16 @@ class RouterSettings(BaseModel):
     """disaggregation: a prefill engine with more booked, not yet computed prompt tokens is busy; when every
     prefill engine is, requests prefill on their decode engine (or are refused, frontend --disagg-busy reject)
     ('none' = unbounded)"""
+
+    def busy_thresholds(self) -> BusyThresholds:
+        """The busy filter's thresholds these settings declare."""
+        return BusyThresholds(
+            self.busy_prefill_tokens,
+            self.busy_prefill_frac,
+            self.busy_kv_usage,
+            self.prefill_backlog_tokens,
+            self.busy_requests,
+        )
 
 
 class Settings(DaemonSettings, RouterSettings):

@@ -32,7 +32,6 @@ from kvmesh.v1 import router_pb2
 
 from kvmesh_router.admission import (
     Admission,
-    BusyThresholds,
     Decision,
     EngineSpec,
     Rejection,
@@ -103,9 +102,7 @@ class RouterState:
                 overlap_score_weight=s.overlap_weight,
                 temperature=s.temperature,
             ),
-            thresholds=BusyThresholds(
-                s.busy_prefill_tokens, s.busy_prefill_frac, s.busy_kv_usage, s.prefill_backlog_tokens, s.busy_requests
-            ),
+            thresholds=s.busy_thresholds(),
             rng=random.Random(s.seed),
             # TimedIndex passes the DecisionPredictor methods through __getattr__, which mypy cannot see
             predictor=predictor,  # type: ignore[arg-type]

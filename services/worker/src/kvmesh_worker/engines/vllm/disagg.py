@@ -73,6 +73,9 @@ def kv_transfer_config(role: Role, user: Any, hold_timeout_s: float, cpu: bool) 
     return config
 
 
+_LOWEST_TRIED = 10000  # below: the well-known and commonly configured ports
+
+
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -88,11 +91,11 @@ def _free_listen_port(host: str) -> int:
     in a test run (``Address already in use`` in vLLM's handshake listener). Below that range only another
     listener can take it.
     """
-    address = host if host not in ("localhost",) else "127.0.0.1"
+    address = "127.0.0.1" if host == "localhost" else host
     rng = random.SystemRandom()
     low = _ephemeral_low()
-    for _ in range(64 if low > 10000 else 0):
-        port = rng.randrange(10000, low)
+    for _ in range(64 if low > _LOWEST_TRIED else 0):
+        port = rng.randrange(_LOWEST_TRIED, low)
         with socket.socket() as s:
             try:
                 s.bind((address, port))
