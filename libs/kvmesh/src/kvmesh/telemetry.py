@@ -1,7 +1,7 @@
 """Metrics, traces and logs, set up the same way by every daemon.
 
-- Prometheus: ``/metrics`` on ``--metrics-port`` (prometheus-client's own HTTP thread, so a busy
-  event loop never delays a scrape).
+- Prometheus: ``/metrics`` on ``--metrics-port``, served by prometheus-client's WSGI app on an HTTP
+  thread of its own, so a busy event loop never delays a scrape; binding it never waits on DNS.
 - OpenTelemetry: one tracer provider per process; trace context travels in gRPC metadata via the
   opentelemetry-instrumentation-grpc interceptors, so one request is one trace across daemons.
   With ``--otel-exporter none`` no interceptor is installed and the hot paths pay nothing.
@@ -15,13 +15,18 @@ import contextvars
 import inspect
 import json
 import logging
+import socket
+import socketserver
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-import prometheus_client
+from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("kvmesh_request_id", default="")
 
@@ -97,7 +102,7 @@ def start_metrics_server(port: int, host: str = "0.0.0.0") -> int | None:
     if port < 0:
         return None
     try:
-        server, _thread = prometheus_client.start_http_server(port, addr=host)
+        server = _serve_metrics(host, port)
     except OSError as exc:
         from pathlib import Path
 
@@ -105,6 +110,39 @@ def start_metrics_server(port: int, host: str = "0.0.0.0") -> int | None:
 
         fail(Path(sys.argv[0]).name, f"--metrics-port {port}: cannot bind ({exc.strerror or exc})")
     return int(server.server_port)
+
+
+class _MetricsHttpServer(ThreadingWSGIServer):
+    """prometheus-client's server, minus the reverse DNS lookup of its own address at bind.
+
+    ``http.server.HTTPServer.server_bind`` names itself ``socket.getfqdn(host)``. Where no resolver
+    answers (a host whose DNS is down, a network namespace) that lookup blocks for the resolver's
+    whole timeout, ~10 s, inside a daemon's start-up. The name only fills WSGI's ``SERVER_NAME``,
+    which the metrics app never reads, so the bound address stands in for it.
+    """
+
+    def server_bind(self) -> None:
+        socketserver.TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), int(port)
+        self.setup_environ()
+
+
+class _SilentHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """A scrape is not worth a log line."""
+
+
+def _serve_metrics(host: str, port: int) -> _MetricsHttpServer:
+    """``/metrics`` of the default registry on a daemon thread (what ``start_http_server`` does)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+    class Server(_MetricsHttpServer):
+        address_family = family
+
+    server = make_server(str(sockaddr[0]), port, make_wsgi_app(), Server, handler_class=_SilentHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server
 
 
 def setup_tracing(service_name: str, exporter: str = "none", endpoint: str = "") -> None:
