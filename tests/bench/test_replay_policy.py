@@ -64,7 +64,7 @@ def test_affinity_knobs():
         RouterConfigOverride(cost_policy="affinity", params={"backlog_weight": 0.5})
     )
     batch = CostBatch.from_rows(rows)
-    decode = 0.02 * (300 + 20)  # the default decode weight times the engine's potential decode blocks
+    decode = 0.05 * (300 + 20)  # the default decode weight times the engine's potential decode blocks
     assert policy_costs(AffinityCost(), batch, fleet_context(batch), config)[0] == pytest.approx(
         20 - 10 / 1.375 + 0.5 * 50 + decode
     )
@@ -95,7 +95,7 @@ def test_batch_and_row_costs_agree_bit_for_bit():
 
 
 def test_the_selector_picks_the_cached_engine_under_affinity():
-    rows = [row(1, 10, prefill=800, active=100), row(2, 0)]
+    rows = [row(1, 10, prefill=800, active=40), row(2, 0)]
     for policy, expected in (("affinity", 1), ("dynamo", 2)):
         ctx = SelectionContext.from_inputs(rows, RouterPolicyConfig(cost_policy=policy))
         assert KvSelector().select(ctx).engine_id == expected
