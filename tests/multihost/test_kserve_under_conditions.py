@@ -5,8 +5,8 @@ The tests are those of ``tests/kserve_clients`` (generation and errors), importe
 (conftest: 3 etcd members, 2 routers, 2 frontends, 3 workers, each on its own host) while one condition of
 :data:`~kvmesh_bench.link_conditions.CONDITIONS` holds between every pair of hosts: 1 ms and 10 ms RTT,
 0.1 % and 1 % loss, a 20 Mbit/s cap on frontend1's link. The two tests that start workers of their own
-(~12 s each) run under the two harshest conditions only (``test_kserve_under_harsh_conditions.py``).
-Needs root; fails in one line without.
+do so on new hosts, whose traffic crosses the conditioned links of the others. Needs root; fails in one
+line without.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from kvmesh_bench import link_conditions as lc
 from kvmesh_bench.multihost import Cluster
 
 from tests.kserve_clients.test_kserve_errors import (  # noqa: F401  (collected here, with this module's mesh)
+    test_full_engine_is_resource_exhausted,
     test_in_band_errors_name_the_status_and_keep_the_stream,
+    test_model_without_live_engine_is_unavailable,
     test_other_triton_rpcs_are_unimplemented,
     test_unary_errors,
     test_unknown_model_is_not_found,
