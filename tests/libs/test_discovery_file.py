@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvmesh.discovery import DiscoveryUnavailable, default_file_root, instance_key, instance_prefix, open_discovery
+from kvmesh.discovery.base import Added, Snapshot
 from kvmesh.discovery.file import FileDiscovery, _Scanner, _Store
 
 
@@ -193,3 +195,47 @@ def test_the_gc_finds_dead_records_through_its_scanner_and_removes_unreadable_on
     _settle(junk.parent)
     store.gc()
     assert {p.name for p in junk.parent.iterdir()} == {"live.rec"}
+
+
+async def test_a_watched_unchanged_fleet_is_not_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A watch reads each record once. The etcd backend's periodic check of a watched view (every T/2)
+    does not run here: it re-read every record of the prefix from a cold cache, and this backend's poll
+    is itself the scan, with nothing in between to stall."""
+    d = await open_discovery(f"file://{tmp_path}", ttl=2)  # an etcd watch would be checked every 1 s
+    try:
+        lease = await d.grant_lease()
+        for i in range(20):
+            await lease.put(f"fleet/engine/{i}", b"v")
+        reads: list[str] = []
+        real_read = _Store.read_record
+
+        def counting_read(path: str) -> tuple[str, int, bytes]:
+            reads.append(path)
+            return real_read(path)
+
+        monkeypatch.setattr(_Store, "read_record", staticmethod(counting_read))
+        events: asyncio.Queue[object] = asyncio.Queue()
+
+        async def consume() -> None:  # a consumer always waiting for the next event, as a router's is
+            async with contextlib.aclosing(d.list_and_watch("fleet/engine/")) as stream:
+                async for event in stream:
+                    events.put_nowait(event)
+
+        consumer = asyncio.create_task(consume())
+        try:
+            snapshot = await asyncio.wait_for(events.get(), 5)
+            assert isinstance(snapshot, Snapshot) and len(snapshot.records) == 20
+            await asyncio.sleep(2.5)  # two check intervals of an etcd watch; 25 polls; the GC's first pass
+            watch_reads = [p for p in reads if "/fleet/engine/" in p]
+            # the watch's first scan (20) and the GC's own first pass (20): nothing read twice by either
+            assert len(watch_reads) <= 40 and len(set(watch_reads)) == 20, f"{len(watch_reads)} reads of 20 records"
+            before = len(reads)
+            await lease.put("fleet/engine/3", b"w")  # a change is still seen
+            assert await asyncio.wait_for(events.get(), 5) == Added("fleet/engine/3", b"w")
+            assert len(reads) - before <= 2, "only the changed record is read again (by the watch, maybe the GC)"
+        finally:
+            consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await consumer
+    finally:
+        await d.close()

@@ -20,6 +20,7 @@ import abc
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -294,7 +295,8 @@ class Discovery(abc.ABC):
         it resumes, and their owners, all alive, re-register within that time. A removal while the
         backend was reachable all along (a kill -9'd owner, a graceful exit) is passed on at once.
 
-        **The view is checked.** Every :attr:`watch_check_interval` (T/2, 1-30 s) the prefix is read
+        **The view is checked** (etcd; the file backend's watch is a scan with nothing to stall, and
+        checks nothing). Every :attr:`watch_check_interval` (T/2, 1-30 s) the prefix is read
         again (``get_prefix``) and compared with what the consumer was given (held removals aside). A
         difference still there at the next check means the backend's stream stalled without an error
         (aetcd drops the server's ``canceled`` replies, which leaves an etcd stream open and silent): the
@@ -362,7 +364,7 @@ class Discovery(abc.ABC):
                     next_check = now + self.watch_check_interval
                 wake = min([next_check, *held.values()])
                 try:
-                    async with asyncio.timeout(max(0.0, wake - now)):
+                    async with asyncio.timeout(None if math.isinf(wake) else max(0.0, wake - now)):
                         item = await queue.get()
                 except TimeoutError:
                     continue

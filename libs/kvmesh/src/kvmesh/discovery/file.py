@@ -42,6 +42,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -472,6 +473,11 @@ class FileDiscovery(Discovery):
         poll_interval: float = DEFAULT_POLL_INTERVAL,
     ) -> None:
         super().__init__(url, ttl=ttl, keepalive_interval=keepalive_interval, op_timeout=op_timeout)
+        # The periodic check of a watched view (``list_and_watch``) guards against an etcd stream that
+        # stalls without an error. This backend's watch is itself a scan of the directory, with nothing
+        # in between to stall; the check only re-read every record of the prefix from a cold cache, every
+        # T/2 per watch (3-4 % of a core in a router watching 1000 engines, measured).
+        self.watch_check_interval = math.inf
         self.root = root
         self.poll_interval = poll_interval
         self._store = _Store(root)
