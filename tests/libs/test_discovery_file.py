@@ -181,6 +181,33 @@ def test_a_settled_directory_is_not_listed_again_yet_every_change_in_it_is_seen(
     assert scanner.scan()["fleet/engine/0"] == b"v2"
 
 
+def test_an_unchanged_fleet_is_scanned_per_lease_yet_an_expired_lease_drops_its_records_at_once(tmp_path: Path):
+    """With every directory settled and unchanged, a scan reuses the previous walk (the same list) and
+    checks each lease once, not each record; a lease going stale still removes its records from the
+    next scan, though no directory changed."""
+    store = _Store(tmp_path)
+    store.prepare()
+    alive, dying = store.grant(ttl=30), store.grant(ttl=30)
+    for i in range(3):
+        store.put(f"fleet/engine/a{i}", b"a", alive)
+        store.put(f"fleet/engine/d{i}", b"d", dying)
+    scanner = _Scanner(store, "fleet/engine/")
+    _settle(store.scan_dir("fleet/engine/"))
+    scanner.scan()  # listed once more after the backdating, now settled
+    walked = scanner.records()
+    assert scanner.records() is walked, "an unchanged fleet is not walked record by record again"
+    assert set(scanner.scan()) == {f"fleet/engine/{p}{i}" for p in "ad" for i in range(3)}
+
+    stale = time.time() - 60  # the dying lease's owner stopped beating a minute ago (TTL 30 s)
+    os.utime(tmp_path / "leases" / f"{dying:016x}.lease", (stale, stale))
+    assert set(scanner.scan()) == {f"fleet/engine/a{i}" for i in range(3)}
+    assert scanner.records() is walked, "the directory did not change: the walk is still reused"
+
+    store.put("fleet/engine/a1", b"a2", alive)  # any change in the directory: walked again, and seen
+    assert scanner.scan()["fleet/engine/a1"] == b"a2"
+    assert scanner.records() is not walked
+
+
 def test_the_gc_finds_dead_records_through_its_scanner_and_removes_unreadable_ones(tmp_path: Path):
     store = _Store(tmp_path)
     store.prepare()

@@ -20,7 +20,9 @@ Layout under the root directory (format version 1)::
   not listed again, nor its files stat'ed: every change to a record (write, delete, GC) renames or
   unlinks an entry of its directory, which moves the directory's mtime, and the margin covers the
   filesystem's coarse timestamps (a change in the same clock tick as the listing). With a thousand
-  engines, a scan of an unchanged fleet is a few directory stats instead of thousands of file stats.
+  engines, a scan of an unchanged fleet is a few directory stats instead of thousands of file stats,
+  and it reuses the previous walk's records, grouped by lease: a poll checks each lease's freshness
+  once, not each record's.
 * Garbage collection: every open FileDiscovery sweeps once per TTL (at most every 5 s, at least
   every 0.5 s): lease files stale for TTL + 1 s, records whose lease is dead or missing, and
   temp files older than 60 s are deleted. A record is removed by renaming it aside first, so a
@@ -367,11 +369,21 @@ class _Scanner:
         # directory -> ((inode, mtime_ns), settled, its record paths, its subdirectories) at its last listing
         self._dirs: dict[str, tuple[tuple[int, int], bool, list[str], list[str]]] = {}
         self._ttls: dict[tuple[int, int], float] = {}
+        # What the last walk returned, while no directory is listed again: the same list, the same records
+        self._records: list[tuple[str, str, int, bytes]] | None = None
+        # ... and those under the prefix grouped by lease id, so a scan checks a lease, not every record
+        self._by_lease: dict[int, dict[str, bytes]] = {}
+        self._grouped: list[tuple[str, str, int, bytes]] | None = None
 
     def records(self) -> list[tuple[str, str, int, bytes]]:
-        """``(path, key, lease id, value)`` of every record below the top, live or not (unreadable: lease -1)."""
+        """``(path, key, lease id, value)`` of every record below the top, live or not (unreadable: lease -1).
+
+        While every directory is settled and unchanged, the previous walk's list is returned as it is (the
+        caller must not change it): no file could have changed without moving its directory's mtime.
+        """
         cache = self._cache
-        out: list[tuple[str, str, int, bytes]] = []
+        listings: list[list[str]] = []
+        relisted = self._records is None
         seen_dirs: set[str] = set()
         stack = [str(self.top)]
         while stack:
@@ -386,6 +398,7 @@ class _Scanner:
             if last is not None and last[1] and last[0] == sig:
                 paths, subdirs = last[2], last[3]
             else:
+                relisted = True
                 listed_at = time.time()
                 paths, subdirs = self._list(d)
                 if last is not None:
@@ -393,13 +406,20 @@ class _Scanner:
                         cache.pop(gone, None)
                 self._dirs[d] = (sig, listed_at - st.st_mtime >= _SETTLED_S, paths, subdirs)
             stack.extend(subdirs)
+            listings.append(paths)
+        for d in self._dirs.keys() - seen_dirs:  # removed directories: forget them and their records
+            relisted = True
+            for gone in self._dirs.pop(d)[2]:
+                cache.pop(gone, None)
+        if not relisted and self._records is not None:
+            return self._records
+        out: list[tuple[str, str, int, bytes]] = []
+        for paths in listings:
             for path in paths:
                 cached = cache.get(path)
                 if cached is not None:
                     out.append((path, cached[1], cached[2], cached[3]))
-        for d in self._dirs.keys() - seen_dirs:  # removed directories: forget them and their records
-            for gone in self._dirs.pop(d)[2]:
-                cache.pop(gone, None)
+        self._records = out
         return out
 
     def _list(self, d: str) -> tuple[list[str], list[str]]:
@@ -445,17 +465,23 @@ class _Scanner:
         return paths, subdirs
 
     def scan(self) -> dict[str, bytes]:
+        """The live records under the prefix: those whose lease is fresh."""
         leases = self.store.lease_table(self._ttls)
         now = time.time()
+        records = self.records()
+        if records is not self._grouped:
+            by_lease: dict[int, dict[str, bytes]] = {}
+            prefix = self.prefix
+            for _, key, lease_id, value in records:
+                if key.startswith(prefix):
+                    by_lease.setdefault(lease_id, {})[key] = value
+            self._by_lease, self._grouped = by_lease, records
         out: dict[str, bytes] = {}
-        prefix = self.prefix
-        for _, key, lease_id, value in self.records():
-            if not key.startswith(prefix):
-                continue
+        for lease_id, group in self._by_lease.items():
             lease = leases.get(lease_id)
             if lease is None or now - lease[0] > lease[1]:
                 continue
-            out[key] = value
+            out.update(group)
         return out
 
 
