@@ -333,6 +333,27 @@ async def test_stop_string_ends_the_request_and_the_engine_stream(mesh) -> None:
     assert worker.cancelled  # the engine was told to stop
 
 
+async def test_a_stop_string_inside_a_many_token_response_ends_at_its_token(mesh) -> None:
+    """Engine responses of several tokens (a stream interval, or deltas merged behind a slow client) stop
+    where one token at a time would: the token completing the stop string is the last one counted."""
+    fe, worker, router = mesh
+    tokenizer = fe.registry.get(MODEL).assets.tokenizer
+    tokens = worker.behaviour[ENGINES[0]].tokens
+    kept = next(n for n in range(1, len(tokens) + 1) if "lazy" in tokenizer.decode(tokens[:n]))
+    for b in worker.behaviour.values():
+        b.batch = 5  # "lazy" ends inside a response, not at its end
+        b.delay = 0.005
+    assert kept % 5 != 0
+    flags = [bool_input("return_output_ids", True), bool_input("return_num_output_tokens", True)]
+    request = llm_request("x", stream=True, sampling={"max_tokens": 400, "stop": ["lazy"]}, extra=flags)
+    responses = [m.infer_response for m in await stream_all(fe, [request])]
+    assert "".join(text_of(r) for r in responses) == OUTPUT_TEXT[: OUTPUT_TEXT.index("lazy")]
+    ids = [t for r in responses for t in output_values(r, "output_ids")]
+    assert ids == tokens[:kept]
+    assert sum(output_values(r, "num_output_tokens")[0] for r in responses) == kept
+    await no_leaks(worker, router)
+
+
 # -- errors --------------------------------------------------------------------------------------
 async def expect_status(call, code: grpc.StatusCode, text: str) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -78,8 +78,10 @@ class ResponseWriter:
         self._detok: IncrementalDetokenizer | None = None
         if tokenizer is not None and (self._want_text or llm.sampling.stop):
             self._detok = tokenizer.detokenizer(prompt_ids, llm.sampling.skip_special_tokens)
-        self._stops = (
-            StopStrings(llm.sampling.stop, llm.sampling.include_stop_str_in_output) if llm.sampling.stop else None
+        self._stops = (  # stop strings match text: a model without a tokenizer has none to match
+            StopStrings(llm.sampling.stop, llm.sampling.include_stop_str_in_output)
+            if llm.sampling.stop and self._detok is not None
+            else None
         )
         self._text_parts: list[str] = [] if llm.exclude_input or self._stream else [prompt_text]
         self._ids: list[int] = []
@@ -94,24 +96,25 @@ class ResponseWriter:
 
         ModelInferResponse for a unary call, ModelStreamInferResponse on a stream.
         """
-        ids = engine.token_ids
+        ids: Sequence[int] = engine.token_ids
+        steps: Sequence[worker_pb2.TokenLogprobs] = engine.logprobs
         final = engine.finish_reason != 0
         text = ""
-        if self._detok is not None:
+        stopped = False
+        if self._stops is not None:
+            text, stopped, kept = self._until_stop(ids, final)
+            if kept < len(ids):  # the tokens after the one that completed the stop string are not output
+                ids, steps = ids[:kept], steps[:kept]
+        elif self._detok is not None:
             text = self._detok.add(ids) if ids else ""
             if final:
                 text += self._detok.flush()
-        stopped = False
-        if self._stops is not None:
-            text, stopped = self._stops.feed(text)
-            if final and not stopped:
-                text += self._stops.flush()
         self.num_output_tokens += len(ids)
         logprobs: list[dict[str, dict[str, object]]] = []
-        if engine.logprobs:
-            self.cumulative_logprob += sum(entry.logprob for entry in engine.logprobs)
+        if steps:
+            self.cumulative_logprob += sum(entry.logprob for entry in steps)
             if self._want_logprobs and self._llm.sampling.logprobs is not None:
-                logprobs = [self._logprob_entry(t, e) for t, e in zip(ids, engine.logprobs, strict=False)]
+                logprobs = [self._logprob_entry(t, e) for t, e in zip(ids, steps, strict=False)]
         if stopped:
             final = True
             self.finish_reason = "stop"
@@ -128,6 +131,29 @@ class ResponseWriter:
         if not final:
             return []
         return self._emit("".join(self._text_parts), self._ids, self.num_output_tokens, True, self._logprob_parts)
+
+    def _until_stop(self, ids: Sequence[int], final: bool) -> tuple[str, bool, int]:
+        """(text, stopped, tokens kept): the text of ``ids`` up to the first stop string.
+
+        Token by token, so that a response carrying several tokens (a stream interval, or deltas merged
+        behind a slow client) ends where one token at a time would: at the token that completes the stop
+        string, whose successors are dropped (vLLM stops generating there).
+        """
+        detok, stops = self._detok, self._stops
+        assert detok is not None and stops is not None  # the constructor makes stops only with a detokenizer
+        parts: list[str] = []
+        for i, token in enumerate(ids):
+            piece, stopped = stops.feed(detok.add((token,)))
+            parts.append(piece)
+            if stopped:
+                return "".join(parts), True, i + 1
+        if final:
+            piece, stopped = stops.feed(detok.flush())
+            parts.append(piece)
+            if not stopped:
+                parts.append(stops.flush())
+            return "".join(parts), stopped, len(ids)
+        return "".join(parts), False, len(ids)
 
     def _logprob_entry(self, token: int, entry: worker_pb2.TokenLogprobs) -> dict[str, dict[str, object]]:
         """One step as vLLM's backend writes it: {token_id: {logprob, rank, decoded_token}}, sampled first."""
