@@ -124,6 +124,13 @@ def test_logprob_flags_and_key() -> None:
     assert req.sampling.logprobs == 2 and req.wants("logprobs") and req.wants("cumulative_logprob")
 
 
+@pytest.mark.parametrize(("value", "expected"), [(8, 8), ("8", 8), (1, 1), (None, None)])
+def test_stream_interval_is_vllms_key(value: object, expected: int | None) -> None:
+    """vLLM's ``stream_interval`` (tokens per streamed response after the first), read like its other ints."""
+    request = llm_request("x", extra=[bytes_input("sampling_parameters", json.dumps({"stream_interval": value}))])
+    assert parse_llm_request(request).sampling.stream_interval == expected
+
+
 def messages_input(doc: object) -> pb.ModelInferRequest.InferInputTensor:
     return bytes_input("messages", doc if isinstance(doc, str) else json.dumps(doc))
 
@@ -200,6 +207,10 @@ BAD = [
      "input 'messages': message #0 content part #0 is not a {\"type\": \"text\", \"text\": ...} part"),
     ("logprobs", llm_request("x", extra=[bytes_input("sampling_parameters", '{"logprobs": -1}')]),
      "input 'sampling_parameters': 'logprobs' must be >= 0, got -1"),
+    ("stream_interval zero", llm_request("x", sampling={"stream_interval": 0}),
+     "input 'sampling_parameters': 'stream_interval' must be >= 1, got 0"),
+    ("stream_interval text", llm_request("x", sampling={"stream_interval": "often"}),
+     "input 'sampling_parameters': 'stream_interval' must be an integer"),
     ("unknown output", pb.ModelInferRequest(model_name="m", inputs=[bytes_input("text_input", "x")],
                                             outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(name="logits")]),
      "output 'logits' is not an output of this model"),

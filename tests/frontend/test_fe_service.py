@@ -354,6 +354,14 @@ async def test_a_stop_string_inside_a_many_token_response_ends_at_its_token(mesh
     await no_leaks(worker, router)
 
 
+async def test_stream_interval_reaches_the_engine(mesh) -> None:
+    fe, worker, _ = mesh
+    await stream_all(fe, [llm_request("x", stream=True, sampling={"max_tokens": 4, "stream_interval": 6})])
+    assert worker.requests[-1].sampling.stream_interval == 6
+    await stream_all(fe, [llm_request("x", stream=True, sampling={"max_tokens": 4})])
+    assert worker.requests[-1].sampling.stream_interval == 0  # unset: the worker's own interval
+
+
 # -- errors --------------------------------------------------------------------------------------
 async def expect_status(call, code: grpc.StatusCode, text: str) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:

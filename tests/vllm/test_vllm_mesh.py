@@ -164,6 +164,25 @@ def test_logprobs_are_vllms_own(mesh: VllmMesh) -> None:
     assert report["cumulative_logprob"] == pytest.approx(sum(values), rel=1e-4, abs=1e-4)
 
 
+def test_a_stream_interval_sends_the_same_tokens_in_vllms_chunks(mesh: VllmMesh) -> None:
+    """``sampling_parameters.stream_interval`` as vLLM defines it (first token at once, then chunks of at
+    least that many, the rest at the end): vLLM batches its own outputs, the tokens are the same."""
+    prompt = unique_ids(60, random.Random(6))
+    flags = {"return_output_ids": True}
+    specs = [
+        {"request_id": "every", "ids": prompt, "max_tokens": 33, "sampling": {"temperature": 0}, "flags": flags},
+        {"request_id": "chunked", "ids": prompt, "max_tokens": 33, "flags": flags,
+         "sampling": {"temperature": 0, "stream_interval": 8}},
+    ]  # fmt: skip
+    report = triton(mesh, specs)
+    every, chunked = report["every"], report["chunked"]
+    assert chunked["output_ids"] == every["output_ids"] and len(every["output_ids"]) == 33
+    chunks = chunked["chunks"]
+    assert sum(chunks) == 33 and chunks[0] == 1, chunks
+    assert all(size >= 8 for size in chunks[1:-1]), chunks
+    assert len(chunks) <= 5 < len(every["chunks"]), (chunks, every["chunks"])
+
+
 def test_cancellation_frees_vllms_blocks_as_its_kv_events_show(
     worker: worker_pb2_grpc.WorkerServiceStub, engine_id: int
 ) -> None:

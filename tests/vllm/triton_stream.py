@@ -3,8 +3,9 @@
 tritonclient's stubs and kvmesh's declare the same proto package (``inference``), so they cannot
 share the test process. ``triton_stream.py URL`` reads a JSON list of requests on stdin
 (``{"request_id", "prompt" | "ids", "max_tokens", "sampling"}``), sends them on one stream, and
-prints ``{request_id: {"text", "num_tokens", "finish_reason", "params": {kvmesh.*}}}`` (plus
-``logprobs`` and ``output_ids`` when the request's ``flags`` ask for them).
+prints ``{request_id: {"text", "num_tokens", "finish_reason", "params": {kvmesh.*}, "chunks"}}`` (plus
+``logprobs`` and ``output_ids`` when the request's ``flags`` ask for them); ``chunks`` lists each
+response's ``num_output_tokens``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ _absorb = mesh.absorb
 def _absorb_logprobs(outcome: mesh.Outcome, result: Any) -> None:
     """Also keep the logprob outputs (per-token JSON lists concatenated, the last cumulative)."""
     _absorb(outcome, result)
-    extra = EXTRAS.setdefault(result.get_response().id, {"logprobs": []})
+    extra = EXTRAS.setdefault(result.get_response().id, {"logprobs": [], "chunks": []})
+    count = result.as_numpy("num_output_tokens")
+    if count is not None and int(count[0]):
+        extra["chunks"].append(int(count[0]))
     steps = result.as_numpy("logprobs")
     if steps is not None:
         extra["logprobs"].extend(json.loads(steps[0]) or [])  # "null" without sampling_parameters.logprobs

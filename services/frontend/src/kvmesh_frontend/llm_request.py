@@ -132,6 +132,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # alternatives per token for the ``logprobs`` output (vLLM's key)
+    stream_interval: int | None = None  # tokens per streamed response after the first (vLLM's key)
 
 
 @dataclass(slots=True)
@@ -381,6 +382,7 @@ SAMPLING_KEYS: dict[str, tuple[Callable[[str, Any], Any], str | None]] = {
     "include_stop_str_in_output": (_as_bool, "include_stop_str_in_output"),
     "skip_special_tokens": (_as_bool, "skip_special_tokens"),
     "logprobs": (_int_at_least(0, lenient=True), "logprobs"),
+    "stream_interval": (_int_at_least(1, lenient=True), "stream_interval"),
     "n": (_exactly(1, "one completion per request"), None),
     "best_of": (_exactly(1, "one completion per request"), None),
     "presence_penalty": (_exactly(0.0, "no penalties"), None),
@@ -392,7 +394,7 @@ SAMPLING_KEYS: dict[str, tuple[Callable[[str, Any], Any], str | None]] = {
 
 def _apply_sampling(sampling: SamplingParams, key: str, value: Any, where: str) -> None:
     parser, attr = SAMPLING_KEYS[key]
-    if key in ("seed", "max_tokens", "temperature", "top_p", "top_k", "logprobs") and value is None:
+    if key in ("seed", "max_tokens", "temperature", "top_p", "top_k", "logprobs", "stream_interval") and value is None:
         return  # JSON null: keep the default
     parsed = parser(where, value)
     if attr is not None:

@@ -306,6 +306,8 @@ class Frontend:
         )
         if sampling.seed is not None:
             options.seed = sampling.seed
+        if sampling.stream_interval is not None:
+            options.stream_interval = sampling.stream_interval
         if llm.wants("logprobs") and sampling.logprobs is not None:
             options.logprobs = sampling.logprobs
         elif llm.wants("cumulative_logprob"):

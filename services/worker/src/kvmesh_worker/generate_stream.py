@@ -14,6 +14,10 @@ Invariants:
   forgotten; a cancelled request gets nothing more; an engine that fails a request itself says so with
   an output carrying an error code (``RequestOutput.error_code``): the tokens it produced before still
   go out, then the in-band error;
+- a request's stream interval (the larger of its ``SamplingOptions.stream_interval`` and the worker's
+  ``--stream-interval``) holds its outputs back after its first token until at least that many tokens
+  are new; its final output (or in-band error) releases everything held, and nothing held outlives the
+  request (a cancel or the stream's end drops it with the request);
 - when the stream ends for any reason, every request still on it is aborted (blocks freed);
 - while the daemon is not serving (lease lost, draining) new requests fail in-band with
   UNAVAILABLE; a draining worker ends the stream once its last request is done, so a drain does
@@ -74,6 +78,7 @@ def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> Engi
             min_tokens=sampling.min_tokens,
             seeded=sampling.HasField("seed"),
             logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+            stream_interval=max(1, sampling.stream_interval),
         ),
         hold_kv=request.hold_kv_for_transfer,
     )
@@ -204,6 +209,33 @@ class _Active:
             telemetry.end_span(self.span, None, attributes)
 
 
+class _Hold:
+    """A request's outputs held back by its stream interval (vLLM's rule: the first token, then every
+    ``interval`` new tokens, and the end, go out at once)."""
+
+    __slots__ = ("interval", "outputs", "sent")
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.outputs: list[RequestOutput] = []
+        self.sent = 0  # the request's tokens already released
+
+    def take(self, output: RequestOutput) -> list[RequestOutput] | None:
+        """Everything held plus ``output`` when it is time to send them, else None (still held)."""
+        self.outputs.append(output)
+        total = output.num_output_tokens
+        if not (
+            output.finished
+            or output.error_code is not None
+            or (self.sent == 0 and total > 0)
+            or total - self.sent >= self.interval
+        ):
+            return None
+        self.sent = total
+        outputs, self.outputs = self.outputs, []
+        return outputs
+
+
 class GenerateStreamSession:
     """Serves one GenerateStream call until the caller hangs up (or the worker drains)."""
 
@@ -215,8 +247,10 @@ class GenerateStreamSession:
         context: grpc.aio.ServicerContext[worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse],
         model: str = "",
         release_remote: Callable[[KvTransferParams], None] = lambda _params: None,
+        stream_interval: int = 1,
     ) -> None:
         self._model = model  # the metrics' model label
+        self._stream_interval = stream_interval  # the worker's --stream-interval: every request's floor
         self._engines = engines
         self._release_remote = release_remote
         self._pulls: dict[str, asyncio.Task[None]] = {}
@@ -227,6 +261,7 @@ class GenerateStreamSession:
         self._loop = asyncio.get_running_loop()
         self._active: dict[str, _Active] = {}
         self._pending: dict[str, list[RequestOutput]] = {}
+        self._holds: dict[str, _Hold] = {}  # requests whose stream interval is above 1
         self._failed: list[worker_pb2.GenerateStreamOutput] = []
         self._wakeup = Wakeup()
         self._input_done = False
@@ -234,12 +269,30 @@ class GenerateStreamSession:
 
     # -- the engines' sink ------------------------------------------------------------------------
     def put_nowait(self, output: RequestOutput) -> None:
+        if self._holds:
+            hold = self._holds.get(output.request_id)
+            if hold is not None:
+                self._release(hold, output)
+                return
         outputs = self._pending.get(output.request_id)
         if outputs is None:
             self._pending[output.request_id] = [output]
             self._wakeup.set()
         else:
             outputs.append(output)
+
+    def _release(self, hold: _Hold, output: RequestOutput) -> None:
+        released = hold.take(output)
+        if released is None:
+            return
+        if output.finished or output.error_code is not None:
+            del self._holds[output.request_id]
+        outputs = self._pending.get(output.request_id)
+        if outputs is None:
+            self._pending[output.request_id] = released
+            self._wakeup.set()
+        else:
+            outputs.extend(released)
 
     # -- the call -----------------------------------------------------------------------------------
     async def serve(self, requests: AsyncIterator[worker_pb2.GenerateStreamRequest]) -> None:
@@ -301,6 +354,9 @@ class GenerateStreamSession:
                 }
             )
         logprobs = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
+        interval = max(self._stream_interval, request.sampling.stream_interval)
+        if interval > 1:  # before submit: an engine may deliver from inside it
+            self._holds[request_id] = _Hold(interval)
         if request.HasField("prefill_result"):
             self._active[request_id] = _Active(engine, len(request.token_ids), span, logprobs, self._model)
             self._pulls[request_id] = self._loop.create_task(self._pull_then_submit(engine, request))
@@ -308,8 +364,10 @@ class GenerateStreamSession:
         try:
             engine.submit(engine_request(request, request_id), self)
         except InvalidRequest as exc:
+            self._holds.pop(request_id, None)
             self._fail(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
         except QueueFull as exc:
+            self._holds.pop(request_id, None)
             self._fail(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), span)
         else:
             self._active[request_id] = _Active(engine, len(request.token_ids), span, logprobs, self._model)
@@ -343,6 +401,7 @@ class GenerateStreamSession:
             self._reports[request_id] = report
 
     def _fail_active(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        self._holds.pop(request_id, None)
         active = self._active.pop(request_id, None)
         if active is not None:
             self._fail(request_id, code, message, active.span)
@@ -354,6 +413,7 @@ class GenerateStreamSession:
         self._reports.pop(request_id, None)
         active = self._active.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._holds.pop(request_id, None)
         if active is not None:
             active.engine.abort(request_id)
             self._on_aborted(active.engine)
@@ -373,6 +433,7 @@ class GenerateStreamSession:
         self._reports.clear()
         active, self._active = self._active, {}
         self._pending.clear()
+        self._holds.clear()
         for request_id, entry in active.items():
             entry.engine.abort(request_id)
             self._on_aborted(entry.engine)

@@ -95,7 +95,7 @@ async def serve(cfg: Settings) -> int:
         engine_ids = [engine_id_for(runtime.instance_id, i) for i in range(cfg.num_engines)]
         runners: list[Engine] = [make_engine(eid) for eid in engine_ids]
         cards: dict[int, discovery_pb2.ModelCard] = {}
-        servicer = WorkerServicer(runners, cards, model, runtime.refusal)
+        servicer = WorkerServicer(runners, cards, model, runtime.refusal, cfg.stream_interval)
         runtime.resources.push_async_callback(servicer.close)
         runtime.on_draining(servicer.drain)
         runtime.add_service(

@@ -76,9 +76,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         cards: dict[int, discovery_pb2.ModelCard],
         model: ModelFiles,
         refusal: Callable[[], str | None] = lambda: None,
+        stream_interval: int = 1,
     ) -> None:
-        """``refusal``: why new requests are refused right now (lease lost, draining), None while serving."""
+        """``refusal``: why new requests are refused right now (lease lost, draining), None while serving;
+        ``stream_interval``: every GenerateStream request's floor (``--stream-interval``)."""
         self.engines = {engine.engine_id: engine for engine in engines}
+        self._stream_interval = stream_interval
         self.cards = cards
         self.model = model
         self._refusal = refusal
@@ -117,7 +120,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         context: grpc.aio.ServicerContext[worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse],
     ) -> None:
         session = GenerateStreamSession(
-            self.engines, self._refusal, self._aborted, context, self.model.name, self._release_remote
+            self.engines,
+            self._refusal,
+            self._aborted,
+            context,
+            self.model.name,
+            self._release_remote,
+            self._stream_interval,
         )
         self._sessions.add(session)
         if self._draining:

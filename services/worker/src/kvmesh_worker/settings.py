@@ -79,10 +79,14 @@ class Settings(DaemonSettings):
     """'polynomial' (Dynamo's constants) or a path to an NPZ profile"""
     event_buffer_size: PositiveInt = 1024
     """recent KV events kept per engine for subscribers that resume"""
+    stream_interval: PositiveInt = 1
+    """after a request's first token, send its tokens once at least this many are new (and at its end):
+    fewer, larger messages, less CPU per token on every hop, burstier inter-token latency (vLLM's
+    --stream-interval; a request's sampling_parameters.stream_interval can raise it, never lower it)"""
     vllm_engine_args: Annotated[str, AfterValidator(_json_object)] = "{}"
     """--engine vllm: a JSON object of vLLM engine arguments (AsyncEngineArgs fields, i.e. vllm serve's
     flags with '_' for '-'), e.g. '{"dtype": "float32", "max_model_len": 2048}'; --block-size,
-    --max-num-seqs, --max-num-batched-tokens, --max-model-len and --num-gpu-blocks
+    --max-num-seqs, --max-num-batched-tokens, --stream-interval, --max-model-len and --num-gpu-blocks
     (num_gpu_blocks_override) map to vLLM's own when given; the worker owns model, kv_events_config,
     skip_tokenizer_init, enable_prefix_caching and disable_log_stats (see docs/vllm.md)"""
 

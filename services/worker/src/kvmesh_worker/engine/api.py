@@ -55,6 +55,9 @@ class Sampling:
     seeded: bool = False  # the request named a seed (EngineRequest.seed)
     # SamplingOptions.logprobs: report each sampled token's logprob plus this many top alternatives
     logprobs: int | None = None
+    # SamplingOptions.stream_interval (1: every pass). The GenerateStream session holds outputs back
+    # itself, for any engine; an engine that batches its own outputs (vLLM) may do it first, for less work.
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -314,6 +314,8 @@ class VllmEngine:
             kwargs["seed"] = request.seed
         if options is not None and options.logprobs is not None:
             kwargs["logprobs"] = options.logprobs
+        if options is not None and options.stream_interval > 1:
+            kwargs["stream_interval"] = options.stream_interval  # vLLM batches its own outputs: less work here
         if request.hold_kv:
             kwargs["extra_args"] = disagg.prefill_extra_args()
         elif (remote := self._remote.pop(request.request_id, None)) is not None:
@@ -574,7 +576,7 @@ def engine_args(settings: Any, model_path: str, kv_endpoint: str, replay_endpoin
         "enforce_eager": True,  # no graph capture: starts in seconds (override for production GPUs)
         "seed": 0,
     }
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "stream_interval"):
         if name in explicit:
             args[name] = getattr(settings, name)
     if settings.max_model_len:
