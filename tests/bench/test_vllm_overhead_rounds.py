@@ -10,7 +10,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvmesh_bench.replay.live import build_infer_request
-from kvmesh_bench.vllm_overhead import ask_for_outputs, build_parser, compare, summarize_rounds
+from kvmesh_bench.vllm_overhead import (
+    ask_for_outputs,
+    build_parser,
+    compare,
+    direct_sampling,
+    mesh_request,
+    summarize_rounds,
+)
 from kvmesh_frontend.llm_request import LlmRequest, parse_llm_request
 
 
@@ -63,3 +70,15 @@ def test_the_mesh_is_asked_for_token_ids_as_the_direct_run_gets_them_unless_text
     text = parsed("text")
     assert text.wants("text_output") and not text.wants("output_ids")
     assert build_parser().parse_args([]).mesh_output == "ids"
+
+
+@pytest.mark.parametrize("interval", [1, 16])
+def test_both_modes_stream_at_the_same_interval(interval: int) -> None:
+    """``--stream-interval N`` reaches the direct run's SamplingParams and the mesh's sampling_parameters
+    alike (as the frontend's own parser reads them); 1, the default, sets it in neither."""
+    args = build_parser().parse_args(["--stream-interval", str(interval), "--osl", "32"])
+    expected = interval if interval > 1 else None
+    assert direct_sampling(args)["stream_interval"] == expected
+    parsed = parse_llm_request(mesh_request("r1", list(range(1, 17)), args, "tiny-llama"))
+    assert parsed.sampling.stream_interval == expected
+    assert parsed.sampling.max_tokens == direct_sampling(args)["max_tokens"] == 32

@@ -17,6 +17,10 @@ In both modes, once the engine is up, the processes other than vLLM's model runn
 engine's scheduler, the mesh's daemons) move off the model's cores, as ``kvmesh up`` does
 (``kvmesh_cli.vllm_cores``); ``--share-model-cores`` leaves every process everywhere, in both modes.
 
+``--stream-interval N`` (default 1) has both modes stream in chunks, vLLM's ``stream_interval``: the
+direct run's ``SamplingParams`` and the mesh's ``sampling_parameters`` carry it (first token at once, then
+at least N tokens per output).
+
 Throughput is output tokens per second of wall time over the whole closed loop. Reported: each
 mode's figures, the mesh/direct throughput ratio (goal ≥ 0.95) and the added TTFT p50 (goal < 2 ms).
 On a shared 2-core machine one pair moves by ±15 % from one run to the next, so ``--rounds N``
@@ -110,6 +114,27 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def direct_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The direct run's ``SamplingParams`` fields (besides DELTA outputs): what the mesh's requests ask for."""
+    return {
+        "max_tokens": args.osl,
+        "ignore_eos": True,
+        "detokenize": False,
+        "temperature": 0,
+        "stream_interval": args.stream_interval if args.stream_interval > 1 else None,
+    }
+
+
+def mesh_request(request_id: str, prompt: list[int], args: argparse.Namespace, model: str) -> kserve.ModelInferRequest:
+    """The mesh's KServe request for one prompt: the direct run's work (``direct_sampling``), as a client sends it."""
+    from kvmesh_bench.replay.live import build_infer_request
+
+    extra = {"stream_interval": args.stream_interval} if args.stream_interval > 1 else None
+    request = build_infer_request(request_id, np.asarray(prompt), args.osl, model, sampling=extra)
+    ask_for_outputs(request, args.mesh_output)
+    return request
+
+
 async def run_direct(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
     from kvmesh_worker.engines.vllm.amx import request_amx_permission
     from vllm import SamplingParams
@@ -124,9 +149,7 @@ async def run_direct(args: argparse.Namespace, prompts: list[list[int]]) -> dict
             model=str(args.model_path), skip_tokenizer_init=True, enable_prefix_caching=True, **engine_kwargs(args)
         )
     )
-    params = SamplingParams(
-        max_tokens=args.osl, ignore_eos=True, detokenize=False, output_kind=RequestOutputKind.DELTA, temperature=0
-    )
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA, **direct_sampling(args))
 
     async def one(prompt: list[int]) -> tuple[float, int]:
         start = time.monotonic()
@@ -258,8 +281,7 @@ async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
             rid = uuid.uuid4().hex
             queue = waiting[rid] = asyncio.Queue()
             start = time.monotonic()
-            request = build_infer_request(rid, np.asarray(prompt), args.osl, model)
-            ask_for_outputs(request, args.mesh_output)
+            request = mesh_request(rid, prompt, args, model)
             async with write_lock:
                 await shared.write(request)
             first = None
@@ -309,6 +331,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("ids", "text"),
         default="ids",
         help="ids (default): the mesh returns token ids, as the direct run does; text: it also detokenizes",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="vLLM's stream_interval in both modes: tokens per streamed output after the first (default 1: every step)",
     )
     p.add_argument("--rounds", type=positive_int, default=1, help="direct/mesh pairs to measure (medians reported)")
     p.add_argument("--json", metavar="PATH")
@@ -368,5 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f"; medians of {len(rounds)} rounds" if len(rounds) > 1 else "")
     )
     if args.json:
-        Path(args.json).write_text(json.dumps({**summary, "mesh_output": args.mesh_output}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({**summary, "mesh_output": args.mesh_output, "stream_interval": args.stream_interval}, indent=1)
+        )
     return 0

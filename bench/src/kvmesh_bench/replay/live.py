@@ -29,7 +29,7 @@ import math
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,18 +89,20 @@ def build_infer_request(
     model: str,
     router_mode: str | None = None,
     router_policy: str | None = None,
+    sampling: Mapping[str, object] | None = None,
 ) -> kserve.ModelInferRequest:
-    """The ModelInferRequest for one replayed request (raw tensors, as Triton clients send them)."""
+    """The ModelInferRequest for one replayed request (raw tensors, as Triton clients send them);
+    ``sampling``: more ``sampling_parameters`` keys (e.g. ``stream_interval``)."""
     req = kserve.ModelInferRequest(model_name=model, id=request_id)
     ids = np.ascontiguousarray(tokens, dtype="<i4")
     inputs = [
         (kserve.ModelInferRequest.InferInputTensor(name="input_ids", datatype="INT32", shape=[ids.size]), ids.tobytes())
     ]
-    sampling = json.dumps({"max_tokens": int(max_tokens), "ignore_eos": True}).encode()
+    parameters = json.dumps({"max_tokens": int(max_tokens), "ignore_eos": True, **(sampling or {})}).encode()
     inputs.append(
         (
             kserve.ModelInferRequest.InferInputTensor(name="sampling_parameters", datatype="BYTES", shape=[1]),
-            struct.pack("<I", len(sampling)) + sampling,
+            struct.pack("<I", len(parameters)) + parameters,
         )
     )
     for name in ("stream", "exclude_input_in_output", "return_num_output_tokens"):
