@@ -55,6 +55,14 @@ def generate_sync(
     return _checked([output for message in messages for output in message.outputs])
 
 
+async def engine_ids(stub: worker_pb2_grpc.WorkerServiceStub) -> list[int]:
+    """The worker's engine ids: the first message of a WatchLoad stream carries every engine's load."""
+    call = stub.WatchLoad(worker_pb2.WatchLoadRequest())
+    first = await call.read()
+    call.cancel()
+    return [load.engine_id for load in first.loads]
+
+
 def tokens_of(responses: Iterable[worker_pb2.GenerateResponse]) -> list[int]:
     return [token for response in responses for token in response.token_ids]
 

@@ -19,7 +19,7 @@ from kvmesh_worker.generate_stream import _Hold
 
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
-from tests.support.generate import StreamClient
+from tests.support.generate import StreamClient, engine_ids
 
 WORKER_INTERVAL = 3
 
@@ -73,9 +73,7 @@ def worker(tmp_path_factory):
 async def client(worker):
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        call = stub.WatchLoad(worker_pb2.WatchLoadRequest())
-        engine = (await call.read()).loads[0].engine_id
-        call.cancel()
+        (engine,) = await engine_ids(stub)
         stream = StreamClient(stub)
         try:
             yield engine, stream

@@ -19,7 +19,7 @@ from kvmesh_bench.prometheus_text import metrics_url, samples
 
 from tests.support.daemons import Daemon, run_cli
 from tests.support.etcd import free_port
-from tests.support.generate import RequestFailed, StreamClient, generate, tokens_of
+from tests.support.generate import RequestFailed, StreamClient, engine_ids, generate, tokens_of
 
 pytestmark = pytest.mark.e2e
 
@@ -59,13 +59,6 @@ def echo_worker(tmp_path_factory):
 async def stub(echo_worker):
     async with grpc.aio.insecure_channel(echo_worker.address) as channel:
         yield worker_pb2_grpc.WorkerServiceStub(channel)
-
-
-async def engine_ids(stub) -> list[int]:
-    call = stub.WatchLoad(worker_pb2.WatchLoadRequest())
-    first = await call.read()
-    call.cancel()
-    return [load.engine_id for load in first.loads]
 
 
 def request(request_id: str, engine: int, tokens: list[int], max_tokens: int) -> worker_pb2.GenerateRequest:

@@ -19,6 +19,7 @@ from kvmesh.v1 import kv_events_pb2, worker_pb2, worker_pb2_grpc
 
 from tests.support.daemons import Daemon
 from tests.support.etcd import free_port
+from tests.support.generate import engine_ids
 from tests.support.generate import generate as generate_on_stream
 
 pytestmark = pytest.mark.e2e
@@ -59,13 +60,6 @@ async def stub(worker):
 
 
 _rids = itertools.count()
-
-
-async def engine_id(stub) -> int:
-    call = stub.WatchLoad(worker_pb2.WatchLoadRequest())
-    first = await call.read()
-    call.cancel()
-    return first.loads[0].engine_id
 
 
 async def generate(stub, engine: int, count: int, rng: random.Random) -> None:
@@ -157,7 +151,7 @@ async def engine_index(stub, engine: int) -> tuple[set[int], int]:
 
 async def test_resume_from_the_buffer_has_no_gap_and_no_duplicate(stub):
     rng = random.Random(1)
-    engine = await engine_id(stub)
+    (engine,) = await engine_ids(stub)
     base = await next_event_id(stub, engine)
     full = Subscriber(stub, engine, base)  # uninterrupted: the reference
     cut = Subscriber(stub, engine, base)
@@ -194,7 +188,7 @@ async def test_resume_from_the_buffer_has_no_gap_and_no_duplicate(stub):
 
 async def test_resume_from_before_the_buffer_gets_a_snapshot_then_live_events(stub):
     rng = random.Random(2)
-    engine = await engine_id(stub)
+    (engine,) = await engine_ids(stub)
     old = await next_event_id(stub, engine)
     reference = Subscriber(stub, engine, None)  # snapshot + live from now on, never interrupted
     subscribers = [reference]
@@ -225,7 +219,7 @@ async def test_resume_from_before_the_buffer_gets_a_snapshot_then_live_events(st
 
 
 async def test_start_at_next_event_id_streams_only_new_events(stub):
-    engine = await engine_id(stub)
+    (engine,) = await engine_ids(stub)
     start = await next_event_id(stub, engine)
     sub = Subscriber(stub, engine, start)
     try:
@@ -238,7 +232,7 @@ async def test_start_at_next_event_id_streams_only_new_events(stub):
 
 
 async def test_start_after_next_event_id_is_out_of_range(stub):
-    engine = await engine_id(stub)
+    (engine,) = await engine_ids(stub)
     beyond = await next_event_id(stub, engine) + 1
     call = stub.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest(engine_id=engine, start_event_id=beyond))
     with pytest.raises(grpc.aio.AioRpcError) as error:

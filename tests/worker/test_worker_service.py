@@ -27,7 +27,7 @@ from kvmesh_worker.model_files import BUILTIN_MODELS, DEFAULT_MODEL, SERVED_FILE
 
 from tests.support.daemons import Daemon, run_cli
 from tests.support.etcd import free_port
-from tests.support.generate import RequestFailed, StreamClient, generate, tokens_of
+from tests.support.generate import RequestFailed, StreamClient, engine_ids, generate, tokens_of
 
 pytestmark = pytest.mark.e2e
 
@@ -116,13 +116,6 @@ def request(engine: int, tokens, max_tokens: int, **sampling) -> worker_pb2.Gene
         token_ids=list(tokens),
         sampling=worker_pb2.SamplingOptions(max_tokens=max_tokens, **sampling),
     )
-
-
-async def engine_ids(stub) -> list[int]:
-    call = stub.WatchLoad(worker_pb2.WatchLoadRequest())
-    first = await call.read()
-    call.cancel()
-    return [load.engine_id for load in first.loads]
 
 
 @pytest.fixture
