@@ -115,6 +115,7 @@ def test_perf_analyzer_streaming_without_model_version(up: Up, tmp_path: Path) -
     (tmp_path / "input.json").write_text(json.dumps(data))
     export = tmp_path / "profile.json"
     for _attempt in range(EXPORT_ATTEMPTS):
+        export.unlink(missing_ok=True)  # perf_analyzer refuses an export path that exists (exit 99)
         result = _run(
             [str(PERF_BIN / "perf_analyzer"), "-m", MODEL, "-u", up.url, "-i", "grpc", "--service-kind", "triton",
              "--streaming", "--input-data", "input.json", "--concurrency-range", "2", "--measurement-mode",
