@@ -106,3 +106,13 @@ def test_live_replay_of_50_requests(frontend, tmp_path, capsys):
     assert 0 < data["meta"]["sent"] < 50
     assert data["summary"]["completed"] == data["meta"]["sent"]
     assert any("not sent" in e for e in data["errors"])
+    # --stream-interval: every request asks for vLLM's chunked streaming; each chunk's gap is shared among
+    # its tokens, so the ITL stays a per-token figure.
+    out = tmp_path / "chunked.json"
+    rc = cli.main([str(TRACE), "--frontend", frontend, "--max-requests", "20", "--arrival-speedup", "50",
+                   "--stream-interval", "8", "--no-progress", "--seed", "4", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["stream_interval"] == 8
+    assert data["summary"]["completed"] == 20 and data["summary"]["failed"] == 0
+    assert 0 < data["summary"]["itl_p50_ms"] < 1000

@@ -132,6 +132,13 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=positive_float, default=None, help="live: stop sending after S seconds")
     p.add_argument("--connect-timeout", type=positive_float, default=5.0, help="live: frontend probe timeout (s)")
     p.add_argument("--drain-timeout", type=positive_float, default=120.0, help="live: wait S s for in-flight ones")
+    p.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="live: sampling_parameters.stream_interval of every request (tokens per response after the first; "
+        "ITL is then a response's gap divided among its tokens)",
+    )
     p.add_argument("--seed", type=int, default=0, help="token mapping and routing tie-breaks (default 0)")
     p.add_argument("--vocab-size", type=positive_int, default=DEFAULT_VOCAB_SIZE, help="token ids drawn below it")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON (and the plots next to it)")
@@ -225,6 +232,7 @@ def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequ
             duration_s=args.duration,
             drain_timeout_s=args.drain_timeout,
             connect_timeout_s=args.connect_timeout,
+            stream_interval=args.stream_interval,
             progress=not args.no_progress,
             engines_hint=0,
         )
@@ -232,6 +240,7 @@ def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequ
             run = asyncio.run(run_live(requests, mapper, options, label=spec.label))
         except FrontendUnreachable as exc:
             raise ReplayError(f"cannot replay against frontend {args.frontend}: {exc}") from None
+        run.meta["stream_interval"] = args.stream_interval
     run.meta.update(
         {
             "trace": str(args.trace),

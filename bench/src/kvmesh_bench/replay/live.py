@@ -61,6 +61,7 @@ class LiveOptions:
     duration_s: float | None = None
     drain_timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
+    stream_interval: int = 1  # sampling_parameters.stream_interval (1: not sent, one response per engine output)
     progress: bool = True
     engines_hint: int = 0  # engines expected (sizes the per-engine columns; grows as more are seen)
 
@@ -227,6 +228,7 @@ async def run_live(
                     options.model,
                     options.router_mode,
                     options.router_policy,
+                    {"stream_interval": options.stream_interval} if options.stream_interval > 1 else None,
                 )
                 now = time.perf_counter()
                 tracks[r.request_id].sent_at = now
