@@ -708,6 +708,12 @@ async def test_tokenizer_less_model_needs_input_ids() -> None:
         await fe.wait_ready()
         await expect_status(fe.stub.ModelInfer(llm_request("x")), grpc.StatusCode.INVALID_ARGUMENT,
                             "model 'fake-model' serves no tokenizer; send 'input_ids' instead")  # fmt: skip
+        # stop strings would match nothing: refused, never silently ignored
+        await expect_status(
+            fe.stub.ModelInfer(llm_request(None, sampling={"stop": ["."]}, extra=[ids_input([1, 2])])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "'stop' strings are matched on text, and model 'fake-model' serves no tokenizer; send 'stop_token_ids'",
+        )
         request = llm_request(
             None,
             sampling={"max_tokens": 2},

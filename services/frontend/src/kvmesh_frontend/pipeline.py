@@ -238,6 +238,11 @@ class Frontend:
         self, llm: LlmRequest, entry: ModelEntry, tokenizer: ModelTokenizer | None
     ) -> tuple[list[int], str]:
         """Prompt token ids and prompt text (the text only when the output repeats the prompt)."""
+        if tokenizer is None and llm.sampling.stop:
+            raise invalid(
+                f"input 'sampling_parameters': 'stop' strings are matched on text, and model '{entry.name}' serves "
+                "no tokenizer; send 'stop_token_ids' instead"
+            )
         if llm.input_ids is not None:
             ids = llm.input_ids
             if entry.vocab_size and max(ids) >= entry.vocab_size:  # builtin max first, the loop names the culprit

@@ -78,7 +78,7 @@ class ResponseWriter:
         self._detok: IncrementalDetokenizer | None = None
         if tokenizer is not None and (self._want_text or llm.sampling.stop):
             self._detok = tokenizer.detokenizer(prompt_ids, llm.sampling.skip_special_tokens)
-        self._stops = (  # stop strings match text: a model without a tokenizer has none to match
+        self._stops = (  # stop strings match text: the pipeline refuses them for a model without a tokenizer
             StopStrings(llm.sampling.stop, llm.sampling.include_stop_str_in_output)
             if llm.sampling.stop and self._detok is not None
             else None
