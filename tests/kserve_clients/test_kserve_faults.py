@@ -48,7 +48,10 @@ def _engines_known(mesh: Mesh, count: int, timeout: float = 10.0) -> None:
     raise AssertionError(f"the frontend does not see {count} engines")
 
 
-def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh) -> None:
+@pytest.mark.parametrize("stream_interval", [None, 16])
+def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh, stream_interval: int | None) -> None:
+    """The client gets exactly max_tokens; with a stream interval, the tokens the dead worker held back
+    were never sent, so the survivor generates them again and none is missing or doubled."""
     mesh = fresh_mesh
     workers = [mesh.worker(speedup=1.0), mesh.worker(speedup=1.0)]
     mesh.router()
@@ -60,7 +63,8 @@ def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh) -> None:
     outcome = Outcome()
     with grpcclient.InferenceServerClient(mesh.url_frontend) as client:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        client.async_stream_infer(MODEL, llm_inputs(max_tokens=max_tokens), request_id="m1")
+        sampling = {"stream_interval": stream_interval} if stream_interval else None
+        client.async_stream_infer(MODEL, llm_inputs(max_tokens=max_tokens, sampling=sampling), request_id="m1")
         while outcome.num_tokens < 20:
             result, error = results.get(timeout=30)
             assert error is None, error
