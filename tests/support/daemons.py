@@ -22,6 +22,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.etcd import free_port
+
 BIN = Path(sys.executable).parent
 
 
@@ -116,6 +118,18 @@ def running(*daemons: Daemon) -> Iterator[tuple[Daemon, ...]]:
     finally:
         for daemon in reversed(daemons):
             daemon.close()
+
+
+@contextlib.contextmanager
+def file_worker(log_dir: Path, namespace: str, *flags: str) -> Iterator[Daemon]:
+    """A serving ``kvmesh-worker`` on a free port and a file discovery in ``log_dir``, closed with the block."""
+    port = free_port()
+    common = ["--discovery", f"file://{log_dir / 'discovery'}", "--namespace", namespace, "--lease-ttl", "2"]
+    daemon = Daemon("kvmesh-worker", [*common, "--grpc-port", str(port), *flags], log_dir, port)
+    try:
+        yield daemon.wait_serving()
+    finally:
+        daemon.close()
 
 
 def run_cli(

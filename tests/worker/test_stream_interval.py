@@ -17,8 +17,7 @@ from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh_worker.engine import RequestOutput
 from kvmesh_worker.generate_stream import _Hold
 
-from tests.support.daemons import Daemon
-from tests.support.etcd import free_port
+from tests.support.daemons import file_worker
 from tests.support.generate import StreamClient, engine_ids
 
 WORKER_INTERVAL = 3
@@ -53,20 +52,10 @@ def test_an_error_releases_what_was_held_with_it() -> None:
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("interval")
-    port = free_port()
-    daemon = Daemon(
-        "kvmesh-worker",
-        ["--discovery", f"file://{tmp / 'discovery'}", "--namespace", "interval", "--lease-ttl", "2",
-         "--drain-timeout", "1", "--grpc-port", str(port), "--block-size", "4", "--num-gpu-blocks", "256",
-         "--speedup-ratio", "1", "--stream-interval", str(WORKER_INTERVAL)],
-        tmp,
-        port,
-    )  # fmt: skip
-    try:
-        yield daemon.wait_serving()
-    finally:
-        daemon.close()
+    flags = ["--drain-timeout", "1", "--block-size", "4", "--num-gpu-blocks", "256", "--speedup-ratio", "1",
+             "--stream-interval", str(WORKER_INTERVAL)]  # fmt: skip
+    with file_worker(tmp_path_factory.mktemp("interval"), "interval", *flags) as daemon:
+        yield daemon
 
 
 @pytest.fixture

@@ -17,8 +17,7 @@ import grpc
 import pytest
 from kvmesh.v1 import kv_events_pb2, worker_pb2, worker_pb2_grpc
 
-from tests.support.daemons import Daemon
-from tests.support.etcd import free_port
+from tests.support.daemons import file_worker
 from tests.support.generate import engine_ids
 from tests.support.generate import generate as generate_on_stream
 
@@ -30,27 +29,14 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("kv-events")
-    port = free_port()
-    daemon = Daemon(
-        "kvmesh-worker",
-        [
-            "--discovery", f"file://{tmp / 'discovery'}",
-            "--namespace", "kvev",
-            "--lease-ttl", "2",
-            "--grpc-port", str(port),
-            "--num-gpu-blocks", "32",  # small: eviction (BlocksRemoved) happens too
-            "--block-size", str(BLOCK),
-            "--event-buffer-size", str(BUFFER),
-            "--speedup-ratio", "0",
-        ],
-        tmp,
-        port,
-    )  # fmt: skip
-    try:
-        yield daemon.wait_serving()
-    finally:
-        daemon.close()
+    flags = [
+        "--num-gpu-blocks", "32",  # small: eviction (BlocksRemoved) happens too
+        "--block-size", str(BLOCK),
+        "--event-buffer-size", str(BUFFER),
+        "--speedup-ratio", "0",
+    ]  # fmt: skip
+    with file_worker(tmp_path_factory.mktemp("kv-events"), "kvev", *flags) as daemon:
+        yield daemon
 
 
 @pytest.fixture
