@@ -209,6 +209,11 @@ class _Active:
             telemetry.end_span(self.span, None, attributes)
 
 
+def _ends(output: RequestOutput) -> bool:
+    """The request's last output: a finish reason, or an in-band error."""
+    return output.finished or output.error_code is not None
+
+
 class _Hold:
     """A request's outputs held back by its stream interval (vLLM's rule: the first token, then every
     ``interval`` new tokens, and the end, go out at once)."""
@@ -224,12 +229,7 @@ class _Hold:
         """Everything held plus ``output`` when it is time to send them, else None (still held)."""
         self.outputs.append(output)
         total = output.num_output_tokens
-        if not (
-            output.finished
-            or output.error_code is not None
-            or (self.sent == 0 and total > 0)
-            or total - self.sent >= self.interval
-        ):
+        if not (_ends(output) or (self.sent == 0 and total > 0) or total - self.sent >= self.interval):
             return None
         self.sent = total
         outputs, self.outputs = self.outputs, []
@@ -285,7 +285,7 @@ class GenerateStreamSession:
         released = hold.take(output)
         if released is None:
             return
-        if output.finished or output.error_code is not None:
+        if _ends(output):
             del self._holds[output.request_id]
         outputs = self._pending.get(output.request_id)
         if outputs is None:
