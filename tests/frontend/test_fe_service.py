@@ -362,6 +362,21 @@ async def test_stream_interval_reaches_the_engine(mesh) -> None:
     assert worker.requests[-1].sampling.stream_interval == 0  # unset: the worker's own interval
 
 
+async def test_a_request_answered_once_asks_the_engine_for_its_first_and_last_output_only(mesh) -> None:
+    """Without ``stream`` the client gets one response at the end, so the engine holds every token after
+    the first (TTFT) until it finishes: the whole interval is ``max_tokens``, whatever the request said.
+    Stop strings are matched on the text as it arrives, so a request with them streams per token."""
+    fe, worker, router = mesh
+    response = await fe.stub.ModelInfer(llm_request("x", sampling={"max_tokens": 40, "stream_interval": 3}))
+    assert text_of(response)
+    assert worker.requests[-1].sampling.stream_interval == 40
+    await stream_all(fe, [llm_request("x", sampling={"max_tokens": 12})])  # a stream, but stream=false
+    assert worker.requests[-1].sampling.stream_interval == 12
+    await fe.stub.ModelInfer(llm_request("x", sampling={"max_tokens": 40, "stop": ["zebra"]}))
+    assert worker.requests[-1].sampling.stream_interval == 0
+    await no_leaks(worker, router)
+
+
 # -- errors --------------------------------------------------------------------------------------
 async def expect_status(call, code: grpc.StatusCode, text: str) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -311,7 +311,12 @@ class Frontend:
         )
         if sampling.seed is not None:
             options.seed = sampling.seed
-        if sampling.stream_interval is not None:
+        if not llm.stream and not sampling.stop:
+            # The client gets one response, when the request ends: the engine's first token (TTFT, the
+            # router's prefill mark) and its last output are all the frontend needs. Stop strings are
+            # matched on the text as it arrives, so a request with them keeps the per-token stream.
+            options.stream_interval = max_tokens
+        elif sampling.stream_interval is not None:
             options.stream_interval = sampling.stream_interval
         if llm.wants("logprobs") and sampling.logprobs is not None:
             options.logprobs = sampling.logprobs
