@@ -85,6 +85,38 @@ def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh, stream_in
     assert param(outcome.final, "kvmesh.worker_id") == engine_loads(survivor.address)[survivor.address][0]["engine_id"]
 
 
+def test_a_request_answered_once_migrates_whole_when_its_worker_is_killed(fresh_mesh: Mesh) -> None:
+    """ModelInfer gets one response, so the worker holds back every token after the first: a kill loses all
+    it held, the survivor generates them, and the one response still has exactly max_tokens."""
+    mesh = fresh_mesh
+    workers = [mesh.worker(speedup=1.0), mesh.worker(speedup=1.0)]
+    mesh.router()
+    mesh.start_frontend()
+    mesh.wait_model(MODEL)
+    _engines_known(mesh, 2)
+    max_tokens = 300  # about 2 s of simulated decoding
+    done: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(mesh.url_frontend) as client:
+        client.async_infer(MODEL, llm_inputs(max_tokens=max_tokens, stream=False),
+                           callback=lambda result, error: done.put((result, error)), request_id="u1")  # fmt: skip
+        deadline = time.monotonic() + 10
+        serving: list = []
+        while not serving and time.monotonic() < deadline:
+            loads = engine_loads(*(w.address for w in workers))
+            serving = [w for w in workers if any(e["running"] for e in loads[w.address])]
+            time.sleep(0.05)
+        assert len(serving) == 1, loads
+        time.sleep(0.3)  # well into the decode: tokens are held on the worker
+        serving[0].signal(signal.SIGKILL)
+        result, error = done.get(timeout=30)
+    assert error is None, f"the client saw an error: {error}"
+    assert int(result.as_numpy("num_output_tokens")[0]) == max_tokens
+    assert result.as_numpy("finish_reason")[0] == b"length"
+    assert param(result, "kvmesh.migrations") == 1
+    survivor = next(w for w in workers if w is not serving[0])
+    assert param(result, "kvmesh.worker_id") == engine_loads(survivor.address)[survivor.address][0]["engine_id"]
+
+
 def test_cancel_frees_the_engine_within_a_second(fresh_mesh: Mesh) -> None:
     mesh = fresh_mesh
     worker = mesh.worker(speedup=1.0)
