@@ -68,6 +68,9 @@ def test_compare_gives_relative_differences():
     assert burst["arrivals"]["request_rate_rps"] is None
     assert rows["request rate (req/s)"]["relative_diff"] is None
     assert rows["inter-arrival mean (ms)"]["relative_diff"] is None
+    # equal figures match, zero included
+    same = {row["metric"]: row for row in compare(burst, burst)}["inter-arrival mean (ms)"]
+    assert same["source"] == 0 and same["relative_diff"] == 0 and same["within_tolerance"]
 
 
 def test_register_adds_datagen_to_an_umbrella_cli(tmp_path, capsys):
@@ -98,7 +101,13 @@ def test_cli_analyze_json_and_compare(tmp_path, capsys):
     assert "ISL mean" in table and "rel. diff" in table and "hit rate" in table
     comparison = json.loads(out_json.read_text())["comparison"]
     requests = next(row for row in comparison if row["metric"] == "requests")
-    assert requests == {"metric": "requests", "trace": 3, "source": 4, "relative_diff": -0.25}
+    assert requests == {
+        "metric": "requests",
+        "trace": 3,
+        "source": 4,
+        "relative_diff": -0.25,
+        "within_tolerance": False,  # 25 % off, above the 10 % a synthesized trace is held to
+    }
 
 
 def test_cli_empty_trace_is_one_line_and_exit_2(tmp_path, capsys):
@@ -161,6 +170,45 @@ def test_replay_shuffles_give_the_source_range_under_reordering_within_a_timesta
     ]
     assert main(argv) == 0
     assert "source, reordered within stamps" in capsys.readouterr().out
-    rows = {row["metric"]: row for row in json.loads(out_json.read_text())["comparison"]}
-    lo, hi = rows["replay round_robin x6 TTFT p99 (ms)"]["source_range"]
-    assert lo <= rows["replay round_robin x6 TTFT p99 (ms)"]["source"] <= hi
+    data = json.loads(out_json.read_text())
+    rows = {row["metric"]: row for row in data["comparison"]}
+    row = rows["replay round_robin x6 TTFT p99 (ms)"]
+    orders = [data["source"]["replay"], *data["source"]["replay_reordered"]]
+    assert len(orders) == 3
+    samples = sorted(replays["round_robin x6"]["ttft_p99_ms"] for replays in orders)
+    assert row["source"] == samples[1]  # the median of the source's three orders
+    assert row["source_range"] == [samples[0], samples[2]]
+
+
+def test_several_traces_are_compared_by_their_medians_with_their_range(tmp_path, capsys):
+    """Synthesized copies differ seed to seed: their median is what is held to the source, and their spread
+    is shown beside it."""
+    source = tmp_path / "source.jsonl"
+    write_trace(source, HAND_MADE)
+    copies = []
+    for scale in (0.8, 1.0, 1.5):  # ISL mean of the copies: 0.8x, 1x and 1.5x the source's
+        path = tmp_path / f"copy{scale}.jsonl"
+        write_trace(
+            path, [req(r.timestamp_ms, int(r.input_length * scale), r.output_length, r.hash_ids) for r in HAND_MADE]
+        )
+        copies.append(str(path))
+    out_json = tmp_path / "cmp.json"
+    argv = ["datagen", "analyze", *copies, "--compare", str(source), "--replay-requests", "0", "--json", str(out_json)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "traces, min - max" in table and "3 traces" in table
+    data = json.loads(out_json.read_text())
+    assert len(data["traces"]) == 3
+    isl = next(row for row in data["comparison"] if row["metric"] == "ISL mean")
+    assert isl["trace"] == isl["source"] == 900.0  # the 1x copy is the median
+    assert isl["relative_diff"] == 0 and isl["within_tolerance"]
+    assert isl["trace_range"] == [720.0, 1350.0]
+
+
+def test_several_traces_without_compare_are_analyzed_one_after_the_other(tmp_path, capsys):
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_trace(first, HAND_MADE)
+    write_trace(second, HAND_MADE[:2])
+    assert main(["datagen", "analyze", str(first), str(second)]) == 0
+    out = capsys.readouterr().out
+    assert f"{first}: 4 requests" in out and f"{second}: 2 requests" in out

@@ -50,34 +50,32 @@ def _analyze(args: argparse.Namespace) -> int:
         compare,
         format_analysis,
         format_comparison,
+        reordered_replays,
         replay_figures,
-        replay_noise,
     )
 
-    requests = load_trace(args.trace, max_requests=args.max_requests)
-    report = analyze(requests, block_size=args.block_size)
+    traces = [load_trace(path, max_requests=args.max_requests) for path in args.trace]
+    reports = [analyze(requests, block_size=args.block_size) for requests in traces]
     if args.compare is None:
-        print(format_analysis(report, title=args.trace))
+        print("\n\n".join(format_analysis(r, title=path) for path, r in zip(args.trace, reports, strict=True)))
         if args.json:
-            write_json(args.json, report)
+            write_json(args.json, reports[0] if len(reports) == 1 else reports)
         return EXIT_OK
     source = load_trace(args.compare, max_requests=args.max_requests)
     source_report = analyze(source, block_size=args.block_size)
     if args.replay_requests:  # the load each trace puts on a simulated fleet, not only its summary
-        for trace, figures in ((requests, report), (source, source_report)):
-            figures["replay"] = replay_figures(trace, block_size=args.block_size, max_requests=args.replay_requests)
+        for requests, figures in [*zip(traces, reports, strict=True), (source, source_report)]:
+            figures["replay"] = replay_figures(requests, block_size=args.block_size, max_requests=args.replay_requests)
         if args.replay_shuffles:
-            source_report["replay_noise"] = replay_noise(
-                source,
-                args.replay_shuffles,
-                block_size=args.block_size,
-                max_requests=args.replay_requests,
-                unshuffled=source_report["replay"],
+            source_report["replay_reordered"] = reordered_replays(
+                source, args.replay_shuffles, block_size=args.block_size, max_requests=args.replay_requests
             )
-    comparison = compare(report, source_report)
-    print(format_comparison(comparison, trace_name=args.trace, source_name=args.compare))
+    comparison = compare(reports, source_report)
+    name = args.trace[0] if len(args.trace) == 1 else f"{len(args.trace)} traces ({', '.join(args.trace)})"
+    print(format_comparison(comparison, trace_name=name, source_name=args.compare))
     if args.json:
-        write_json(args.json, {"trace": report, "source": source_report, "comparison": comparison})
+        side = {"trace": reports[0]} if len(reports) == 1 else {"traces": reports}
+        write_json(args.json, {**side, "source": source_report, "comparison": comparison})
     return EXIT_OK
 
 
@@ -165,9 +163,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "analyze",
         help="ISL/OSL, arrival and prefix-cache statistics of a trace",
         description="ISL/OSL statistics, arrival rate, infinite-cache prefix hit rate and prefix-tree statistics. "
-        "With --compare SOURCE: this trace (e.g. a synthesized one) next to SOURCE, with relative differences.",
+        "With --compare SOURCE: this trace (e.g. a synthesized one), or the median of several, next to SOURCE, with "
+        "relative differences and whether each is within 10 %.",
     )
-    analyze_parser.add_argument("trace", help="Mooncake JSONL trace")
+    analyze_parser.add_argument(
+        "trace",
+        nargs="+",
+        help="Mooncake JSONL trace; with --compare, several (e.g. synthesized with different seeds) are compared "
+        "by the median of each figure",
+    )
     analyze_parser.add_argument("--compare", metavar="SOURCE", help="compare against this trace")
     analyze_parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
     analyze_parser.add_argument(
@@ -187,8 +191,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="K",
         type=non_negative_int,
         default=0,
-        help="--compare: also replay SOURCE K times with each timestamp's requests in another order and print "
-        "the range: how far the replayed figures move without any change to the load (default 0)",
+        help="--compare: also replay SOURCE K times with each timestamp's requests in another order, compare "
+        "with the median of its K + 1 orders and print their range: how far the replayed figures move without "
+        "any change to the load (default 0)",
     )
     analyze_parser.set_defaults(func=_guarded(_analyze))
 
