@@ -298,7 +298,7 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
                     self.lifecycle.append((update.request_id, update.stage))
                     if update.stage == router_pb2.LIFECYCLE_STAGE_FINISHED:
                         self.bookings.pop(update.request_id, None)
-            if decisions:  # as the real router: one decision_batch per batch with queries
+            if decisions:  # as the real router when it decides quickly: one decision_batch
                 if message.HasField("batch"):
                     yield router_pb2.SessionResponse(decision_batch=router_pb2.RouteDecisionBatch(decisions=decisions))
                 else:

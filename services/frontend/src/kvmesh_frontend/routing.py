@@ -55,7 +55,8 @@ class RouterSession:
 
     Writes are serialized (gRPC allows one outstanding write per call) through an outbox that one
     writer task empties in order; whatever is queued when the writer runs goes out as one
-    ``SessionRequestBatch`` (its decisions come back as one ``RouteDecisionBatch``). The writer runs
+    ``SessionRequestBatch`` (its decisions come back in ``RouteDecisionBatch`` messages, in order: one, or
+    several when the replica takes long to decide them). The writer runs
     at the end of the event-loop tick, so the queries and updates of every request served in that
     tick share one message (a request whose tokens arrive together sends its FIRST_TOKEN and
     FINISHED in one). Every replica understands batches: there is no negotiation.

@@ -15,14 +15,19 @@ Each decision is computed synchronously inside the stream's handler (select + bo
 decisions of all sessions are serialized on the event loop: no two see the same pre-booking load.
 
 Batching: a ``SessionRequestBatch`` is a run of queries and updates applied in order, each exactly as if
-it had come alone; its decisions go back together in one ``RouteDecisionBatch`` (none if it held no
-query). A lone query or update is served the same way, one decision for one query.
+it had come alone; its decisions go back in ``RouteDecisionBatch`` messages, in order (none if it held no
+query). One message, unless deciding the batch takes longer than ``flush_after_s`` (1 ms): then the
+decisions made so far go out before the next is computed, so that a decision never waits behind more
+than about that much of later ones' work. At a thousand engines a decision costs 0.5-2 ms, and a burst of
+ten queries answered in one message held the first for all ten. A lone query or update is served the
+same way, one decision for one query.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -38,14 +43,19 @@ log = logging.getLogger(__name__)
 
 _FIRST_TOKEN = router_pb2.LIFECYCLE_STAGE_FIRST_TOKEN
 _FINISHED = router_pb2.LIFECYCLE_STAGE_FINISHED
+#: How long a batch's decisions may wait for the rest of the batch before those made so far go out.
+FLUSH_AFTER_S = 0.001
 
 
 class SessionHandler:
     """Serves Session streams against one :class:`RouterState`."""
 
-    def __init__(self, state: RouterState, is_ready: Callable[[], bool] = lambda: True) -> None:
+    def __init__(
+        self, state: RouterState, is_ready: Callable[[], bool] = lambda: True, flush_after_s: float = FLUSH_AFTER_S
+    ) -> None:
         self.state = state
         self.is_ready = is_ready
+        self.flush_after_s = flush_after_s
         self._ids = itertools.count(1)
         # (stage, known) -> the bound counter: a labels() lookup per update costs more than the update.
         self._counters: dict[tuple[int, bool], Any] = {}
@@ -63,6 +73,7 @@ class SessionHandler:
         state.sessions += 1
         decide = self._decide
         update = self._update
+        flush_after_s = self.flush_after_s
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
@@ -75,10 +86,18 @@ class SessionHandler:
                 elif kind == "batch":
                     response = router_pb2.SessionResponse()
                     decisions = response.decision_batch.decisions
-                    for item in message.batch.requests:
+                    items = message.batch.requests
+                    last = len(items) - 1
+                    since = time.perf_counter()
+                    for i, item in enumerate(items):
                         inner = item.WhichOneof("kind")
                         if inner == "route":
                             decide(prefix, active, item.route, decisions.add())
+                            if i < last and time.perf_counter() - since > flush_after_s:
+                                yield response  # the decisions so far, while the rest are computed
+                                response = router_pb2.SessionResponse()
+                                decisions = response.decision_batch.decisions
+                                since = time.perf_counter()
                         elif inner == "lifecycle":
                             update(active, item.lifecycle)
                         # a nested batch is ignored (batches do not nest)
