@@ -294,7 +294,8 @@ def compare(traces: dict[str, Any] | Sequence[dict[str, Any]], source: dict[str,
     ``within_tolerance``: the relative difference is at most :data:`FIDELITY_TOLERANCE`.
     """
     reports = [traces] if isinstance(traces, dict) else list(traces)
-    compared = [(label, path, None) for label, path in _COMPARED]
+    # (label, path in a report, the source's replays of that figure or None: read the source at the path)
+    compared: list[tuple[str, tuple[str, ...], list[Any] | None]] = [(label, path, None) for label, path in _COMPARED]
     source_replays = [source.get("replay", {}), *source.get("replay_reordered", [])]
     for run in reports[0].get("replay", {}):
         if run in source.get("replay", {}):
@@ -315,12 +316,12 @@ def compare(traces: dict[str, Any] | Sequence[dict[str, Any]], source: dict[str,
         else:
             relative = (value - reference) / abs(reference) if value is not None and reference else None
         row: dict[str, Any] = {"metric": label, "trace": value, "source": reference, "relative_diff": relative}
-        known = [v for v in values if v is not None]
-        if len(reports) > 1 and known:
-            row["trace_range"] = [min(known), max(known)]
-        known = [v for v in source_samples or () if v is not None]
-        if len(known) > 1:  # the source's own spread under within-timestamp reordering
-            row["source_range"] = [min(known), max(known)]
+        traced = [v for v in values if v is not None]
+        if len(reports) > 1 and traced:
+            row["trace_range"] = [min(traced), max(traced)]
+        replayed = [v for v in source_samples or () if v is not None]
+        if len(replayed) > 1:  # the source's own spread under within-timestamp reordering
+            row["source_range"] = [min(replayed), max(replayed)]
         row["within_tolerance"] = relative is not None and abs(relative) <= FIDELITY_TOLERANCE
         rows.append(row)
     return rows
