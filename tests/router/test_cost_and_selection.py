@@ -242,3 +242,56 @@ def test_selectors_are_pluggable_and_selectable_by_name_globally_or_per_query():
         POLICIES.unregister_selector(HighestId.name)
     with pytest.raises(ValueError):
         RouterPolicyConfig(mode="test_highest_id")
+
+
+# ---------------------------------------------------------------------- interchangeable candidates
+
+
+@pytest.mark.parametrize("policy", ["affinity", "dynamo"])
+def test_scoring_each_group_of_idle_engines_once_changes_no_decision(policy, monkeypatch) -> None:
+    """In a large fleet most engines are idle and hold nothing of the request: the kv selector scores one
+    of each such group (per block size) for all of them. Decisions, their costs and every random draw are
+    those of scoring each engine, through bookings, frees, prefill marks and cached prefixes."""
+    from kvmesh.hashing import block_hashes
+    from kvmesh_router import admission as admission_module
+    from kvmesh_router.admission import Admission, Decision, EngineSpec, RouteRequest
+    from kvmesh_router.indexer import KvIndexer
+    from kvmesh_router.settings import RouterSettings
+    from kvmesh_router.slot_tracker import SlotTracker
+
+    def run(grouping: bool) -> list[object]:
+        monkeypatch.setattr(admission_module, "_GROUPING_MIN_CANDIDATES", 2 if grouping else 10**9)
+        index, slots = KvIndexer(max_entries=None), SlotTracker(16)
+        admission = Admission(
+            index,
+            slots,
+            config=RouterPolicyConfig(cost_policy=policy),
+            thresholds=RouterSettings().busy_thresholds(),
+            rng=random.Random(0),
+        )
+        for e in range(1, 161):  # two block sizes: two groups of idle engines
+            admission.add_engine(EngineSpec(e, 400, 16 if e % 5 else 32, 512, max_requests=4))
+            index.add_engine(e)
+        workload = random.Random(1)
+        prefixes = [[workload.randrange(2000) for _ in range(48)] for _ in range(6)]
+        booked: list[str] = []
+        seen: list[object] = []
+        for k in range(600):
+            tokens = workload.choice(prefixes) + [workload.randrange(2000) for _ in range(workload.randrange(64))]
+            local, seq = block_hashes(tokens, 16)
+            decision = admission.decide(RouteRequest(f"r{k}", seq, len(tokens), 16), now=k * 0.01)
+            seen.append((decision.engine_id, decision.cost, decision.overlap_blocks)
+                        if isinstance(decision, Decision) else decision.reason)  # fmt: skip
+            if isinstance(decision, Decision):
+                booked.append(f"r{k}")
+                if workload.random() < 0.7:
+                    index.store_chain(decision.engine_id, None, seq, local)
+                if workload.random() < 0.5:
+                    admission.mark_prefill_completed(booked[workload.randrange(len(booked))])
+            while len(booked) > workload.randrange(10, 120):
+                admission.free(booked.pop(workload.randrange(len(booked))))
+        return [*seen, admission.rng.random()]
+
+    grouped, each = run(grouping=True), run(grouping=False)
+    assert grouped == each
+    assert len({s[0] for s in each[:-1] if isinstance(s, tuple)}) > 20  # the load spread over the fleet

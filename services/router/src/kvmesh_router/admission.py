@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field, replace
 from itertools import repeat
 
@@ -92,6 +93,12 @@ class EngineSpec:
     def __post_init__(self) -> None:
         if self.total_blocks <= 0 or self.block_size <= 0:
             raise ValueError(f"engine {self.engine_id}: total_blocks and block_size must be positive")
+
+
+#: Below this many candidates, scoring each costs less than finding the interchangeable ones (measured:
+#: per decision at the router's defaults, 60 engines booked: 110 against 125 µs at 64 engines, 157 against
+#: 133 at 128, 769 against 219 at 1000).
+_GROUPING_MIN_CANDIDATES = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +216,7 @@ class Admission:
         self.rng = rng if rng is not None else random.Random()
         self._specs: dict[int, EngineSpec] = {}
         self._block_size: dict[int, int] = {}
+        self._block_sizes: Counter[int] = Counter()  # engines per block size (one size: no grouping by it)
         self._sorted: list[int] = []
         self._reported_used: dict[int, int] = {}
         self._reporting_use: set[int] = set()  # engines whose last reported KV use is above 0
@@ -229,6 +237,9 @@ class Admission:
             self._set_role(spec.engine_id, old.role, None)
         self._set_role(spec.engine_id, None, spec.role)
         self._specs[spec.engine_id] = spec
+        if old is not None:
+            self._count_block_size(old.block_size, -1)
+        self._count_block_size(spec.block_size, 1)
         self._block_size[spec.engine_id] = spec.block_size
         if spec.max_requests is not None and spec.max_requests <= 0:
             self._no_request_room.add(spec.engine_id)
@@ -243,6 +254,7 @@ class Admission:
         if spec is None:
             return []
         self._set_role(engine_id, spec.role, None)
+        self._count_block_size(spec.block_size, -1)
         del self._block_size[engine_id]
         self._sorted.remove(engine_id)
         self._reported_used.pop(engine_id, None)
@@ -251,6 +263,11 @@ class Admission:
         if self.predictor is not None:
             self.predictor.remove_engine(engine_id)
         return self.slots.remove_engine(engine_id)
+
+    def _count_block_size(self, block_size: int, delta: int) -> None:
+        self._block_sizes[block_size] += delta
+        if not self._block_sizes[block_size]:
+            del self._block_sizes[block_size]
 
     def engines(self) -> list[int]:
         return list(self._sorted)
@@ -405,7 +422,22 @@ class Admission:
                 requests,
             )
 
-        ctx = SelectionContext(available, config, self.rng, inputs, overlaps, pinned)
+        def interchangeable() -> list[Set[int]]:
+            # Candidates with nothing booked and nothing of the request cached all have an idle engine's
+            # inputs: no load, no overlap, the whole prompt to prefill (one group per block size).
+            if len(available) < _GROUPING_MIN_CANDIDATES:
+                return []
+            idle = set(available).difference(slots.booked_engines(), overlaps)
+            if len(idle) < 2:
+                return []
+            if len(self._block_sizes) == 1:
+                return [idle]
+            by_size: dict[int, set[int]] = {}
+            for e in idle:
+                by_size.setdefault(block_size[e], set()).add(e)
+            return [group for group in by_size.values() if len(group) > 1]
+
+        ctx = SelectionContext(available, config, self.rng, inputs, overlaps, pinned, interchangeable)
         selector = self._selectors.get(mode)
         if selector is None:  # registered after this admission was built
             selector = self._selectors[mode] = POLICIES.make_selector(mode)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from kvmesh_router.policies import POLICIES
 
@@ -139,7 +139,12 @@ class CostInputs:
 
 @dataclass(slots=True)
 class CostBatch:
-    """The candidates of one decision, column by column (index ``i`` of every column is candidate ``i``)."""
+    """The candidates of one decision, column by column (index ``i`` of every column is candidate ``i``).
+
+    ``copies``: row ``i`` stands for ``copies[i]`` candidates whose inputs are all the same (None: one each).
+    A selector only passes it to a policy with ``counts_copies`` (its costs are per row, and whatever it
+    counts over the batch counts copies); the built-in policies have it.
+    """
 
     engine_ids: Sequence[int]
     block_size: Sequence[int]
@@ -150,6 +155,7 @@ class CostBatch:
     active_blocks: Sequence[int]
     potential_decode_blocks: Sequence[int]
     active_requests: Sequence[int]
+    copies: Sequence[int] | None = None
 
     def __len__(self) -> int:
         return len(self.engine_ids)
@@ -201,7 +207,13 @@ class FleetContext:
 
 
 class CostPolicy(Protocol):
-    """A routing cost: lower is better. Must be a pure function of its arguments."""
+    """A routing cost: lower is better. Must be a pure function of its arguments.
+
+    Optional: a batch ``costs(batch, fleet, config)`` (every candidate at once, the same values), and
+    ``counts_copies = True`` when that method reads ``CostBatch.copies`` wherever it counts candidates:
+    then a selector may score a row per group of interchangeable candidates (idle engines with nothing
+    cached) instead of one per engine.
+    """
 
     name: str
 
@@ -209,8 +221,9 @@ class CostPolicy(Protocol):
 
 
 def fleet_context(batch: CostBatch) -> FleetContext:
-    """Fleet-relative facts of a (non-empty) candidate batch."""
-    return FleetContext(len(batch), min(batch.active_prefill_tokens), max(batch.overlap_blocks))
+    """Fleet-relative facts of a (non-empty) candidate batch (copies counted)."""
+    candidates = len(batch) if batch.copies is None else sum(batch.copies)
+    return FleetContext(candidates, min(batch.active_prefill_tokens), max(batch.overlap_blocks))
 
 
 def policy_costs(policy: CostPolicy, batch: CostBatch, fleet: FleetContext, config: RouterPolicyConfig) -> list[float]:
@@ -242,6 +255,7 @@ class DynamoCost:
     """``overlap_score_weight * prefill_blocks + decode_blocks`` (Dynamo's default)."""
 
     name = "dynamo"
+    counts_copies: ClassVar[bool] = True  # a cost per row, nothing counted
 
     def cost(self, c: CostInputs, fleet: FleetContext, config: RouterPolicyConfig) -> float:
         new_prefill = c.isl_tokens - c.overlap_blocks * c.block_size
@@ -300,6 +314,7 @@ class AffinityCost:
     """
 
     name = "affinity"
+    counts_copies: ClassVar[bool] = True  # the near-tie band counts its members with their copies
     DEFAULTS: Mapping[str, float] = {
         "backlog_weight": 0.05,
         "credit_decay": 0.15,
@@ -351,11 +366,18 @@ class AffinityCost:
             return costs
         best = min(costs)
         band = best + w * near * isl / (batch.block_size[0] or 1)
-        if band <= best or sum(1 for c in costs if c <= band) < 2:
+        if band <= best or _band_members(costs, batch.copies, band) < 2:
             return costs  # no near-tie: the affinity costs as they are
         dynamo = _DYNAMO.costs(batch, fleet, config)
         span = band - best
         return [best + span * (d / (1.0 + d)) if c <= band else c for c, d in zip(costs, dynamo, strict=True)]
+
+
+def _band_members(costs: Sequence[float], copies: Sequence[int] | None, band: float) -> int:
+    """Candidates whose cost is within ``band``, each row counted with its copies."""
+    if copies is None:
+        return sum(1 for c in costs if c <= band)
+    return sum(k for c, k in zip(costs, copies, strict=True) if c <= band)
 
 
 def _affinity(

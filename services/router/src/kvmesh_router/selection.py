@@ -25,13 +25,14 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import NamedTuple, Protocol
 
 from kvmesh_router.cost import (
     MODES,
     CostBatch,
     CostInputs,
+    CostPolicy,
     RouterPolicyConfig,
     fleet_context,
     policy_costs,
@@ -81,9 +82,12 @@ class SelectionContext:
 
     ``engines`` are the eligible, non-busy candidates in ascending id order. ``inputs_fn`` builds the
     :class:`CostBatch` of a subset of them (selectors that ignore load never pay for it).
+    ``interchangeable_fn`` (optional) gives groups of candidates whose cost inputs are all the same (idle
+    engines with nothing of the request cached, one group per block size), each of two or more: a
+    selector may score one of each group for all of them.
     """
 
-    __slots__ = ("_inputs_fn", "config", "engines", "overlaps", "pinned_engine", "rng")
+    __slots__ = ("_inputs_fn", "_interchangeable_fn", "config", "engines", "overlaps", "pinned_engine", "rng")
 
     def __init__(
         self,
@@ -93,13 +97,19 @@ class SelectionContext:
         inputs_fn: Callable[[Sequence[int]], CostBatch],
         overlaps: Mapping[int, int] | None = None,
         pinned_engine: int | None = None,
+        interchangeable_fn: Callable[[], list[Set[int]]] | None = None,
     ) -> None:
         self.engines = engines
         self.config = config
         self.rng = rng
         self._inputs_fn = inputs_fn
+        self._interchangeable_fn = interchangeable_fn
         self.overlaps = overlaps or {}
         self.pinned_engine = pinned_engine
+
+    def interchangeable(self) -> list[Set[int]]:
+        """Groups of candidates with the same cost inputs (each of 2+); none when the context cannot tell."""
+        return [] if self._interchangeable_fn is None else self._interchangeable_fn()
 
     def inputs(self, engines: Sequence[int] | None = None) -> CostBatch:
         """Cost inputs of ``engines`` (default: every candidate), in that order."""
@@ -178,16 +188,48 @@ def pick_index(costs: Sequence[float], temperature: float, rng: random.Random) -
 
 
 class KvSelector:
+    """Scores the candidates with the cost policy and picks (argmin, or softmax with a temperature).
+
+    At temperature 0, with a policy that ``counts_copies``, each group of interchangeable candidates
+    (:meth:`SelectionContext.interchangeable`: in a large fleet, most engines are idle and hold nothing
+    of the request) is scored once, as one row with its copies, and a tie is expanded back to the engines
+    before the random tie-break. Invariant: the same engine, cost and random draws as scoring every
+    candidate (``tests/router/test_cost_and_selection.py``); only the work is O(distinct candidates).
+    """
+
     name = "kv"
 
     def select(self, ctx: SelectionContext) -> Choice:
+        config = ctx.config
+        policy = POLICIES.cost_policy(config.cost_policy)
+        groups = ctx.interchangeable() if config.temperature <= 0 and getattr(policy, "counts_copies", False) else []
+        if groups:
+            return self._select_grouped(ctx, policy, groups)
         batch = ctx.inputs()
         if not len(batch):
             raise ValueError("no candidates")
-        config = ctx.config
-        costs = policy_costs(POLICIES.cost_policy(config.cost_policy), batch, fleet_context(batch), config)
+        costs = policy_costs(policy, batch, fleet_context(batch), config)
         i = pick_index(costs, config.temperature, ctx.rng)
         return Choice(batch.engine_ids[i], costs[i])
+
+    @staticmethod
+    def _select_grouped(ctx: SelectionContext, policy: CostPolicy, groups: list[Set[int]]) -> Choice:
+        engines = ctx.engines
+        grouped: set[int] = set().union(*groups)
+        rep_group = {min(group): group for group in groups}  # the first of a group in candidate order
+        rows = sorted([e for e in engines if e not in grouped] + list(rep_group))  # candidate order
+        batch = ctx.inputs(rows)
+        batch.copies = [len(rep_group[e]) if e in rep_group else 1 for e in rows]
+        costs = policy_costs(policy, batch, fleet_context(batch), ctx.config)
+        best = min(costs)
+        tied_rows = [e for e, c in zip(rows, costs, strict=True) if c == best]
+        if len(tied_rows) == 1 and tied_rows[0] not in rep_group:
+            return Choice(tied_rows[0], best)
+        tie: set[int] = set()
+        for e in tied_rows:
+            tie |= rep_group.get(e, {e})
+        # argmin_index's tie-break over every candidate: the same list, so the same draw picks the same engine
+        return Choice(ctx.rng.choice([e for e in engines if e in tie]), best)
 
 
 class RoundRobinSelector:
