@@ -274,6 +274,10 @@ class GenerateStreamSession:
             if hold is not None:
                 self._release(hold, output)
                 return
+        self._queue(output)
+
+    def _queue(self, output: RequestOutput) -> None:
+        """``output`` to the writer (woken for a request with nothing queued yet)."""
         outputs = self._pending.get(output.request_id)
         if outputs is None:
             self._pending[output.request_id] = [output]
@@ -287,12 +291,8 @@ class GenerateStreamSession:
             return
         if _ends(output):
             del self._holds[output.request_id]
-        outputs = self._pending.get(output.request_id)
-        if outputs is None:
-            self._pending[output.request_id] = released
-            self._wakeup.set()
-        else:
-            outputs.extend(released)
+        for held in released:
+            self._queue(held)
 
     # -- the call -----------------------------------------------------------------------------------
     async def serve(self, requests: AsyncIterator[worker_pb2.GenerateStreamRequest]) -> None:
