@@ -11,6 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.kserve_clients.mesh import MODEL, Mesh, Outcome, absorb, engine_loads, llm_inputs, param, watch_blocks
+from tests.support.daemons import Daemon
 
 pytestmark = pytest.mark.e2e
 
@@ -48,16 +49,27 @@ def _engines_known(mesh: Mesh, count: int, timeout: float = 10.0) -> None:
     raise AssertionError(f"the frontend does not see {count} engines")
 
 
-@pytest.mark.parametrize("stream_interval", [None, 16])
-def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh, stream_interval: int | None) -> None:
-    """The client gets exactly max_tokens; with a stream interval, the tokens the dead worker held back
-    were never sent, so the survivor generates them again and none is missing or doubled."""
-    mesh = fresh_mesh
+def _two_workers_behind_a_frontend(mesh: Mesh) -> list[Daemon]:
+    """Two one-engine mocker workers at real speed, a router and a frontend that knows both engines."""
     workers = [mesh.worker(speedup=1.0), mesh.worker(speedup=1.0)]
     mesh.router()
     mesh.start_frontend()
     mesh.wait_model(MODEL)
     _engines_known(mesh, 2)
+    return workers
+
+
+def _engine_of(worker: Daemon) -> int:
+    """The engine id of a one-engine worker."""
+    return engine_loads(worker.address)[worker.address][0]["engine_id"]
+
+
+@pytest.mark.parametrize("stream_interval", [None, 16])
+def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh, stream_interval: int | None) -> None:
+    """The client gets exactly max_tokens; with a stream interval, the tokens the dead worker held back
+    were never sent, so the survivor generates them again and none is missing or doubled."""
+    mesh = fresh_mesh
+    workers = _two_workers_behind_a_frontend(mesh)
     max_tokens = 300  # about 2 s of simulated decoding
     results: queue.Queue = queue.Queue()
     outcome = Outcome()
@@ -81,19 +93,14 @@ def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh, stream_in
     assert outcome.num_tokens == max_tokens
     assert outcome.finish_reason == "length"
     assert param(outcome.final, "kvmesh.migrations") == 1
-    survivor = next(w for w in workers if w is not serving[0])
-    assert param(outcome.final, "kvmesh.worker_id") == engine_loads(survivor.address)[survivor.address][0]["engine_id"]
+    assert param(outcome.final, "kvmesh.worker_id") == _engine_of(next(w for w in workers if w is not serving[0]))
 
 
 def test_a_request_answered_once_migrates_whole_when_its_worker_is_killed(fresh_mesh: Mesh) -> None:
     """ModelInfer gets one response, so the worker holds back every token after the first: a kill loses all
     it held, the survivor generates them, and the one response still has exactly max_tokens."""
     mesh = fresh_mesh
-    workers = [mesh.worker(speedup=1.0), mesh.worker(speedup=1.0)]
-    mesh.router()
-    mesh.start_frontend()
-    mesh.wait_model(MODEL)
-    _engines_known(mesh, 2)
+    workers = _two_workers_behind_a_frontend(mesh)
     max_tokens = 300  # about 2 s of simulated decoding
     done: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(mesh.url_frontend) as client:
@@ -113,8 +120,7 @@ def test_a_request_answered_once_migrates_whole_when_its_worker_is_killed(fresh_
     assert int(result.as_numpy("num_output_tokens")[0]) == max_tokens
     assert result.as_numpy("finish_reason")[0] == b"length"
     assert param(result, "kvmesh.migrations") == 1
-    survivor = next(w for w in workers if w is not serving[0])
-    assert param(result, "kvmesh.worker_id") == engine_loads(survivor.address)[survivor.address][0]["engine_id"]
+    assert param(result, "kvmesh.worker_id") == _engine_of(next(w for w in workers if w is not serving[0]))
 
 
 def test_cancel_frees_the_engine_within_a_second(fresh_mesh: Mesh) -> None:
