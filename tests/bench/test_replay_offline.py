@@ -6,6 +6,7 @@ u = active blocks / 1000.
 """
 
 import math
+import random
 
 import pytest
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
@@ -66,8 +67,33 @@ def test_round_robin_bookkeeping_matches_the_hand_computation():
     span_s = (1000 + c_ttft) / 1000
     assert s.requests_per_s == pytest.approx(3 / span_s)
     assert s.output_tokens_per_s == pytest.approx(6 / span_s)
-    # The router saw A's blocks on engine 0 through the KV events when it placed C.
-    assert run.meta["router_hit_rate"] == pytest.approx(96 / 900)
+    # Round robin reads no index, so by default the replay keeps none: no router view.
+    assert run.meta["router_hit_rate"] is None and run.meta["best_offered_hit_rate"] is None
+
+
+def _shared_prefix_rows(n: int, seed: int) -> list[TraceRequest]:
+    """``n`` requests on a few conversation prefixes, arriving faster than 2 engines of 1000 blocks serve them."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        root = rng.randrange(4)
+        ids = (100 * root, *range(100 * root + 1, 100 * root + 1 + rng.randrange(1, 20)), 10_000 + i)
+        rows.append(TraceRequest(20 * i, 512 * len(ids) - rng.randrange(512), rng.randrange(1, 40), ids))
+    return rows
+
+
+def test_a_cache_blind_mode_replays_the_same_whether_or_not_the_index_is_fed():
+    rows = _shared_prefix_rows(80, seed=5)  # cache hits, evictions and queueing
+    for mode in ("round_robin", "random"):
+        lean = simulate(rows, router_mode=mode, seed=3)
+        viewed = simulate(rows, router_mode=mode, seed=3, router_view=True)
+        assert viewed.meta["router_hit_rate"] > 0 and lean.cached_tokens.sum() > 0
+        for figure in ("engine", "first_token_ms", "finish_ms", "cached_tokens", "itl_ms", "itl_weight", "load"):
+            assert getattr(lean, figure).tolist() == getattr(viewed, figure).tolist(), (mode, figure)
+    # With the index fed, the router saw A's blocks on engine 0 through the KV events when it placed C.
+    viewed = simulate(ROWS, router_mode="round_robin", router_view=True)
+    assert viewed.meta["router_hit_rate"] == pytest.approx(96 / 900)
+    assert viewed.meta["best_offered_hit_rate"] == pytest.approx(96 / 900)
 
 
 def test_kv_routing_follows_the_cached_prefix():

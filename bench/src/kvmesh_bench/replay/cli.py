@@ -126,6 +126,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-weight", type=float, default=1.0, help="kv: overlap_score_weight (default 1.0)")
     p.add_argument("--temperature", type=float, default=0.0, help="kv: selection temperature (default 0)")
     p.add_argument(
+        "--router-view",
+        action="store_true",
+        help="offline: feed the router's prefix index in every routing mode, for the router-view hit rates "
+        "(round_robin and random do not read it, so by default it is not fed for them)",
+    )
+    p.add_argument(
         "--arrival-speedup", type=positive_float, default=1.0, help="arrival times / N, engine speed unchanged"
     )
     p.add_argument("--max-requests", type=positive_int, default=None, help="replay only the first N requests")
@@ -202,6 +208,7 @@ def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequ
             policy_params=params,
             seed=seed,
             vocab_size=args.vocab_size,
+            router_view=getattr(args, "router_view", False),
         )
         if getattr(args, "decode_engines", 0):
             from kvmesh_bench.replay.disagg import DisaggConfig, run_offline_disagg
@@ -350,10 +357,13 @@ def _print_meta(run: RunData) -> None:
             f"transferred vs {dm['pull_everything_blocks']} to pull everything; {m['cpu_s']:.1f} s CPU"
         )
     elif run.kind == "offline":
+        if m["router_hit_rate"] is None:
+            view = f"router view: not kept ({m['mode']} reads no index; --router-view keeps it)"
+        else:
+            view = f"router view: hit {m['router_hit_rate']:.3f}, best offered {m['best_offered_hit_rate']:.3f}"
         print(
             f"simulation: {m['passes']} passes stepped, {m['skipped_quiet_passes']} quiet passes skipped, "
-            f"{m['cpu_s']:.1f} s CPU ({m['wall_s']:.1f} s wall); router view: hit {m['router_hit_rate']:.3f}, "
-            f"best offered {m['best_offered_hit_rate']:.3f}"
+            f"{m['cpu_s']:.1f} s CPU ({m['wall_s']:.1f} s wall); {view}"
         )
     else:
         print(f"client: {m['sent']} sent, max send lag {m['max_send_lag_ms']:.1f} ms, {m['client_cpu_s']:.1f} s CPU")

@@ -22,6 +22,10 @@ The engines report their KV changes through a :class:`~kvmesh_worker.engine.bloc
 hashes, the same changes in the same order as their ``KvEvent`` journal) that the replay holds back until
 the pass ends and then applies with the index's ``store_chain`` / ``remove``: the same index updates as
 ``apply_event``, without building an event object per pass and a StoredBlock per block.
+A routing mode that reads neither the index nor the bookings (``round_robin``, ``random``: their
+selectors say ``reads_cache = False``) decides the same without them, so by default the replay does not
+feed the index then (a third of a round-robin replay's CPU); ``OfflineConfig.router_view`` feeds it anyway,
+for the router-view figures (the overlap of the engines chosen, the best one offered) that only it gives.
 
 Runs of *quiet* decode passes (no output, no event, nothing a router can see) are skipped with
 ``EngineCore.fast_forward``, bounded by the next arrival, which is exactly equivalent to stepping
@@ -52,6 +56,7 @@ from kvmesh_router.admission import Admission, BusyThresholds, Decision, EngineS
 from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
 from kvmesh_router.policies import DEFAULT_COST_POLICY
+from kvmesh_router.selection import reads_cache
 from kvmesh_router.slot_tracker import DEFAULT_EXPIRY_S, SlotTracker
 from kvmesh_worker.engine import EngineConfig, EngineCore, EngineError, EngineRequest, load_perf_model
 
@@ -86,6 +91,7 @@ class OfflineConfig:
     seed: int = 0
     vocab_size: int = DEFAULT_VOCAB_SIZE
     load_sample_ms: float | None = None  # per-engine load sampling period; None: span / 400 (>= 100 ms)
+    router_view: bool = False  # feed the router's index even when the routing mode does not read it
 
     def policy(self) -> RouterPolicyConfig:
         return RouterPolicyConfig(
@@ -138,6 +144,21 @@ class _PassChanges:
     def take(self) -> list[tuple[int, int | None, Sequence[int], Sequence[int]]]:
         items, self.items = self.items, []
         return items
+
+
+class _NoIndex(_PassChanges):
+    """The sink of a replay that keeps no router index: the engines' KV changes go nowhere."""
+
+    __slots__ = ()
+
+    def stored(self, parent_hash: int | None, block_hashes: Sequence[int], tokens_hashes: Sequence[int]) -> None:
+        pass
+
+    def removed(self, block_hashes: Sequence[int]) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
 
 
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
@@ -211,7 +232,8 @@ def run_offline(
     cpu0, wall0 = time.process_time(), time.perf_counter()
     mapper = mapper or TokenMapper(vocab_size=config.vocab_size, seed=config.seed)
     econf = config.engine_config()
-    sinks = [_PassChanges() for _ in range(config.engines)]
+    keep_index = config.router_view or reads_cache(config.router_mode)
+    sinks = [_PassChanges() if keep_index else _NoIndex() for _ in range(config.engines)]
     cores = [EngineCore(econf, load_perf_model(config.perf_model), sink) for sink in sinks]
     router = SimRouter(config.policy(), config.seed)
     for e in range(config.engines):
@@ -352,8 +374,9 @@ def run_offline(
         load=np.array(samples, dtype=float).reshape(-1, 6),
         meta={
             "config": config.as_dict(),
-            "router_hit_rate": float(predicted.sum()) / total_in,
-            "best_offered_hit_rate": float(best.sum()) / total_in,
+            # None: not kept (see the module docstring)
+            "router_hit_rate": float(predicted.sum()) / total_in if keep_index else None,
+            "best_offered_hit_rate": float(best.sum()) / total_in if keep_index else None,
             "passes": passes,
             "skipped_quiet_passes": skipped,
             "cpu_s": time.process_time() - cpu0,

@@ -18,6 +18,10 @@ Selectors are registered by mode name in :data:`~kvmesh_router.policies.POLICIES
 selectors and cost policies). All randomness comes from the ``random.Random`` in the
 :class:`SelectionContext` (seed it for deterministic tests and simulations). The only state a selector
 keeps is round robin's cursor.
+
+A selector whose choice never depends on the prefix index or the bookings (``round_robin``, ``random``)
+says so with ``reads_cache = False``; one without the attribute is taken to read them. The router daemon
+feeds its index either way; the offline replay skips feeding an index that nothing reads.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ __all__ = [
     "UnknownEngineError",
     "argmin_index",
     "pick_index",
+    "reads_cache",
     "softmax_index",
     "softmax_probabilities",
 ]
@@ -141,6 +146,11 @@ class Selector(Protocol):
     def select(self, ctx: SelectionContext) -> Choice: ...
 
 
+def reads_cache(mode: str) -> bool:
+    """Whether routing mode ``mode``'s selector reads the prefix index or the bookings (see the module docstring)."""
+    return bool(getattr(POLICIES.make_selector(mode), "reads_cache", True))
+
+
 # ---------------------------------------------------------------------- cost -> index
 
 
@@ -198,6 +208,7 @@ class KvSelector:
     """
 
     name = "kv"
+    reads_cache = True
 
     def select(self, ctx: SelectionContext) -> Choice:
         config = ctx.config
@@ -234,6 +245,7 @@ class KvSelector:
 
 class RoundRobinSelector:
     name = "round_robin"
+    reads_cache = False
 
     def __init__(self) -> None:
         self._last: int | None = None
@@ -250,6 +262,7 @@ class RoundRobinSelector:
 
 class RandomSelector:
     name = "random"
+    reads_cache = False
 
     def select(self, ctx: SelectionContext) -> Choice:
         if not ctx.engines:
@@ -259,6 +272,7 @@ class RandomSelector:
 
 class PowerOfTwoSelector:
     name = "power_of_two"
+    reads_cache = True  # a booking's queued prefill is its prompt less the cached overlap
 
     def select(self, ctx: SelectionContext) -> Choice:
         engines = ctx.engines
@@ -273,6 +287,7 @@ class PowerOfTwoSelector:
 
 class DirectSelector:
     name = "direct"
+    reads_cache = False
 
     def select(self, ctx: SelectionContext) -> Choice:
         engine = ctx.pinned_engine
