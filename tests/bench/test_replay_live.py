@@ -88,6 +88,10 @@ def test_live_replay_of_50_requests(frontend, tmp_path, capsys):
     assert s["hit_rate"] > 0  # the first 50 requests share a system prompt and some conversations
     assert sum(e["requests"] for e in data["per_engine"]) == 50
     assert len(data["meta"]["engine_ids"]) == 2
+    # The client's own lag (scheduled time -> gRPC took the message), charged to TTFT, is reported.
+    meta = data["meta"]
+    assert 0 <= meta["send_lag_p50_ms"] <= meta["send_lag_p99_ms"] <= meta["max_send_lag_ms"]
+    assert "send lag p50" in text
     assert (tmp_path / "live.png").exists()
     # The same slice against the same mesh per mode, with fresh token seeds: compare runs live too.
     from kvmesh_bench.replay import compare

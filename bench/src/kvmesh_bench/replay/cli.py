@@ -366,6 +366,9 @@ def _print_meta(run: RunData) -> None:
             f"{m['cpu_s']:.1f} s CPU ({m['wall_s']:.1f} s wall); {view}"
         )
     else:
-        print(f"client: {m['sent']} sent, max send lag {m['max_send_lag_ms']:.1f} ms, {m['client_cpu_s']:.1f} s CPU")
+        print(
+            f"client: {m['sent']} sent, send lag p50 {m['send_lag_p50_ms']:.1f} / p99 {m['send_lag_p99_ms']:.1f} / "
+            f"max {m['max_send_lag_ms']:.1f} ms, {m['client_cpu_s']:.1f} s CPU"
+        )
     if run.errors:
         print(f"{len(run.errors)} requests failed; first: {run.errors[0]}")

@@ -8,7 +8,9 @@ whether or not earlier ones have finished (open loop); its prompt is the workloa
 responses still count their tokens).
 
 Timing is taken on the client: TTFT from the *scheduled* send time (a client that falls behind is
-charged for it; the lag is reported) to the first response that carries tokens, a response's gap to
+charged for it; the lag, from the scheduled time until gRPC has taken the request's message, is
+reported as p50 / p99 / max: a frontend slow to read holds the client's writes back too) to the first
+response that carries tokens, a response's gap to
 the previous one divided evenly among its tokens (ITL), end-to-end to the final response. The final
 response's ``kvmesh.worker_id`` and ``kvmesh.cached_tokens`` give the engine and the router's cached
 prefix (the hit rate a client can see).
@@ -209,7 +211,7 @@ async def run_live(
         read_task = asyncio.create_task(reader())
         start = time.perf_counter()
         stop_at = start + options.duration_s if options.duration_s is not None else math.inf
-        lag_max = 0.0
+        lags: list[float] = []
         sent = 0
         try:
             for r in requests:
@@ -230,10 +232,9 @@ async def run_live(
                     options.router_policy,
                     {"stream_interval": options.stream_interval} if options.stream_interval > 1 else None,
                 )
-                now = time.perf_counter()
-                tracks[r.request_id].sent_at = now
-                lag_max = max(lag_max, now - due)
+                tracks[r.request_id].sent_at = time.perf_counter()
                 await call.write(msg)
+                lags.append(time.perf_counter() - due)
                 sent += 1
             for r in requests[sent:]:  # never sent (duration reached)
                 pending.discard(r.request_id)
@@ -255,7 +256,7 @@ async def run_live(
         stream_error = None
         if read_task.done() and not read_task.cancelled() and read_task.exception() is not None:
             stream_error = str(read_task.exception())
-    return _to_run(requests, tracks, start, options, label, sent, lag_max, stream_error, time.process_time() - cpu0)
+    return _to_run(requests, tracks, start, options, label, sent, lags, stream_error, time.process_time() - cpu0)
 
 
 def _to_run(
@@ -265,7 +266,7 @@ def _to_run(
     options: LiveOptions,
     label: str,
     sent: int,
-    lag_max: float,
+    lags: Sequence[float],
     stream_error: str | None,
     cpu_s: float,
 ) -> RunData:
@@ -320,7 +321,9 @@ def _to_run(
             "model": options.model,
             "router_mode": options.router_mode,
             "sent": sent,
-            "max_send_lag_ms": lag_max * 1000.0,
+            "send_lag_p50_ms": float(np.percentile(lags, 50)) * 1000.0 if lags else 0.0,
+            "send_lag_p99_ms": float(np.percentile(lags, 99)) * 1000.0 if lags else 0.0,
+            "max_send_lag_ms": max(lags, default=0.0) * 1000.0,
             "engine_ids": [f"{w:x}" for w in seen],
             "client_cpu_s": cpu_s,
         },
