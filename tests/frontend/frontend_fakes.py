@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
 import itertools
 import json
@@ -97,6 +98,13 @@ class EngineBehaviour:
     cached_tokens: int = 3  # the engine's own prefix-cache hit, reported on its first response
 
 
+def prompt_of(request: worker_pb2.GenerateRequest) -> list[int]:
+    """The prompt a GenerateRequest carries, in either form (the frontend sends ``token_ids_u32le``)."""
+    if request.token_ids_u32le:
+        return array.array("I", request.token_ids_u32le).tolist()
+    return list(request.token_ids)
+
+
 class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, engine_ids: list[int], files: dict[str, bytes] | None = None) -> None:
         self.engine_ids = engine_ids
@@ -165,7 +173,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                     await asyncio.sleep(b.delay)
                 response = worker_pb2.GenerateResponse(token_ids=ids, finish_reason=finish)
                 if first:
-                    response.num_prompt_tokens = len(request.token_ids)
+                    response.num_prompt_tokens = len(prompt_of(request))
                     response.num_cached_tokens = b.cached_tokens
                     first = False
                 yield response

@@ -27,6 +27,7 @@ from tests.frontend.frontend_fakes import (
     ids_input,
     llm_request,
     output_tokens,
+    prompt_of,
     to_raw,
     tokenizer_files,
 )
@@ -156,7 +157,7 @@ async def test_model_infer_returns_prompt_and_completion(mesh) -> None:
     assert param(response, "kvmesh.cached_tokens") == 3  # the engine's own count, not the router's overlap
     await no_leaks(worker, router)
     sent = worker.requests[-1]
-    assert list(sent.token_ids) == [0, *fe.registry.get(MODEL).assets.tokenizer.encode("hello world", False)]
+    assert prompt_of(sent) == [0, *fe.registry.get(MODEL).assets.tokenizer.encode("hello world", False)]
     assert sent.sampling.max_tokens == 6
 
 
@@ -273,7 +274,7 @@ async def test_input_ids_and_raw_inputs(mesh) -> None:
     fe, worker, _ = mesh
     request = llm_request(None, stream=True, sampling={"max_tokens": 4}, extra=[ids_input([5, 6, 7, 8, 9], "INT64")])
     responses = [m.infer_response for m in await stream_all(fe, [to_raw(request)])]
-    assert list(worker.requests[-1].token_ids) == [5, 6, 7, 8, 9]
+    assert prompt_of(worker.requests[-1]) == [5, 6, 7, 8, 9]
     tok = fe.registry.get(MODEL).assets.tokenizer
     assert "".join(text_of(r) for r in responses) == tok.decode(output_tokens()[:4])
     request = llm_request(
@@ -295,10 +296,8 @@ async def test_messages_are_rendered_with_the_chat_template(mesh) -> None:
     )
     await stream_all(fe, [request])
     tok = fe.registry.get(MODEL).assets.tokenizer
-    assert list(worker.requests[-1].token_ids) == tok.encode(
-        "<s><|user|>hello\n<|assistant|>", add_special_tokens=False
-    )
-    assert worker.requests[-1].token_ids[0] == 0  # exactly one BOS: the template's
+    assert prompt_of(worker.requests[-1]) == tok.encode("<s><|user|>hello\n<|assistant|>", add_special_tokens=False)
+    assert prompt_of(worker.requests[-1])[0] == 0  # exactly one BOS: the template's
 
 
 async def test_utf8_is_never_split_on_the_wire(mesh) -> None:
@@ -460,7 +459,7 @@ async def test_migration_when_the_engine_dies_mid_stream(mesh) -> None:
     assert second.num_tokens == first.num_tokens + 5 and second.expected_output_tokens == 7
     resumed = worker.requests[-1]
     assert resumed.sampling.max_tokens == 7
-    assert list(resumed.token_ids) == list(worker.requests[-2].token_ids) + output_tokens()[:5]
+    assert prompt_of(resumed) == prompt_of(worker.requests[-2]) + output_tokens()[:5]
     tok = fe.registry.get(MODEL).assets.tokenizer
     assert "".join(text_of(r) for r in responses) == tok.decode(output_tokens()[:5] + output_tokens()[:7])
     await no_leaks(worker, router)

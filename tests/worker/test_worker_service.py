@@ -11,6 +11,7 @@ Two workers serve the whole module (starting one costs seconds on a shared machi
 
 from __future__ import annotations
 
+import array
 import asyncio
 import hashlib
 import itertools
@@ -202,6 +203,36 @@ async def test_bad_request_is_invalid_argument_naming_the_limit(channel, tokens,
         await generate(stub, request(engine, tokens, max_tokens, ignore_eos=True))
     assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert limit in error.value.message
+
+
+async def test_a_prompt_sent_as_u32_bytes_generates_what_the_same_ids_do(channel):
+    """The frontend's compact form (``token_ids_u32le``) is the same prompt as ``token_ids``."""
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engine = (await engine_ids(stub))[0]
+    prompt = list(range(3, 200))
+    as_ids = request(engine, prompt, 12, ignore_eos=True, seed=7)
+    as_bytes = request(engine, [], 12, ignore_eos=True, seed=7)
+    as_bytes.token_ids_u32le = array.array("I", prompt).tobytes()
+    by_ids, by_bytes = await generate(stub, as_ids), await generate(stub, as_bytes)
+    assert tokens_of(by_bytes) == tokens_of(by_ids) and len(tokens_of(by_bytes)) == 12
+    assert by_bytes[0].num_prompt_tokens == by_ids[0].num_prompt_tokens == len(prompt)
+    assert by_bytes[-1].num_cached_tokens > 0  # the same blocks: the second request hits the first's cache
+
+
+@pytest.mark.parametrize(
+    ("ids", "raw", "why"),
+    [([], b"\x05\x00\x00", "3 bytes"), ([5, 6], array.array("I", [5, 6]).tobytes(), "both token_ids and")],
+    ids=["not-whole-ids", "both-forms"],
+)
+async def test_a_malformed_compact_prompt_is_invalid_argument(channel, ids, raw, why):
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engine = (await engine_ids(stub))[0]
+    bad = request(engine, ids, 5)
+    bad.token_ids_u32le = raw
+    with pytest.raises(RequestFailed) as error:
+        await generate(stub, bad)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_ids_u32le must hold the whole prompt" in error.value.message and why in error.value.message
 
 
 async def test_unknown_engine_is_not_found_on_every_rpc(channel):

@@ -35,6 +35,11 @@ def _u32_le_bytes(tokens: Sequence[int] | np.ndarray, count: int) -> bytes:
     return np.asarray(tokens[:count], dtype="<u4").tobytes()
 
 
+def u32_le_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as u32 little-endian bytes (the hashed form, and GenerateRequest.token_ids_u32le)."""
+    return _u32_le_bytes(tokens, len(tokens))
+
+
 def salted_seed(salt: str | None = None) -> int:
     """Seed for a cache namespace (e.g. a LoRA name): requests with different salts never share blocks."""
     if not salt:

@@ -34,6 +34,7 @@ from typing import Literal
 
 import grpc
 from kvmesh.channels import ChannelPool
+from kvmesh.hashing import u32_le_bytes
 from kvmesh.kv_release import KvReleases
 from kvmesh.v1 import discovery_pb2, router_pb2, worker_pb2
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
@@ -123,7 +124,7 @@ class Disaggregator:
                 worker_pb2.GenerateRequest(
                     request_id=prefill_id,
                     engine_id=plan.engine_id,
-                    token_ids=tokens,
+                    token_ids_u32le=u32_le_bytes(tokens),
                     sampling=psampling,
                     hold_kv_for_transfer=True,
                 ),

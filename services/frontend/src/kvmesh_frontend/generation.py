@@ -32,7 +32,7 @@ import grpc
 from kvmesh import telemetry
 from kvmesh.backoff import Backoff
 from kvmesh.channels import ChannelPool
-from kvmesh.hashing import block_hashes
+from kvmesh.hashing import block_hashes, u32_le_bytes
 from kvmesh.v1 import router_pb2, worker_pb2
 
 from kvmesh_frontend.disagg import DECODE, DisaggPolicy, Disaggregator, DisaggState
@@ -177,7 +177,7 @@ class Generator:
                 worker_pb2.GenerateRequest(
                     request_id=request_id,
                     engine_id=decision.engine_id,
-                    token_ids=tokens,
+                    token_ids_u32le=u32_le_bytes(tokens),
                     sampling=sampling,
                     prefill_result=kv,
                 ),

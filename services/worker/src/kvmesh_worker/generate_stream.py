@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
+import numpy as np
 from kvmesh import telemetry
 from kvmesh.v1 import worker_pb2
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams, KvTransferReport
@@ -62,11 +63,31 @@ _FINISH = {
 }
 
 
+def prompt_tokens(request: worker_pb2.GenerateRequest) -> np.ndarray | list[int]:
+    """The prompt, from whichever form it came in (``token_ids_u32le`` is read in place, with no copy).
+
+    Raises :class:`InvalidRequest` for a byte length that is not a multiple of 4, or both forms set.
+    """
+    raw = request.token_ids_u32le
+    if not raw:
+        return request.token_ids[:]  # a slice copies in C: 2x faster than list() on an 8k-token prompt
+    if len(raw) % 4 or request.token_ids:
+        why = "both token_ids and token_ids_u32le are set" if request.token_ids else f"{len(raw)} bytes"
+        raise InvalidRequest(f"token_ids_u32le must hold the whole prompt as 4-byte little-endian ids ({why})")
+    return np.frombuffer(raw, dtype="<u4")
+
+
+def prompt_length(request: worker_pb2.GenerateRequest) -> int:
+    """Prompt tokens in ``request``, in either form (without decoding them)."""
+    return len(request.token_ids_u32le) // 4 or len(request.token_ids)
+
+
 def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> EngineRequest:
+    """The engine's view of ``request``; raises :class:`InvalidRequest` for a malformed prompt."""
     sampling = request.sampling
     return EngineRequest(
         request_id=request_id,
-        prompt=request.token_ids[:],  # a slice copies in C: 2x faster than list() on an 8k-token prompt
+        prompt=prompt_tokens(request),
         max_tokens=sampling.max_tokens,
         ignore_eos=sampling.ignore_eos,
         stop_token_ids=tuple(sampling.stop_token_ids),
@@ -350,19 +371,26 @@ class GenerateStreamSession:
                     "kvmesh.request_id": request_id,
                     "kvmesh.model": self._model,
                     "kvmesh.engine_id": f"{request.engine_id:x}",
-                    "kvmesh.prompt_tokens": len(request.token_ids),
+                    "kvmesh.prompt_tokens": prompt_length(request),
                 }
             )
         logprobs = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
+        try:
+            ereq = engine_request(request, request_id)
+        except InvalidRequest as exc:
+            if request.HasField("prefill_result"):
+                self._release_remote(request.prefill_result)  # the prefill engine holds its KV for us
+            self._fail(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
+            return
         interval = max(self._stream_interval, request.sampling.stream_interval)
         if interval > 1:  # before submit: an engine may deliver from inside it
             self._holds[request_id] = _Hold(interval)
         if request.HasField("prefill_result"):
-            self._active[request_id] = _Active(engine, len(request.token_ids), span, logprobs, self._model)
-            self._pulls[request_id] = self._loop.create_task(self._pull_then_submit(engine, request))
+            self._active[request_id] = _Active(engine, len(ereq.prompt), span, logprobs, self._model)
+            self._pulls[request_id] = self._loop.create_task(self._pull_then_submit(engine, request, ereq))
             return
         try:
-            engine.submit(engine_request(request, request_id), self)
+            engine.submit(ereq, self)
         except InvalidRequest as exc:
             self._holds.pop(request_id, None)
             self._fail(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
@@ -370,13 +398,12 @@ class GenerateStreamSession:
             self._holds.pop(request_id, None)
             self._fail(request_id, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), span)
         else:
-            self._active[request_id] = _Active(engine, len(request.token_ids), span, logprobs, self._model)
+            self._active[request_id] = _Active(engine, len(ereq.prompt), span, logprobs, self._model)
 
-    async def _pull_then_submit(self, engine: Engine, request: worker_pb2.GenerateRequest) -> None:
+    async def _pull_then_submit(self, engine: Engine, request: worker_pb2.GenerateRequest, ereq: EngineRequest) -> None:
         """Pull the prompt's KV, then submit; the source is released whatever happens."""
         request_id = request.request_id
         params = request.prefill_result
-        ereq = engine_request(request, request_id)
         try:
             report = await engine.pull_kv(ereq, params)
         except KvPullFailed as exc:

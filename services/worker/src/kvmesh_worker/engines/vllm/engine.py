@@ -41,10 +41,11 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from kvmesh.kv_events import CacheDump, KvEvent
 from kvmesh.kv_publisher import EventJournal, KvEventPublisher, KvSubscription
 from kvmesh.v1 import worker_pb2
@@ -251,7 +252,7 @@ class VllmEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def _check(self, request: EngineRequest) -> list[int]:
-        prompt = [int(t) for t in request.prompt]
+        prompt = _token_list(request.prompt)
         if not prompt:
             raise InvalidRequest("prompt has no tokens")
         if request.hold_kv and self.spec.role != "prefill":
@@ -433,7 +434,7 @@ class VllmEngine:
                 "FAILED_PRECONDITION", f"engine {self.engine_id:x} (vLLM) is {self.spec.role}: it cannot pull KV"
             )
         cached = {b.block_hash for b in self._rehasher.blocks.values()} if params.block_ids else set()
-        remote, report = disagg.remote_prefill(list(request.prompt), params, self.spec.block_size, cached)
+        remote, report = disagg.remote_prefill(_token_list(request.prompt), params, self.spec.block_size, cached)
         self._remote[request.request_id] = remote
         return report
 
@@ -684,3 +685,8 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
         return made[0]
 
     return make
+
+
+def _token_list(prompt: Sequence[int] | np.ndarray) -> list[int]:
+    """The prompt as the list of Python ints vLLM takes (an array converts in C, a sequence item by item)."""
+    return prompt.tolist() if isinstance(prompt, np.ndarray) else [int(t) for t in prompt]
