@@ -24,7 +24,7 @@ the pass ends and then applies with the index's ``store_chain`` / ``remove``: th
 ``apply_event``, without building an event object per pass and a StoredBlock per block.
 A routing mode that reads neither the index nor the bookings (``round_robin``, ``random``: their
 selectors say ``reads_cache = False``) decides the same without them, so by default the replay does not
-feed the index then (a third of a round-robin replay's CPU); ``OfflineConfig.router_view`` feeds it anyway,
+feed the index then (a round-robin replay takes 0.80-0.88x the CPU); ``OfflineConfig.router_view`` feeds it anyway,
 for the router-view figures (the overlap of the engines chosen, the best one offered) that only it gives.
 
 Runs of *quiet* decode passes (no output, no event, nothing a router can see) are skipped with
