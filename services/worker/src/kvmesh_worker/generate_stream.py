@@ -77,11 +77,6 @@ def prompt_tokens(request: worker_pb2.GenerateRequest) -> np.ndarray | list[int]
     return np.frombuffer(raw, dtype="<u4")
 
 
-def prompt_length(request: worker_pb2.GenerateRequest) -> int:
-    """Prompt tokens in ``request``, in either form (without decoding them)."""
-    return len(request.token_ids_u32le) // 4 or len(request.token_ids)
-
-
 def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> EngineRequest:
     """The engine's view of ``request``; raises :class:`InvalidRequest` for a malformed prompt."""
     sampling = request.sampling
@@ -371,7 +366,6 @@ class GenerateStreamSession:
                     "kvmesh.request_id": request_id,
                     "kvmesh.model": self._model,
                     "kvmesh.engine_id": f"{request.engine_id:x}",
-                    "kvmesh.prompt_tokens": prompt_length(request),
                 }
             )
         logprobs = request.sampling.logprobs if request.sampling.HasField("logprobs") else None
@@ -382,6 +376,8 @@ class GenerateStreamSession:
                 self._release_remote(request.prefill_result)  # the prefill engine holds its KV for us
             self._fail(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
             return
+        if span is not None:
+            span.set_attribute("kvmesh.prompt_tokens", len(ereq.prompt))
         interval = max(self._stream_interval, request.sampling.stream_interval)
         if interval > 1:  # before submit: an engine may deliver from inside it
             self._holds[request_id] = _Hold(interval)
