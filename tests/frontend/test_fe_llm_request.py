@@ -80,8 +80,12 @@ def test_routing_and_triton_parameters() -> None:
 
 def test_input_ids_and_messages() -> None:
     for datatype in ("INT32", "INT64"):
-        req = parse_llm_request(llm_request(None, extra=[ids_input([5, 6, 7], datatype)]))
-        assert req.input_ids == [5, 6, 7] and req.prompt_input == "input_ids"
+        request = llm_request(None, extra=[ids_input([5, 6, 7], datatype)])
+        for form in (request, to_raw(request)):
+            req = parse_llm_request(form)
+            assert req.input_ids is not None and req.input_ids.tolist() == [5, 6, 7] and req.prompt_input == "input_ids"
+            # the prompt is held as the u32 LE bytes that are hashed and sent to the worker
+            assert req.input_ids.u32le == b"\x05\x00\x00\x00\x06\x00\x00\x00\x07\x00\x00\x00"
     messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     req = parse_llm_request(llm_request(None, extra=[bytes_input("messages", json.dumps(messages))]))
     assert req.messages == [{"role": "user", "content": "ab"}]
@@ -190,6 +194,10 @@ BAD = [
     ("input_ids negative", llm_request(None, extra=[ids_input([1, -2])]),
      "input 'input_ids': token id -2 at index 1 is negative"),
     ("input_ids empty", llm_request(None, extra=[ids_input([])]), "input 'input_ids': the prompt is empty"),
+    ("input_ids negative, raw", to_raw(llm_request(None, extra=[ids_input([1, 2, -3])])),
+     "input 'input_ids': token id -3 at index 2 is negative"),
+    ("input_ids beyond u32", to_raw(llm_request(None, extra=[ids_input([1, 1 << 32], "INT64")])),
+     "input 'input_ids': token id 4294967296 at index 1 is above the largest token id 4294967295"),
     ("input_ids float", llm_request(None, extra=[pb.ModelInferRequest.InferInputTensor(
         name="input_ids", datatype="FP32", shape=[1], contents=pb.InferTensorContents(fp32_contents=[1.0]))]),
      "input 'input_ids': expected datatype INT32 or INT64, got FP32"),

@@ -34,13 +34,13 @@ from typing import Literal
 
 import grpc
 from kvmesh.channels import ChannelPool
-from kvmesh.hashing import u32_le_bytes
 from kvmesh.kv_release import KvReleases
 from kvmesh.v1 import discovery_pb2, router_pb2, worker_pb2
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
 
 from kvmesh_frontend.engine_stream import EngineError, EngineStreams
 from kvmesh_frontend.errors import exhausted, invalid, unavailable
+from kvmesh_frontend.prompt_tokens import PromptTokens
 from kvmesh_frontend.routing import RouterSession
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Disaggregator:
         self,
         decision: router_pb2.RouteDecision,
         session: RouterSession,
-        tokens: list[int],
+        tokens: PromptTokens,
         sampling: worker_pb2.SamplingOptions,
         state: DisaggState,
     ) -> KvTransferParams | None:
@@ -124,7 +124,7 @@ class Disaggregator:
                 worker_pb2.GenerateRequest(
                     request_id=prefill_id,
                     engine_id=plan.engine_id,
-                    token_ids_u32le=u32_le_bytes(tokens),
+                    token_ids_u32le=tokens.u32le,
                     sampling=psampling,
                     hold_kv_for_transfer=True,
                 ),

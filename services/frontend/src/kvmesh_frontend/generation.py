@@ -32,12 +32,12 @@ import grpc
 from kvmesh import telemetry
 from kvmesh.backoff import Backoff
 from kvmesh.channels import ChannelPool
-from kvmesh.hashing import block_hashes, u32_le_bytes
 from kvmesh.v1 import router_pb2, worker_pb2
 
 from kvmesh_frontend.disagg import DECODE, DisaggPolicy, Disaggregator, DisaggState
 from kvmesh_frontend.engine_stream import EngineError, EngineStreams
 from kvmesh_frontend.errors import FrontendError, exhausted, internal, invalid, unavailable
+from kvmesh_frontend.prompt_tokens import PromptTokens
 from kvmesh_frontend.routing import RouterClient, RouterSession
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class PreparedRequest:
 
     request_id: str
     model: str
-    token_ids: list[int]
+    prompt: PromptTokens
     block_hashes: list[int]
     block_size: int
     max_tokens: int
@@ -111,7 +111,7 @@ class Generator:
     async def generate(
         self, req: PreparedRequest, state: GenerationState
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        prompt = req.token_ids
+        prompt = req.prompt
         hashes = req.block_hashes
         generated: list[int] = []
         excluded: list[int] = self._down_engines(req.model) if self.engines.any_down else []
@@ -121,9 +121,9 @@ class Generator:
         while True:
             request_id = req.request_id if attempt == 0 else f"{req.request_id}~m{attempt}"
             remaining = req.max_tokens - len(generated)
-            tokens = prompt if not generated else prompt + generated
+            tokens = prompt.extended(generated)
             if generated:
-                hashes = block_hashes(tokens, req.block_size)[1]
+                hashes = tokens.block_hashes(req.block_size)
             query = router_pb2.RouteQuery(
                 request_id=request_id,
                 model=req.model,
@@ -177,7 +177,7 @@ class Generator:
                 worker_pb2.GenerateRequest(
                     request_id=request_id,
                     engine_id=decision.engine_id,
-                    token_ids_u32le=u32_le_bytes(tokens),
+                    token_ids_u32le=tokens.u32le,
                     sampling=sampling,
                     prefill_result=kv,
                 ),

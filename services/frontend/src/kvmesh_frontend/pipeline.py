@@ -23,7 +23,6 @@ from typing import cast
 
 from inference import grpc_service_pb2 as pb
 from kvmesh import telemetry
-from kvmesh.hashing import block_hashes
 from kvmesh.telemetry import request_id_var
 from kvmesh.v1 import worker_pb2
 
@@ -33,6 +32,7 @@ from kvmesh_frontend.generation import GenerationState, Generator, PreparedReque
 from kvmesh_frontend.llm_request import PARAM_WORKER_ID, LlmRequest, parse_llm_request
 from kvmesh_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from kvmesh_frontend.models import ModelEntry, ModelRegistry
+from kvmesh_frontend.prompt_tokens import PromptTokens
 from kvmesh_frontend.responses import Response, ResponseWriter
 from kvmesh_frontend.tokenization import ChatTemplateError, ModelTokenizer
 
@@ -144,15 +144,15 @@ class Frontend:
             telemetry.end_span(phase)
             phase = telemetry.start_span("tokenize", span)
             tokenizer = await self.registry.tokenizer(entry)
-            prompt_ids, prompt_text = await self._prompt(llm, entry, tokenizer)
-            prepared = self._prepare(request_id, llm, entry, prompt_ids)
+            prompt, prompt_text = await self._prompt(llm, entry, tokenizer)
+            prepared = self._prepare(request_id, llm, entry, prompt)
             prepared_at = time.perf_counter()
-            telemetry.end_span(phase, attributes={"kvmesh.prompt_tokens": len(prompt_ids)})
+            telemetry.end_span(phase, attributes={"kvmesh.prompt_tokens": len(prompt)})
             phase = telemetry.start_span("first_token", span)
-            model_metrics.input_tokens.observe(len(prompt_ids))
+            model_metrics.input_tokens.observe(len(prompt))
             state = GenerationState()
             writer = ResponseWriter(
-                llm, tokenizer, prompt_ids, prompt_text, state, model_version=request.model_version or "1", unary=unary
+                llm, tokenizer, prompt, prompt_text, state, model_version=request.model_version or "1", unary=unary
             )
             # Closing the generation (here, or when the client goes away while a response is being
             # written) cancels its engine request and frees its router booking.
@@ -236,7 +236,7 @@ class Frontend:
 
     async def _prompt(
         self, llm: LlmRequest, entry: ModelEntry, tokenizer: ModelTokenizer | None
-    ) -> tuple[list[int], str]:
+    ) -> tuple[PromptTokens, str]:
         """Prompt token ids and prompt text (the text only when the output repeats the prompt)."""
         if tokenizer is None and llm.sampling.stop:
             raise invalid(
@@ -244,16 +244,16 @@ class Frontend:
                 "no tokenizer; send 'stop_token_ids' instead"
             )
         if llm.input_ids is not None:
-            ids = llm.input_ids
-            if entry.vocab_size and max(ids) >= entry.vocab_size:  # builtin max first, the loop names the culprit
-                for i, token in enumerate(ids):
+            prompt = llm.input_ids
+            if entry.vocab_size and prompt.max_id() >= entry.vocab_size:  # the loop only names the culprit
+                for i, token in enumerate(prompt):
                     if token >= entry.vocab_size:
                         raise invalid(
                             f"input 'input_ids': token id {token} at index {i} is outside the vocabulary "
                             f"[0, {entry.vocab_size}) of model '{entry.name}'"
                         )
-            text = "" if llm.exclude_input or tokenizer is None else tokenizer.decode(ids)
-            return ids, text
+            text = "" if llm.exclude_input or tokenizer is None else tokenizer.decode(prompt.tolist())
+            return prompt, text
         if tokenizer is None:
             raise invalid(
                 f"input '{llm.prompt_input}': model '{entry.name}' serves no tokenizer; send 'input_ids' instead"
@@ -275,11 +275,11 @@ class Frontend:
             ids = tokenizer.encode(text, add_special)
         if not ids:
             raise invalid(f"input '{llm.prompt_input}': the prompt is empty (0 tokens)")
-        return ids, text
+        return PromptTokens.of(ids), text
 
-    def _prepare(self, request_id: str, llm: LlmRequest, entry: ModelEntry, prompt_ids: list[int]) -> PreparedRequest:
+    def _prepare(self, request_id: str, llm: LlmRequest, entry: ModelEntry, prompt: PromptTokens) -> PreparedRequest:
         sampling = llm.sampling
-        num_prompt = len(prompt_ids)
+        num_prompt = len(prompt)
         limit = entry.context_length
         if limit and num_prompt >= limit:
             raise invalid(
@@ -322,11 +322,11 @@ class Frontend:
             options.logprobs = sampling.logprobs
         elif llm.wants("cumulative_logprob"):
             options.logprobs = 0  # the sum needs each token's logprob, not the alternatives
-        hashes = block_hashes(prompt_ids, entry.block_size)[1] if entry.block_size else []
+        hashes = prompt.block_hashes(entry.block_size) if entry.block_size else []
         return PreparedRequest(
             request_id=request_id,
             model=entry.name,
-            token_ids=prompt_ids,
+            prompt=prompt,
             block_hashes=hashes,
             block_size=entry.block_size,
             max_tokens=max_tokens,

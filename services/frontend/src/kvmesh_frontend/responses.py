@@ -53,7 +53,7 @@ class ResponseWriter:
         self,
         llm: LlmRequest,
         tokenizer: ModelTokenizer | None,
-        prompt_ids: list[int],
+        prompt: Sequence[int],
         prompt_text: str,
         state: GenerationState,
         *,
@@ -64,7 +64,7 @@ class ResponseWriter:
         self._state = state
         self._unary = unary
         self._stream = llm.stream
-        self._num_input = len(prompt_ids)
+        self._num_input = len(prompt)
         self._want_text = llm.wants("text_output")
         self._want_finish = llm.wants("finish_reason")
         self._want_num_in = llm.wants("num_input_tokens")
@@ -77,7 +77,7 @@ class ResponseWriter:
         self._logprob_parts: list[dict[str, dict[str, object]]] = []
         self._detok: IncrementalDetokenizer | None = None
         if tokenizer is not None and (self._want_text or llm.sampling.stop):
-            self._detok = tokenizer.detokenizer(prompt_ids, llm.sampling.skip_special_tokens)
+            self._detok = tokenizer.detokenizer(prompt, llm.sampling.skip_special_tokens)
         self._stops = (  # stop strings match text: the pipeline refuses them for a model without a tokenizer
             StopStrings(llm.sampling.stop, llm.sampling.include_stop_str_in_output)
             if llm.sampling.stop and self._detok is not None
