@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from kvmesh.hashing import sequence_hashes
 from kvmesh_router.slot_tracker import EngineLoad, PotentialLoad, SlotTracker
@@ -117,3 +119,37 @@ def test_per_engine_block_size():
 def test_invalid_block_size():
     with pytest.raises(ValueError):
         SlotTracker(0)
+
+
+def test_active_blocks_are_always_the_union_of_the_live_bookings():
+    """Random books and frees over shared prefixes, on several engines: every engine's active blocks and
+    the active-prefix answer match a recount from the bookings still held (refcounts never drift)."""
+    rng = random.Random(5)
+    st = SlotTracker(BS)
+    names = "ABCDEFGHIJ"
+    live: dict[str, tuple[int, list[int]]] = {}
+    for step in range(600):
+        if live and rng.random() < 0.45:
+            rid = rng.choice(sorted(live))
+            assert st.free(rid)
+            del live[rid]
+        else:
+            chain = seq(*rng.choices(names[:4], k=rng.randint(1, 3)), *rng.choices(names, k=rng.randint(0, 4)))
+            engine = rng.randint(1, 3)
+            rid = f"r{step}"
+            assert st.add_request(rid, engine, chain, len(chain) * BS, 0, now=0.0)
+            live[rid] = (engine, chain)
+        for engine in (1, 2, 3):
+            held = {h for e, chain in live.values() if e == engine for h in chain}
+            assert st.active_blocks(engine) == len(held)
+        probe = seq(*rng.choices(names[:4], k=3))
+        expected = {}
+        for engine in (1, 2, 3):
+            held = {h for e, chain in live.values() if e == engine for h in chain}
+            run = next((i for i, h in enumerate(probe) if h not in held), len(probe))
+            if run:
+                expected[engine] = run
+        assert st.active_prefix(probe) == expected
+    for rid in list(live):
+        st.free(rid)
+    assert all(st.active_blocks(e) == 0 for e in (1, 2, 3)) and st.active_prefix(seq("A")) == {}
