@@ -54,7 +54,6 @@ class TokenMapper:
         self.seed = seed
         rng = np.random.default_rng([seed, vocab_size, block_tokens])
         self._table = rng.integers(0, vocab_size, _TABLE + block_tokens, dtype=np.int32)
-        self._offsets = np.arange(block_tokens, dtype=np.int64)
 
     def block(self, hash_id: int) -> np.ndarray:
         """The full token block of one hash id (int32)."""
@@ -70,9 +69,10 @@ class TokenMapper:
         n_blocks = min(len(hash_ids), -(-input_length // bt)) if input_length > 0 else 0
         if n_blocks == 0:
             return np.zeros(0, dtype=np.int32)
-        ids = np.fromiter((h % _TABLE for h in hash_ids[:n_blocks]), dtype=np.int64, count=n_blocks)
-        starts = (ids * _STRIDE) % _TABLE
-        out = self._table[(starts[:, None] + self._offsets[None, :]).ravel()]
+        # Each block is a contiguous slice of the table (it has block_tokens of slack at the end): slices
+        # and one concatenate take half the time of a gather through a per-token index array.
+        table = self._table
+        out = np.concatenate([table[s : s + bt] for s in [h % _TABLE * _STRIDE % _TABLE for h in hash_ids[:n_blocks]]])
         return out[: min(input_length, n_blocks * bt)]
 
 
