@@ -83,6 +83,7 @@ def _shared_prefix_rows(n: int, seed: int) -> list[TraceRequest]:
 
 
 def test_a_cache_blind_mode_replays_the_same_whether_or_not_the_index_is_fed():
+    # Without router_view the replay neither feeds the index nor books block hashes in the slot tracker.
     rows = _shared_prefix_rows(80, seed=5)  # cache hits, evictions and queueing
     for mode in ("round_robin", "random"):
         lean = simulate(rows, router_mode=mode, seed=3)

@@ -24,8 +24,10 @@ the pass ends and then applies with the index's ``store_chain`` / ``remove``: th
 ``apply_event``, without building an event object per pass and a StoredBlock per block.
 A routing mode that reads neither the index nor the bookings (``round_robin``, ``random``: their
 selectors say ``reads_cache = False``) decides the same without them, so by default the replay does not
-feed the index then (a round-robin replay takes 0.80-0.88x the CPU); ``OfflineConfig.router_view`` feeds it anyway,
-for the router-view figures (the overlap of the engines chosen, the best one offered) that only it gives.
+feed the index then (a round-robin replay takes 0.80-0.88x the CPU), and it books such a request in the slot
+tracker without its block hashes (no per-block refcounts that nothing reads; its prefill tokens still count);
+``OfflineConfig.router_view`` feeds the index and books the hashes anyway, for the router-view figures (the
+overlap of the engines chosen, the best one offered) that only it gives.
 
 Runs of *quiet* decode passes (no output, no event, nothing a router can see) are skipped with
 ``EngineCore.fast_forward``, bounded by the next arrival, which is exactly equivalent to stepping
@@ -329,7 +331,8 @@ def run_offline(
         tokens = req.prompt(mapper)
         local_hashes, hashes = prompt_hashes(req.hash_ids, tokens)
         decision = admission.decide(
-            RouteRequest(req.request_id, hashes, int(tokens.size), req.max_tokens), now=ta / 1000.0
+            RouteRequest(req.request_id, hashes if keep_index else (), int(tokens.size), req.max_tokens),
+            now=ta / 1000.0,
         )
         k = i - 1
         if not isinstance(decision, Decision):

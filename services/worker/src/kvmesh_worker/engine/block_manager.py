@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 from operator import lshift, or_
 from typing import Protocol
 
@@ -171,7 +171,8 @@ class BlockManager:
             raise NoFreeBlocks(f"{n_new} new blocks do not fit: {len(active)} of {self.num_blocks} are active")
         meta = self._meta
         if n_evict > 0:
-            evicted = [inactive.popitem(last=False)[0] for _ in range(n_evict)]  # LRU first
+            evicted = list(islice(inactive, n_evict))  # LRU first
+            deque(map(inactive.__delitem__, evicted), 0)
             if meta is not None:
                 for h in evicted:
                     del meta[h]
@@ -249,7 +250,7 @@ class BlockManager:
             # The usual release: nobody else holds any of them; the same moves at C speed (partial last).
             full = keys if keys[-1] >= 0 else keys[:-1]
             deque(map(active.__delitem__, keys), 0)
-            inactive.update(dict.fromkeys(reversed(full)))
+            deque(map(inactive.__setitem__, reversed(full), repeat(None)), 0)
             return
         for key in self._drop_refs(keys):
             inactive[key] = None  # push as most recent (an active block is never in inactive)
