@@ -5,6 +5,7 @@ prefill(T) = 4.209989e-07 T^2 + 0.01518344 T + 16.50142, decode(u) = -25.74 u^2 
 u = active blocks / 1000.
 """
 
+import gc
 import math
 import random
 
@@ -95,6 +96,24 @@ def test_a_cache_blind_mode_replays_the_same_whether_or_not_the_index_is_fed():
     viewed = simulate(ROWS, router_mode="round_robin", router_view=True)
     assert viewed.meta["router_hit_rate"] == pytest.approx(96 / 900)
     assert viewed.meta["best_offered_hit_rate"] == pytest.approx(96 / 900)
+
+
+def test_a_replay_leaves_no_cyclic_garbage_and_restores_the_collector():
+    # run_offline pauses the cyclic GC while it runs; that loses nothing only while everything it drops is
+    # freed by reference counting (here with cache hits, evictions and queueing, in every routing mode).
+    rows = _shared_prefix_rows(80, seed=5)
+    gc.collect()
+    gc.disable()
+    try:
+        for mode in ("kv", "round_robin", "random", "power_of_two"):
+            run = simulate(rows, router_mode=mode, seed=3)
+            assert run.cached_tokens.sum() > 0, mode
+            assert gc.collect() == 0, mode
+        assert not gc.isenabled()  # a caller's disabled collector stays disabled
+    finally:
+        gc.enable()
+    simulate(ROWS)
+    assert gc.isenabled()
 
 
 def test_kv_routing_follows_the_cached_prefix():

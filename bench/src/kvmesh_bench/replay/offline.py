@@ -34,6 +34,11 @@ Runs of *quiet* decode passes (no output, no event, nothing a router can see) ar
 through them. That, plus ``emit_token_ids=False``, is what makes the whole conversation trace with
 8 engines take seconds of CPU rather than hours.
 
+The cyclic garbage collector is paused while a replay runs. The replay makes no reference cycles (all it
+drops is freed by reference counting; a collection right after a replay finds nothing, which a test
+checks), so the collector's passes over its growing heap (booking tuples, memoized hash lists) found
+nothing either, and cost ~0.25 s of CPU on the 4000-request conversation trace (7-10 %).
+
 Figures are measured as Dynamo's replay measures them: TTFT = first token time - arrival, end-to-end
 = last token time - arrival, and ITL is the distribution of every token-to-token gap. In a pass every
 running decode request gets exactly one token, so each gap is the duration of the pass that produced
@@ -45,11 +50,13 @@ found in the prefix cache at a request's first admission ÷ prompt tokens.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -227,10 +234,29 @@ class SimRouter:
         self.index.add_engine(engine_id)
 
 
+@contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (and restore its state after); reference counting still frees."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def run_offline(
     requests: Sequence[ReplayRequest], config: OfflineConfig, mapper: TokenMapper | None = None, label: str = ""
 ) -> RunData:
     """Replay ``requests`` (in arrival order) through a fresh simulated fleet; see the module docstring."""
+    with _cyclic_gc_paused():
+        return _simulate(requests, config, mapper, label)
+
+
+def _simulate(
+    requests: Sequence[ReplayRequest], config: OfflineConfig, mapper: TokenMapper | None, label: str
+) -> RunData:
     cpu0, wall0 = time.process_time(), time.perf_counter()
     mapper = mapper or TokenMapper(vocab_size=config.vocab_size, seed=config.seed)
     econf = config.engine_config()
