@@ -7,6 +7,7 @@ import random
 
 from kvmesh_bench.indexer_microbench import Result, SimEngine, format_baseline, main
 from kvmesh_router.indexer import KvIndexer
+from kvmesh_router.policies import DEFAULT_COST_POLICY
 
 
 def _tiny_trace(path, rows=60, seed=0):
@@ -39,15 +40,17 @@ def test_microbench_runs_and_writes_json(tmp_path, capsys):
         assert 0.0 < r["prefix_hit_ratio"] < 1.0
 
 
-def test_microbench_decides_with_the_daemons_busy_thresholds_by_default(tmp_path, capsys):
-    """With the router daemon's defaults, engines of 12 blocks are soon over 95 % KV booked: as the daemon
+def test_microbench_decides_with_the_daemons_busy_thresholds_and_cost_policy_by_default(tmp_path, capsys):
+    """With the router daemon's defaults, engines of 10 blocks are soon over 95 % KV booked: as the daemon
     would, the bench rejects the requests every engine is busy for, and counts them."""
     trace = tmp_path / "trace.jsonl"
     _tiny_trace(trace)
     out = tmp_path / "figures.json"
-    argv = ["--trace", str(trace), "--engines", "2", "--block-size", "16", "--engine-capacity-blocks", "12"]
+    argv = ["--trace", str(trace), "--engines", "2", "--block-size", "16", "--engine-capacity-blocks", "10"]
     assert main([*argv, "--concurrency", "4", "--repeat", "1", "--no-memory", "--json", str(out)]) == 0
-    (r,) = json.loads(out.read_text())["results"]
+    figures = json.loads(out.read_text())
+    assert figures["config"]["cost_policy"] == DEFAULT_COST_POLICY
+    (r,) = figures["results"]
     assert r["rejected"] > 0 and r["requests"] + r["rejected"] == 60
     assert "rejected" in capsys.readouterr().out
 

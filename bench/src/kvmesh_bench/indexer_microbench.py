@@ -4,7 +4,8 @@ For each fleet size (``--engines 8,128,1000``):
 
 1. **Live replay.** Every trace request (its full 512-token blocks, ``hash_ids`` chained into fake 64-bit
    sequence hashes with :func:`kvmesh.hashing.chain_hash` so prefix sharing is preserved) goes through
-   ``Admission.decide`` (select + book; ``--policy kv`` by default). The chosen simulated engine caches
+   ``Admission.decide`` (select + book; ``--policy kv`` by default, scored with the router daemon's default
+   cost policy unless ``--cost-policy`` names another). The chosen simulated engine caches
    the prompt in an LRU of ``--engine-capacity-blocks`` blocks and emits the KV events a real engine
    would (``BlocksRemoved`` for what it evicts, ``BlocksStored`` for the new suffix), which are applied to
    the indexer. At most ``--concurrency`` requests are active (the oldest is freed; a request's prefill
@@ -64,6 +65,7 @@ from kvmesh.kv_events import BlocksRemoved, BlocksStored, EventData, StoredBlock
 from kvmesh_router.admission import Admission, BusyThresholds, Decision, EngineSpec, RouteRequest
 from kvmesh_router.cost import RouterPolicyConfig
 from kvmesh_router.indexer import KvIndexer
+from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 from kvmesh_router.settings import RouterSettings
 from kvmesh_router.slot_tracker import SlotTracker
 
@@ -174,13 +176,16 @@ def live_replay(
     block_size: int,
     seed: int,
     thresholds: BusyThresholds | None = None,
+    cost_policy: str = DEFAULT_COST_POLICY,
 ) -> Workload:
-    """A request every engine is busy for (by ``thresholds``) is rejected, as the daemon rejects it, and skipped."""
+    """A request every engine is busy for (by ``thresholds``) is rejected, as the daemon rejects it, and skipped.
+
+    ``policy`` is the routing mode; ``kv`` scores with ``cost_policy`` (the router daemon's default unless given).
+    """
     index = KvIndexer(max_entries=None)
     slots = SlotTracker(block_size)
-    admission = Admission(
-        index, slots, config=RouterPolicyConfig(mode=policy), thresholds=thresholds, rng=random.Random(seed)
-    )
+    config = RouterPolicyConfig(mode=policy, cost_policy=cost_policy)
+    admission = Admission(index, slots, config=config, thresholds=thresholds, rng=random.Random(seed))
     engine_ids = [(i * 0x9E3779B97F4A7C15) & 0x7FFF_FFFF_FFFF_FFFF for i in range(1, n_engines + 1)]
     engines = {}
     for e in engine_ids:
@@ -314,13 +319,13 @@ def run_one(
     try:
         work = live_replay(
             requests, n_engines, args.policy, args.engine_capacity_blocks, args.concurrency, args.prefill_lag,
-            args.block_size, args.seed, thresholds,
+            args.block_size, args.seed, thresholds, args.cost_policy,
         )  # fmt: skip
         raw_decide = sorted(work.decide_ns)
         for _ in range(args.repeat - 1):
             again = live_replay(
                 requests, n_engines, args.policy, args.engine_capacity_blocks, args.concurrency, args.prefill_lag,
-                args.block_size, args.seed, thresholds,
+                args.block_size, args.seed, thresholds, args.cost_policy,
             )  # fmt: skip
             work.decide_ns = list(map(min, work.decide_ns, again.decide_ns))
             del again
@@ -563,6 +568,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=["kv", "round_robin", "random", "power_of_two"],
         help="routing mode for the live replay (default: %(default)s)",
     )
+    p.add_argument(
+        "--cost-policy",
+        default=DEFAULT_COST_POLICY,
+        choices=sorted(POLICIES.cost_policies),
+        help="the kv mode's cost policy (default: the router daemon's, %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--busy-thresholds",
@@ -609,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(run_one(requests, n, args, dynamo, baselines))
         print(f"... {n} engines done", file=sys.stderr, flush=True)
     print(
-        f"trace {args.trace.name}: {len(requests)} requests, policy {args.policy}, "
+        f"trace {args.trace.name}: {len(requests)} requests, policy {args.policy} (cost {args.cost_policy}), "
         f"engine cache {args.engine_capacity_blocks or 'unbounded'} blocks, concurrency {args.concurrency}"
     )
     print(format_results(results))
@@ -622,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "python": sys.version.split()[0],
             "config": {
                 "policy": args.policy,
+                "cost_policy": args.cost_policy,
                 "engine_capacity_blocks": args.engine_capacity_blocks,
                 "concurrency": args.concurrency,
                 "prefill_lag": args.prefill_lag,

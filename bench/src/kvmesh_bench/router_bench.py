@@ -194,9 +194,10 @@ def daemon_path(requests: list[Request], n: int, args: argparse.Namespace) -> di
 
 
 def run_fleet(requests: list[Request], n: int, args: argparse.Namespace) -> FleetResult:
+    # The daemon's default thresholds and cost policy (live_replay's default), as the daemon path below decides.
     work = mb.live_replay(
         requests, n, "kv", args.engine_capacity_blocks, args.concurrency, args.prefill_lag, args.block_size, args.seed,
-        RouterSettings().busy_thresholds(),  # the daemon's defaults, as the daemon path below decides
+        RouterSettings().busy_thresholds(),
     )  # fmt: skip
     core = mb.replay_indexer(work.ops)
     core.pop("index")
