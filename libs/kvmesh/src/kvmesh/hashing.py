@@ -60,7 +60,9 @@ def local_block_hashes(tokens: Sequence[int] | np.ndarray, block_size: int, seed
 def u32_block_hashes(raw: bytes | memoryview, block_size: int, seed: int = XXH3_SEED) -> list[int]:
     """Tokens hash of every full block of ``raw``: token ids already as u32 little-endian bytes.
 
-    For a caller that converts a whole prompt once and hashes parts of it (no copy with a memoryview).
+    For a caller that converts a whole prompt once and hashes parts of it. Plain ``bytes`` hash faster
+    than a memoryview of them: copying a 64-256-byte block costs less than making a memoryview slice
+    (14k tokens: 90 against 105 µs at 16-token blocks, 29 against 32 µs at 64).
     """
     step = block_size * 4
     return [_xxh3(raw[i : i + step], seed) for i in range(0, len(raw) - step + 1, step)]

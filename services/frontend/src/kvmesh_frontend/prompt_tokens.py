@@ -71,4 +71,4 @@ class PromptTokens(Sequence[int]):
 
     def block_hashes(self, block_size: int, seed: int = XXH3_SEED) -> list[int]:
         """The sequence hashes of the full blocks (``kvmesh.hashing.block_hashes(ids, block_size)[1]``)."""
-        return sequence_hashes(u32_block_hashes(memoryview(self.u32le), block_size, seed), seed)
+        return sequence_hashes(u32_block_hashes(self.u32le, block_size, seed), seed)
