@@ -18,7 +18,7 @@ from tests.vllm.conftest import TINY_LLAMA
     ("args", "message"),
     [
         (["--vllm-engine-args", "[1]"], "must be a JSON object"),
-        (["--vllm-engine-args", '{"kv_events_config": {}}'], "are set by the worker"),
+        (["--vllm-engine-args", '{"kv_events_config": {}}'], "set by the worker"),
         (["--num-engines", "2"], "one engine per process"),
     ],
     ids=["not an object", "an argument the worker owns", "two engines"],

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from kvmesh.settings import DaemonSettings, Port
 from pydantic import AfterValidator, Field, NonNegativeInt, PositiveInt, model_validator
 
 from kvmesh_worker.engines import registry
+from kvmesh_worker.engines.vllm.user_args import parse_engine_args
 
 
-def _json_object(text: str) -> str:
-    """``--vllm-engine-args`` must be a JSON object (checked here; vLLM checks the names at start)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError('must be a JSON object of vLLM engine arguments, e.g. {"dtype": "float32"}')
+def _vllm_engine_args(text: str) -> str:
+    parse_engine_args(text)
     return text
 
 
@@ -83,7 +77,7 @@ class Settings(DaemonSettings):
     """after a request's first token, send its tokens once at least this many are new (and at its end):
     fewer, larger messages, less CPU per token on every hop, burstier inter-token latency (vLLM's
     --stream-interval; a request's sampling_parameters.stream_interval can raise it, never lower it)"""
-    vllm_engine_args: Annotated[str, AfterValidator(_json_object)] = "{}"
+    vllm_engine_args: Annotated[str, AfterValidator(_vllm_engine_args)] = "{}"
     """--engine vllm: a JSON object of vLLM engine arguments (AsyncEngineArgs fields, i.e. vllm serve's
     flags with '_' for '-'), e.g. '{"dtype": "float32", "max_model_len": 2048}'; --block-size,
     --max-num-seqs, --max-num-batched-tokens, --stream-interval, --max-model-len and --num-gpu-blocks

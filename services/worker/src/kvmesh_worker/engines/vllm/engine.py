@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -67,13 +66,12 @@ from kvmesh_worker.model_files import ModelFiles
 
 from . import disagg, orphan_guard
 from .amx import request_amx_permission
+from .user_args import parse_engine_args
 from .zmq_events import ReHasher, VllmCleared, VllmEvent, ZmqKvSubscriber
 
 log = logging.getLogger(__name__)
 
 KV_TOPIC = "kv"
-# Engine arguments the worker owns: they wire vLLM into kvmesh and cannot be overridden.
-OWNED_ARGS = ("model", "kv_events_config", "skip_tokenizer_init", "enable_prefix_caching", "disable_log_stats")
 # How often an idle engine is checked for death (a busy one reports it through its streams at once).
 DEATH_POLL_S = 0.5
 
@@ -86,17 +84,6 @@ def _require_vllm() -> None:
             f"--engine vllm: vLLM cannot be imported ({exc}); install it with `make setup-vllm` and run "
             "the worker from that venv (.venv-vllm/bin/kvmesh-worker)"
         ) from exc
-
-
-def parse_engine_args(text: str) -> dict[str, Any]:
-    """``--vllm-engine-args`` JSON: an object of vLLM ``AsyncEngineArgs`` fields (``-`` or ``_`` in names)."""
-    try:
-        value = json.loads(text or "{}")
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError('must be a JSON object of vLLM engine arguments, e.g. \'{"dtype": "float32"}\'')
-    return {str(k).replace("-", "_"): v for k, v in value.items()}
 
 
 def _event_endpoints() -> tuple[str, str]:
@@ -568,9 +555,6 @@ def _stat_logger_factory(hub: StatHub) -> Callable[[Any, int], Any]:
 def engine_args(settings: Any, model_path: str, kv_endpoint: str, replay_endpoint: str) -> dict[str, Any]:
     """The ``AsyncEngineArgs`` fields: kvmesh's defaults, the user's ``--vllm-engine-args``, then what kvmesh owns."""
     user = parse_engine_args(settings.vllm_engine_args)
-    owned = [k for k in OWNED_ARGS if k in user]
-    if owned:
-        raise EngineBuildError(f"--vllm-engine-args: {', '.join(owned)} are set by the worker (see docs/vllm.md)")
     explicit = settings.model_fields_set
     args: dict[str, Any] = {
         "block_size": settings.block_size,
