@@ -16,7 +16,6 @@ import array
 import asyncio
 import itertools
 import json
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -71,12 +70,6 @@ def tokenizer_files() -> dict[str, bytes]:
 def output_tokens() -> list[int]:
     tok = Tokenizer.from_str(tokenizer_files()["tokenizer.json"].decode())
     return tok.encode(OUTPUT_TEXT, add_special_tokens=False).ids
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- worker ------------------------------------------------------------------------------------

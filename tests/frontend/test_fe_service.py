@@ -10,6 +10,7 @@ import pytest
 from inference import grpc_service_pb2 as pb
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import Added, Removed, Snapshot, model_key
+from kvmesh.ports import free_port as _free_port
 from kvmesh.v1 import router_pb2, worker_pb2
 from kvmesh_frontend.engine_stream import EngineCall, EngineError
 from kvmesh_frontend.models import ModelRegistry
@@ -31,7 +32,6 @@ from tests.frontend.frontend_fakes import (
     to_raw,
     tokenizer_files,
 )
-from tests.frontend.frontend_fakes import free_port as _free_port
 
 ENGINES = [0x11, 0x22]
 

@@ -20,13 +20,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from kvmesh.ports import free_port
 
 __all__ = ["EtcdServer", "etcd_available", "free_port"]
 
@@ -50,12 +51,6 @@ def dies_with_parent(argv: list[str]) -> list[str]:
     if sys.platform != "linux" or setpriv is None:
         return argv
     return [setpriv, "--pdeathsig", "TERM", "--", *argv]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:

@@ -43,10 +43,11 @@ from typing import Any, cast
 import grpc
 from inference import grpc_service_pb2 as kserve
 from inference import grpc_service_pb2_grpc as kserve_grpc
+from kvmesh.ports import free_port
 
 from kvmesh_bench.chaos_multihost import MultiHostMesh
 from kvmesh_bench.frontend_bench import kserve_request as streamed_request
-from kvmesh_bench.local_procs import free_port, process_cpu_s, script
+from kvmesh_bench.local_procs import process_cpu_s, script
 from kvmesh_bench.multihost import Cluster, missing_requirements
 from kvmesh_bench.prometheus_text import metric_total, metrics_url
 

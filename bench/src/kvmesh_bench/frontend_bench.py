@@ -59,10 +59,11 @@ import uvloop
 from inference import grpc_service_pb2 as kserve
 from inference import grpc_service_pb2_grpc as kserve_grpc
 from kvmesh.discovery import model_prefix, open_discovery
+from kvmesh.ports import free_port
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from tokenizers import Tokenizer
 
-from kvmesh_bench.local_procs import free_port, script
+from kvmesh_bench.local_procs import script
 from kvmesh_bench.streams import drain, read_message
 from kvmesh_bench.tables import write_json
 

@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 from pathlib import Path
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def script(name: str) -> str:

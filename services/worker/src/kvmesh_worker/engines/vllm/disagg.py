@@ -26,13 +26,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
-import socket
 import time
-from pathlib import Path
 from typing import Any
 
 from kvmesh.hashing import block_hashes
+from kvmesh.ports import free_port
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams, KvTransferReport
 
 from kvmesh_worker.engines.api import KvPullFailed, Role
@@ -73,44 +71,10 @@ def kv_transfer_config(role: Role, user: Any, hold_timeout_s: float, cpu: bool) 
     return config
 
 
-_LOWEST_TRIED = 10000  # below: the well-known and commonly configured ports
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
-def _free_listen_port(host: str) -> int:
-    """A port free now, below the ephemeral range when one can be found there.
-
-    vLLM binds it seconds later, in its engine core. A port the kernel hands out for ``bind(0)`` lies in
-    the ephemeral range, which every outgoing connection on the machine draws from meanwhile: one took it
-    in a test run (``Address already in use`` in vLLM's handshake listener). Below that range only another
-    listener can take it.
-    """
-    address = "127.0.0.1" if host == "localhost" else host
-    rng = random.SystemRandom()
-    low = _ephemeral_low()
-    for _ in range(64 if low > _LOWEST_TRIED else 0):
-        port = rng.randrange(_LOWEST_TRIED, low)
-        with socket.socket() as s:
-            try:
-                s.bind((address, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
-
-
 def side_channel_env(host: str) -> None:
     """This engine's NIXL side channel (vLLM reads the env vars in its spawned engine core)."""
     if "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_listen_port(host))
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port(host))
     os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", host)
     if host in _LOOPBACK:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")  # one machine: keep UCX's TCP lane on loopback
