@@ -33,7 +33,7 @@ def main() -> int:
     for plugin, flag in (("protoc-gen-mypy", "--mypy_out"), ("protoc-gen-mypy_grpc", "--mypy_grpc_out")):
         exe = shutil.which(plugin, path=bindir)
         if exe:  # typing stubs are a convenience: generate them where mypy-protobuf is installed
-            args += [f"--plugin={plugin}={exe}", f"{flag}={OUT}"]
+            args += [f"--plugin={plugin}={exe}", f"{flag}=quiet:{OUT}"]  # quiet: no "Writing mypy to" per file
     rc = protoc.main(args + files)
     if rc != 0:
         print(f"gen_protos: protoc failed with exit code {rc}", file=sys.stderr)
