@@ -99,6 +99,10 @@ class Load:
             self._futures.append(self._pool.submit(one_request, next(fronts), f"mh{n}", self.tokens, prompt))
             time.sleep(max(0.0, start + (n + 1) / self.rate - time.monotonic()))
 
+    def finished(self) -> list[Result]:
+        """The results of the requests that have ended so far, while the load goes on."""
+        return [f.result() for f in list(self._futures) if f.done()]  # type: ignore[attr-defined]
+
     def stop(self) -> list[Result]:
         if not self._stop.is_set():
             self._stop.set()

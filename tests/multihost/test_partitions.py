@@ -108,7 +108,12 @@ def test_worker_cut_off_from_etcd_only(mesh: Cluster) -> None:
         for f in mesh.frontends:
             wait_engines(f.address, 3, timeout=30)
         back_at = time.monotonic()
-        time.sleep(3)
+        # until it has served a request that started after both frontends saw it back (each request picks
+        # one of three workers: a fixed few seconds of load leave it none now and then)
+        while time.monotonic() - back_at < 30 and not any(
+            r.engine_id in w1_engines and r.started > back_at for r in load.finished()
+        ):
+            time.sleep(0.2)
     results = load.results
     assert dropped_at, f"the frontends never dropped the partitioned worker's engine ({why_not})"
     served_after_drop = [r for r in results if r.engine_id in w1_engines and dropped_at[0] < r.started < healed_at]
