@@ -10,7 +10,6 @@ import pytest
 from inference import grpc_service_pb2 as pb
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import Added, Removed, Snapshot, model_key
-from kvmesh.ports import free_port as _free_port
 from kvmesh.v1 import router_pb2, worker_pb2
 from kvmesh_frontend.engine_stream import EngineCall, EngineError
 from kvmesh_frontend.models import ModelRegistry
@@ -760,7 +759,3 @@ async def test_models_appear_live_and_share_tokenizer_downloads() -> None:
     finally:
         await fe.stop()
         await worker.stop()
-
-
-def test_free_port_helper() -> None:
-    assert 0 < _free_port() < 65536
