@@ -27,6 +27,8 @@ from kvmesh_router.slot_tracker import SlotTracker
 BS = 4
 A_, B_ = 1, 2  # engine ids "a" and "b"
 LOCAL = {name: 4000 + i for i, name in enumerate("ABCDEFGHIJKLMNOP")}
+# The costs worked out by hand below are Dynamo's (the router's default, affinity, has its own tests).
+DYNAMO = RouterPolicyConfig(cost_policy="dynamo")
 
 
 def seq(*names: str) -> list[int]:
@@ -55,10 +57,11 @@ class FakeEngine:
         return BlocksStored(hashes[k - 1] if k else None, blocks)
 
 
-def make(index=None, predictor=None, engines=(A_, B_), total_blocks=1000, seed=0, **kw) -> Admission:
+def make(index=None, predictor=None, engines=(A_, B_), total_blocks=1000, seed=0, config=DYNAMO, **kw) -> Admission:
     adm = Admission(
         index if index is not None else KvIndexer(),
         SlotTracker(BS),
+        config=config,
         rng=random.Random(seed),
         predictor=predictor,
         **kw,

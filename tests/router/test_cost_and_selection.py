@@ -81,13 +81,14 @@ def test_batch_costs_equal_row_costs_exactly():
 
 def test_kv_selector_picks_the_argmin_and_reports_its_cost():
     ctx = SelectionContext.from_inputs(
-        [inputs(1, overlap=3, prefill=8, active=10, new=1), inputs(2, active=2), inputs(3, overlap=2, prefill=4)]
+        [inputs(1, overlap=3, prefill=8, active=10, new=1), inputs(2, active=2), inputs(3, overlap=2, prefill=4)],
+        RouterPolicyConfig(cost_policy="dynamo"),
     )
     assert KvSelector().select(ctx) == (3, 7.0)
 
 
 def test_per_request_override_changes_the_weights():
-    base = RouterPolicyConfig(overlap_score_weight=1.0)
+    base = RouterPolicyConfig(cost_policy="dynamo", overlap_score_weight=1.0)
     over = base.with_override(RouterConfigOverride(overlap_score_weight=0.0, temperature=0.5))
     assert (over.overlap_score_weight, over.temperature, over.mode) == (0.0, 0.5, "kv")
     assert base.with_override(None) is base and base.with_override(RouterConfigOverride()) is base

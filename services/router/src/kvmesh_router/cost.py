@@ -1,6 +1,6 @@
 """The router's cost function: how much it would cost to send a request to an engine (lower wins).
 
-Default policy ``"dynamo"`` (Dynamo ``scheduling/selector.rs``, the documented linear cost)::
+Policy ``"dynamo"`` (Dynamo ``scheduling/selector.rs``, the documented linear cost)::
 
     prefill_blocks = (active_prefill_tokens + max(0, isl - overlap_blocks * block_size)) / block_size
     decode_blocks  = active_blocks + blocks of this request not already active on the engine
@@ -11,6 +11,7 @@ approximate predictor): the prefill work it saves. ``decode_blocks`` is the memo
 ``overlap_score_weight`` (default 1.0) trades cache affinity against load spreading.
 
 Policy ``"affinity"`` (:class:`AffinityCost`, kvmesh's): backlog-discounted prefix affinity, see its docstring.
+It is the default (:data:`~kvmesh_router.policies.DEFAULT_COST_POLICY`), here as in the router daemon.
 
 Policies are pluggable: anything with ``name`` and ``cost(inputs, fleet, config) -> float`` satisfies
 :class:`CostPolicy`; ``POLICIES.register_cost_policy`` (:mod:`kvmesh_router.policies`) makes it selectable
@@ -31,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
-from kvmesh_router.policies import POLICIES
+from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 
 __all__ = [
     "MODES",
@@ -61,7 +62,7 @@ class RouterPolicyConfig:
     - ``mode``: ``kv`` (cost-based, default), ``round_robin``, ``random``, ``power_of_two``, ``direct``, or
       any selector registered in :data:`~kvmesh_router.policies.POLICIES`.
     - ``role``: the worker role candidates must have (:data:`ROLES`); the role filter of admission applies it.
-    - ``cost_policy``: name of a registered :class:`CostPolicy` (``"dynamo"``).
+    - ``cost_policy``: name of a registered :class:`CostPolicy` (default ``"affinity"``, the daemon's).
     - ``overlap_score_weight``: weight of the prefill term (Dynamo ``--router-kv-overlap-score-weight``).
     - ``temperature``: 0 = argmin with a random tie-break; > 0 = softmax sampling over range-normalised
       costs (Dynamo ``--router-temperature``).
@@ -69,7 +70,7 @@ class RouterPolicyConfig:
     """
 
     mode: str = "kv"
-    cost_policy: str = "dynamo"
+    cost_policy: str = DEFAULT_COST_POLICY
     overlap_score_weight: float = 1.0
     temperature: float = 0.0
     params: Mapping[str, float] = field(default_factory=dict, hash=False, compare=True)
