@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -202,7 +203,8 @@ async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
 
     from kvmesh_bench.replay.live import _num_tokens, build_infer_request
 
-    log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-overhead-"))
+    log_dir = Path(tempfile.mkdtemp(prefix="kvmesh-overhead-"))  # removed after a run that went well
+    keep_logs = True
     common = ["--discovery", f"file://{log_dir / 'discovery'}", "--namespace", "overhead"]
     port = args.grpc_port
     procs = [
@@ -228,7 +230,7 @@ async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
         deadline = time.monotonic() + 300
         while not server_ready(f"127.0.0.1:{port}"):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError(f"the mesh did not come up; logs in {log_dir}")
+                raise RuntimeError("the mesh did not come up")
             await asyncio.sleep(0.5)
         _keep_off_model_cores(args, [p.pid for p in procs])
         model = Path(args.model_path).name
@@ -297,6 +299,11 @@ async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
         await shared.done_writing()
         reader.cancel()
         await channel.close()
+    except BaseException:
+        print(f"kvmesh bench vllm-overhead: the mesh's logs are in {log_dir}", file=sys.stderr)
+        raise
+    else:
+        keep_logs = False
     finally:
         for proc in procs:
             proc.terminate()
@@ -306,6 +313,8 @@ async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
             except subprocess.TimeoutExpired:
                 proc.kill()
         _unconfine()
+        if not keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
     return _summary("kvmesh (KServe→frontend→router→worker)", ttfts, tokens, wall)
 
 
