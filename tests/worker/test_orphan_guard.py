@@ -120,6 +120,59 @@ def test_a_clean_exit_leaves_the_guard_nothing_to_do_but_leave(
     assert wait_gone([pids["grandchild"]], timeout=15) == []
 
 
+# A stand-in worker whose engine process, forked after the worker's multiprocessing resource tracker
+# started, holds a shared-memory segment (what vLLM's engine core does with its message queues) and
+# ignores SIGTERM.
+TRACKED_WORKER = textwrap.dedent(
+    """
+    import json, multiprocessing, signal, sys, time
+    from multiprocessing import resource_tracker, shared_memory
+    from kvmesh_worker.engines.vllm import orphan_guard
+
+    def engine(names):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        shm = shared_memory.SharedMemory(create=True, size=4096)
+        names.put(shm.name)
+        time.sleep(600)
+
+    guard = orphan_guard.start()
+    resource_tracker.ensure_running()
+    fork = multiprocessing.get_context("fork")
+    names = fork.Queue()
+    child = fork.Process(target=engine, args=(names,))
+    child.start()
+    info = {"child": child.pid, "guard": guard, "tracker": resource_tracker._resource_tracker._pid}
+    print(json.dumps({**info, "shm": names.get(timeout=30)}), flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_a_killed_engines_shared_memory_is_unlinked_by_its_resource_tracker() -> None:
+    """The guard kills the engine, not the tracker, which then unlinks the segment the engine left."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", TRACKED_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    info = json.loads(proc.stdout.readline())
+    segment = Path("/dev/shm") / info["shm"]
+    try:
+        assert segment.exists() and orphan_guard.is_resource_tracker(info["tracker"])
+        time.sleep(2 * orphan_guard.MAX_INTERVAL_S)  # the guard's next snapshots see the engine and tracker
+        proc.kill()
+        proc.wait()
+        assert wait_gone([info["child"]], timeout=15) == []
+        assert wait_gone([info["tracker"]], timeout=15) == [], "the tracker did not finish once its users were gone"
+        assert not segment.exists(), "the engine's shared memory leaked"
+        assert wait_gone([info["guard"]], timeout=15) == []
+    finally:
+        for pid in info.values():
+            if isinstance(pid, int):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        segment.unlink(missing_ok=True)
+
+
 def test_a_process_outside_the_workers_tree_is_never_signalled() -> None:
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:

@@ -16,6 +16,10 @@ process it watches that is still alive, then exits. A clean stop leaves nothing 
 Invariants:
 - Only processes seen below the worker are signalled (also once an intermediate parent died and they
   were reparented), and only if their start time is unchanged, so a recycled pid is never hit.
+- Python's multiprocessing resource tracker is never signalled. vLLM's processes register their
+  shared memory (``/dev/shm/psm_*``) and semaphores with it, and it unlinks whatever is left once the
+  last of them is gone: killed with them, it leaked those segments at every engine kill or forced stop.
+  It exits by itself once the processes holding its pipe are gone.
 - SIGINT and SIGTERM are ignored. A Ctrl-C or a unit stop reaches the whole process group, and the
   guard must outlive the worker to do its job. It exits once the worker is gone.
 """
@@ -82,12 +86,24 @@ def descendants(root: int, exclude: int, table: dict[int, tuple[int, int]] | Non
     return found
 
 
+def is_resource_tracker(pid: int) -> bool:
+    """Whether ``pid`` is a multiprocessing resource tracker (the cleaner of what its users leave)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"multiprocessing.resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
 def kill_survivors(snapshot: Snapshot) -> list[int]:
-    """SIGKILL the snapshot's processes that still run with the same start time; returns their pids."""
+    """SIGKILL the snapshot's processes that still run with the same start time; returns their pids.
+
+    Resource trackers are left to finish their cleanup (see the module's invariants).
+    """
     now = _processes()
     killed = []
     for pid, started in snapshot.items():
-        if pid in now and now[pid][1] == started:
+        if pid in now and now[pid][1] == started and not is_resource_tracker(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
