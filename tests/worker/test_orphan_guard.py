@@ -22,14 +22,16 @@ from pathlib import Path
 import pytest
 from kvmesh_worker.engines.vllm import orphan_guard
 
-# The stand-in worker, in vLLM's order: the guard first, then a child that starts a grandchild, both
-# immune to SIGTERM and SIGINT. It exits cleanly, stopping only its child, when told "exit" on stdin.
+# The stand-in worker, in vLLM's order: the guard first (given the scratch directory named by argv[1]),
+# then a child that starts a grandchild, both immune to SIGTERM and SIGINT. It exits cleanly, stopping
+# only its child, when told "exit" on stdin.
 WORKER = textwrap.dedent(
     """
     import json, signal, subprocess, sys, time
+    from pathlib import Path
     from kvmesh_worker.engines.vllm import orphan_guard
 
-    guard = orphan_guard.start()
+    guard = orphan_guard.start(scratch=Path(sys.argv[1]))
     STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \\
         "signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(600)"
     grandparent = (
@@ -65,8 +67,24 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 
 @pytest.fixture
-def worker() -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
-    proc = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def scratch(tmp_path: Path) -> Path:
+    """The worker's scratch directory (vLLM's IPC sockets), with a file in it."""
+    directory = tmp_path / "ipc"
+    directory.mkdir()
+    (directory / "3f1c9a52-socket").touch()
+    return directory
+
+
+@pytest.fixture
+def worker(scratch: Path) -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
+    """The stand-in worker, leading its own process group as under ``kvmesh up``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(scratch)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
     assert proc.stdout is not None
     pids = json.loads(proc.stdout.readline())
     deadline = time.monotonic() + 30
@@ -82,8 +100,8 @@ def worker() -> Iterator[tuple[subprocess.Popen[str], dict[str, int]]]:
     proc.wait()
 
 
-def test_a_sigkilled_worker_takes_its_engine_processes_with_it(
-    worker: tuple[subprocess.Popen[str], dict[str, int]],
+def test_a_sigkilled_worker_takes_its_engine_processes_and_scratch_directory_with_it(
+    worker: tuple[subprocess.Popen[str], dict[str, int]], scratch: Path
 ) -> None:
     proc, pids = worker
     assert alive(pids["child"]) and alive(pids["grandchild"])
@@ -91,6 +109,7 @@ def test_a_sigkilled_worker_takes_its_engine_processes_with_it(
     proc.wait()
     assert wait_gone([pids["child"], pids["grandchild"]], timeout=15) == []
     assert wait_gone([pids["guard"]], timeout=15) == [], "the guard outlived its job"
+    assert not scratch.exists()
 
 
 def test_the_guard_survives_the_stop_signals_a_process_group_gets(
@@ -100,6 +119,7 @@ def test_the_guard_survives_the_stop_signals_a_process_group_gets(
     proc, pids = worker
     os.kill(pids["guard"], signal.SIGTERM)
     os.kill(pids["guard"], signal.SIGINT)
+    os.kill(pids["guard"], signal.SIGHUP)
     time.sleep(0.5)
     assert alive(pids["guard"])
     proc.kill()
@@ -107,15 +127,31 @@ def test_the_guard_survives_the_stop_signals_a_process_group_gets(
     assert wait_gone([pids["child"], pids["grandchild"]], timeout=15) == []
 
 
+def test_a_worker_killed_while_its_engine_is_frozen_still_takes_it_down(
+    worker: tuple[subprocess.Popen[str], dict[str, int]], scratch: Path
+) -> None:
+    """With a stopped process in it, the dead worker's process group is orphaned: the kernel sends each of
+    its members SIGHUP (and SIGCONT). The guard must outlive that too."""
+    proc, pids = worker
+    os.kill(pids["child"], signal.SIGSTOP)
+    proc.kill()
+    proc.wait()
+    assert wait_gone([pids["child"], pids["grandchild"]], timeout=15) == []
+    assert wait_gone([pids["guard"]], timeout=15) == []
+    assert not scratch.exists()
+
+
 def test_a_clean_exit_leaves_the_guard_nothing_to_do_but_leave(
-    worker: tuple[subprocess.Popen[str], dict[str, int]],
+    worker: tuple[subprocess.Popen[str], dict[str, int]], scratch: Path
 ) -> None:
     proc, pids = worker
     assert proc.stdin is not None
+    assert scratch.exists(), "removed while the worker runs"
     proc.stdin.write("exit\n")
     proc.stdin.flush()
     assert proc.wait(30) == 0
     assert wait_gone([pids["guard"]], timeout=15) == []
+    assert not scratch.exists(), "vLLM leaves its IPC sockets even at a clean stop"
     # The worker stopped its child, not the grandchild: the guard's sweep took that one.
     assert wait_gone([pids["grandchild"]], timeout=15) == []
 

@@ -23,7 +23,8 @@ Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer
   :meth:`wait_dead` returns and the worker stops serving at once, so the frontend migrates its
   requests elsewhere;
 - vLLM's engine processes never outlive the worker: a guard process started before them
-  (``orphan_guard``) SIGKILLs them when the worker dies without shutting them down;
+  (``orphan_guard``) SIGKILLs them when the worker dies without shutting them down, and removes the
+  worker's directory for vLLM's IPC sockets (``VLLM_RPC_BASE_PATH``) once they are gone;
 - ``--role prefill|decode``: vLLM's NixlConnector moves the KV, kvmesh carries vLLM's
   ``kv_transfer_params`` in ``KvTransferParams.engine_params_json`` (``disagg``);
 - vLLM's "error" finish (retryable, e.g. a KV pull that broke) is never passed off as a stop: a decode
@@ -38,10 +39,12 @@ import asyncio
 import contextlib
 import logging
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -602,7 +605,13 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing downloads at run time
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     request_amx_permission()
-    orphan_guard.start()  # vLLM's engine processes would outlive a SIGKILLed worker
+    # vLLM's ZMQ IPC sockets go to the temp dir and stay there after its processes exit; give them a
+    # directory of the worker's, which the guard removes (unless the user chose where they go).
+    ipc_dir = None
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        ipc_dir = Path(tempfile.mkdtemp(prefix="kvmesh-vllm-ipc-"))
+        os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir)
+    orphan_guard.start(scratch=ipc_dir)  # vLLM's engine processes would outlive a SIGKILLed worker
     kv_endpoint, replay_endpoint = _event_endpoints()
     try:
         args = engine_args(settings, settings.model_path, kv_endpoint, replay_endpoint)

@@ -11,7 +11,9 @@ process, run by file path, so it imports nothing of kvmesh or vLLM. It holds a p
 and takes a snapshot of the worker's descendants: every 0.5 s while the tree changes, backing off to
 every 2 s once it is stable (vLLM starts its processes several seconds into its import, and a worker
 killed during that start must not leave them). When the worker exits, the guard SIGKILLs every
-process it watches that is still alive, then exits. A clean stop leaves nothing to kill.
+process it watches that is still alive, removes the worker's scratch directory if it was given one
+(vLLM's ZMQ IPC sockets, which vLLM leaves behind even at a clean stop: seven per engine start), then
+exits. A clean stop leaves nothing to kill.
 
 Invariants:
 - Only processes seen below the worker are signalled (also once an intermediate parent died and they
@@ -20,14 +22,18 @@ Invariants:
   shared memory (``/dev/shm/psm_*``) and semaphores with it, and it unlinks whatever is left once the
   last of them is gone: killed with them, it leaked those segments at every engine kill or forced stop.
   It exits by itself once the processes holding its pipe are gone.
-- SIGINT and SIGTERM are ignored. A Ctrl-C or a unit stop reaches the whole process group, and the
-  guard must outlive the worker to do its job. It exits once the worker is gone.
+- SIGINT, SIGTERM and SIGHUP are ignored. A Ctrl-C or a unit stop reaches the whole process group, and
+  the guard must outlive the worker to do its job. SIGHUP: when a worker that leads its process group
+  (``kvmesh up``, the tests) dies while a process of that group is stopped (a frozen engine), the
+  group is orphaned and the kernel sends every member SIGHUP, whose default is to die: the guard
+  did, leaving the engine and the scratch directory behind. It exits once the worker is gone.
 """
 
 from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,12 +47,16 @@ Snapshot = dict[int, int]  # pid -> start time (clock ticks since boot)
 _started: subprocess.Popen[bytes] | None = None  # held for the worker's lifetime
 
 
-def start() -> int:
-    """Start this process's guard (once) and return its pid; call it before the engine starts its processes."""
+def start(scratch: Path | None = None) -> int:
+    """Start this process's guard (once) and return its pid; call it before the engine starts its processes.
+
+    ``scratch``: a directory of the worker's that the guard removes once the worker and its processes are gone.
+    """
     global _started
     if _started is None:
+        argv = [sys.executable, "-I", str(Path(__file__).resolve()), str(os.getpid())]
         _started = subprocess.Popen(
-            [sys.executable, "-I", str(Path(__file__).resolve()), str(os.getpid())],
+            [*argv, str(scratch)] if scratch else argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
         )
@@ -95,6 +105,16 @@ def is_resource_tracker(pid: int) -> bool:
         return False
 
 
+def _spared(pid: int) -> bool:
+    """Not to be killed: a resource tracker, or a process already dead (a zombie: no command line left)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] == b"Z" or is_resource_tracker(pid)
+
+
 def kill_survivors(snapshot: Snapshot) -> list[int]:
     """SIGKILL the snapshot's processes that still run with the same start time; returns their pids.
 
@@ -103,7 +123,7 @@ def kill_survivors(snapshot: Snapshot) -> list[int]:
     now = _processes()
     killed = []
     for pid, started in snapshot.items():
-        if pid in now and now[pid][1] == started and not is_resource_tracker(pid):
+        if pid in now and now[pid][1] == started and not _spared(pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -140,6 +160,7 @@ def guard(worker: int) -> list[int]:
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     worker = int(argv[0])
     killed = guard(worker)
     if killed:
@@ -148,6 +169,8 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
             flush=True,
         )
+    if len(argv) > 1:
+        shutil.rmtree(argv[1], ignore_errors=True)
     return 0
 
 
