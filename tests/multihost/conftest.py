@@ -83,8 +83,9 @@ def wait_engines(frontend: str, count: int, timeout: float = 60.0) -> float:
 
 
 def fleet(mesh: Cluster) -> list[dict[str, str]]:
-    """Every daemon registered in the cluster's etcd: component, id, address, lease (hex), read directly
-    (kvmesh's ``kvmesh.v1`` stubs share no proto package with tritonclient, unlike ``inference``)."""
+    """Every daemon registered in the cluster's etcd: component, id, address, lease (hex), start (by its wall
+    clock), read directly (kvmesh's ``kvmesh.v1`` stubs share no proto package with tritonclient, unlike
+    ``inference``)."""
 
     async def read() -> dict[str, bytes]:
         disc = await open_discovery(mesh.etcd_url, ttl=LEASE_TTL)
@@ -97,7 +98,7 @@ def fleet(mesh: Cluster) -> list[dict[str, str]]:
     for value in asyncio.run(read()).values():
         r = discovery_pb2.InstanceRecord.FromString(value)
         rows.append({"component": f"{r.component}/{r.endpoint}", "id": f"{r.instance_id:x}", "address": r.address,
-                     "lease": f"{r.lease_id:x}"})  # fmt: skip
+                     "lease": f"{r.lease_id:x}", "started_unix_ms": str(r.started_unix_ms)})  # fmt: skip
     return rows
 
 

@@ -27,6 +27,7 @@ DAY = 86_400
 
 @pytest.mark.timeout(240)  # 3 more daemons to start on a busy 2-core machine
 def test_skewed_wall_and_monotonic_clocks_keep_leases_and_bookings(mesh: Cluster) -> None:
+    spawned = time.time()
     skewed = [
         mesh.worker("worker-skew", clock_offset="+7s", monotonic_offset=DAY, speedup=1.0, wait=False),
         mesh.router("router-skew", clock_offset="-7s", monotonic_offset=2 * DAY, wait=False),
@@ -37,8 +38,13 @@ def test_skewed_wall_and_monotonic_clocks_keep_leases_and_bookings(mesh: Cluster
             mesh.wait_serving(daemon)
         for frontend in mesh.frontends:
             wait_engines(frontend.address, 4)
-        leases = {r["address"]: r["lease"] for r in fleet(mesh)}
+        records = fleet(mesh)
+        leases = {r["address"]: r["lease"] for r in records}
         assert {d.address for d in skewed} <= set(leases)
+        # The skew is real: each skewed daemon stamped its record with its own wall clock, 7 s off.
+        started = {r["address"]: int(r["started_unix_ms"]) / 1000 for r in records}
+        worker_skew, router_skew, frontend_skew = (started[d.address] for d in skewed)
+        assert min(worker_skew, frontend_skew) > spawned + 5 and router_skew < time.time() - 5, started
         peak: dict[str, float] = {}
         with Load([f.address for f in mesh.frontends], rate=4.0, tokens=96) as load:
             until = time.monotonic() + 3 * LEASE_TTL

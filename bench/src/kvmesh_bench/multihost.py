@@ -591,8 +591,12 @@ class Cluster:
             env.update(LD_PRELOAD=libs[0], FAKETIME=clock_offset, FAKETIME_DONT_FAKE_MONOTONIC="1")
         if monotonic_offset:
             offset = str(monotonic_offset)
+            # libfaketime goes to the daemon alone (`env` after unshare): preloaded into unshare too, it made
+            # a /dev/shm segment and semaphore there that nothing removed once unshare was stopped.
+            preload = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
+            env = {}
             argv = ["unshare", "--time", "--fork", "--kill-child", "--monotonic", offset,
-                    "--boottime", offset, *argv]  # fmt: skip
+                    "--boottime", offset, *preload, *argv]  # fmt: skip
         daemon = Daemon(kind, h, argv, self.workdir / f"{kind}-{host}.log", self.net, env)
         self.daemons.append(daemon)
         if wait:
