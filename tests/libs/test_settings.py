@@ -82,6 +82,12 @@ def test_settings_are_frozen_and_keyword_only():
         (["--log-level", "loud"], {}, "invalid choice: 'loud'"),
         ([], {"KVMESH_LOG_LEVEL": "loud"}, "--log-level (from KVMESH_LOG_LEVEL): Input should be 'debug'"),
         ([], {"KVMESH_NUM_ENGINE": "2"}, "KVMESH_NUM_ENGINE: unknown setting (environment)"),
+        (["--speedup-ratio", "inf"], {}, "--speedup-ratio (from flag): Input should be a finite number"),
+        (["--drain-timeout", "nan"], {}, "--drain-timeout (from flag): Input should be a finite number"),
+        (["--lease-ttl", "0"], {}, "--lease-ttl (from flag): Input should be greater than 0"),
+        (["--namespace", ""], {}, "--namespace (from flag): String should have at least 1 character"),
+        (["--host", ""], {}, "--host (from flag): String should have at least 1 character"),
+        (["--config", ""], {}, "--config: empty path"),
     ],
 )
 def test_bad_config_exits_2_with_one_line_naming_the_setting_and_source(argv, env, needle, capsys):
@@ -97,12 +103,31 @@ def test_bad_config_exits_2_with_one_line_naming_the_setting_and_source(argv, en
         ("[kvmesh-worker]\nnum-engines = 2\n", "unknown table [kvmesh-worker]"),
         ("namespace = 'top-level'\n", "unknown table [namespace]"),
         ("[worker]\nnum-engines = 0\n", "--num-engines (from {path}): Input should be greater than 0"),
+        # pydantic would read true as 1: TOML's types are kept
+        ("[common]\nlease-ttl = true\n", "lease-ttl in [common] of {path}: true is not a number"),
+        ("[common]\nnamespace = false\n", "namespace in [common] of {path}: false is not a string"),
+        ("[common]\nlog_level = 'info'\nlog-level = 'debug'\n", "'log_level' and 'log-level' are one setting"),
+        (b"\xff\xfe[worker]\n", "is not valid TOML: not UTF-8 text"),
     ],
 )
 def test_bad_config_file_exits_2_with_one_line(tmp_path, text, needle, capsys):
     path = tmp_path / "kvmesh.toml"
-    path.write_text(text)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     assert needle.format(path=path) in fails(["--config", str(path)], capsys=capsys)
+
+
+def test_a_boolean_setting_takes_a_toml_boolean(tmp_path):
+    path = tmp_path / "kvmesh.toml"
+    path.write_text("[worker]\nenable-thing = true\n")
+    assert load(["--config", str(path)]).enable_thing is True
+
+
+def test_tls_files_that_are_not_a_certificate_and_its_key_are_refused_at_load(tmp_path, capsys):
+    """gRPC itself would only fail to bind the port; the settings name the file."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    tls = ["--tls-cert", str(garbage), "--tls-key", str(garbage), "--tls-ca", str(garbage)]
+    assert f"--tls-cert {garbage} / --tls-key {garbage}: not a PEM certificate and its key" in fails(tls, capsys=capsys)
 
 
 def test_missing_config_file_is_reported(tmp_path, capsys):

@@ -151,7 +151,11 @@ async def test_its_passes_reach_watchers_and_prometheus(echo_worker, stub):
 
 @pytest.mark.parametrize(
     ("engine", "says"),
-    [("nope", "unknown engine 'nope'"), ("tests.worker.no_such_module:build", "cannot import")],
+    [
+        ("nope", "unknown engine 'nope'"),
+        ("tests.worker.no_such_module:build", "cannot import"),
+        ("os:getcwd", "os:getcwd is not an engine factory (it must take settings, model files)"),
+    ],
 )
 def test_an_engine_that_cannot_be_found_exits_2_with_one_line(tmp_path, engine, says):
     result = run_cli("kvmesh-worker", "--discovery", f"file://{tmp_path / 'discovery'}", "--engine", engine, timeout=60)

@@ -360,9 +360,9 @@ class DaemonRuntime:
             else:
                 bound = self.server.add_insecure_port(target)
         except RuntimeError as exc:
-            fail(self.name, f"--grpc-port {port}: cannot bind ({exc})")
+            fail(self.name, f"--grpc-port {port}: cannot bind {target} ({exc})")
         if bound == 0:
-            fail(self.name, f"--grpc-port {port}: cannot bind (address in use?)")
+            fail(self.name, f"--grpc-port {port}: cannot bind {target} (address in use, or not one of this host's?)")
         await self.server.start()
         self.address = f"{self.settings.host}:{bound}"
         await self._set_health(True)

@@ -7,7 +7,9 @@ the daemon's table (``[worker]`` for ``kvmesh-worker``). Precedence, highest fir
 config file (``--config`` / ``KVMESH_CONFIG``), default.
 
 Rules (each a one-line error naming the setting and its source, exit 2):
-- a value pydantic rejects, wherever it came from;
+- a value pydantic rejects, wherever it came from (no number is infinite or NaN);
+- a TOML value of the wrong TOML type: ``true`` for a number (pydantic would read it as 1), a key given
+  twice in one table (``log-level`` and ``log_level``), a file that is not UTF-8;
 - an unknown flag, TOML table, TOML key, or ``KVMESH_*`` variable (``KVMESH_CONFIG`` and the
   ``KVMESH_TEST_*`` variables of the test tooling are not settings).
 The environment is per process: a ``KVMESH_*`` variable for another daemon is an error here too.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import sys
 import tomllib
 import types
@@ -66,23 +69,26 @@ def _discovery_url(text: str) -> str:
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 Seconds = Annotated[float, Field(ge=0)]
+NonEmpty = Annotated[str, Field(min_length=1)]
 DiscoveryUrl = Annotated[str, AfterValidator(_discovery_url)]
 
 
 class DaemonSettings(BaseModel):
     """Settings every daemon has; a daemon subclasses it with its own fields (frozen, keyword-only)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True, validate_by_name=True)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, validate_by_name=True, allow_inf_nan=False
+    )
 
     discovery: DiscoveryUrl = Field(default_factory=default_discovery_url)
     """discovery backend: etcd://host:port[,host:port] or file:///dir (one machine, no server)"""
-    namespace: str = "kvmesh"
+    namespace: NonEmpty = "kvmesh"
     """deployment namespace; daemons only see their own"""
-    lease_ttl: Seconds = 10.0
+    lease_ttl: Annotated[float, Field(gt=0)] = 10.0
     """discovery lease TTL in seconds; keepalive runs every TTL/3"""
-    host: str = "127.0.0.1"
+    host: NonEmpty = "127.0.0.1"
     """address other daemons use to reach this one"""
-    bind_host: str = "127.0.0.1"
+    bind_host: NonEmpty = "127.0.0.1"
     """interface the gRPC server and /metrics listen on (0.0.0.0 = every interface; say so explicitly)"""
     tls_cert: str = ""
     """PEM certificate of this daemon (mesh CA, SAN spiffe://kvmesh/<role>/<name>); with --tls-key and --tls-ca: mTLS"""
@@ -118,6 +124,8 @@ class DaemonSettings(BaseModel):
         for flag, path in {**given, "--etcd-ca": self.etcd_ca}.items():
             if path and not os.access(path, os.R_OK):
                 raise ValueError(f"{flag} {path}: not a readable file")
+        if self.tls_cert:
+            _check_pem(self.tls_cert, self.tls_key, self.tls_ca, self.etcd_ca)
         return self
 
     @property
@@ -132,8 +140,11 @@ class DaemonSettings(BaseModel):
         env = os.environ if environ is None else environ
         names = {_key(name, info): name for name, info in cls.model_fields.items()}
         flags = vars(_parser(cls, prog, description).parse_args(argv))
-        config_path: str | None = flags.pop("config", None) or env.get(f"{ENV_PREFIX}CONFIG")
+        config_flag: str | None = flags.pop("config", None)
+        config_path = config_flag if config_flag is not None else env.get(f"{ENV_PREFIX}CONFIG")
         try:
+            if config_flag == "":
+                raise _Problem("--config: empty path (leave the flag out for no config file)")
             raw: dict[str, tuple[Any, str]] = {}  # field -> (value, source), lowest precedence first
             if config_path:
                 for key, value in _load_toml(config_path, prog, cls).items():
@@ -164,6 +175,21 @@ class DaemonSettings(BaseModel):
     def variables(cls) -> frozenset[str]:
         """The ``KVMESH_*`` environment variables this daemon reads."""
         return frozenset(ENV_PREFIX + _key(name, info).upper() for name, info in cls.model_fields.items())
+
+
+def _check_pem(cert: str, key: str, ca: str, etcd_ca: str) -> None:
+    """The PEM files load (gRPC would only say it cannot bind the port); ssl checks the key matches the cert."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    try:
+        context.load_cert_chain(cert, key, password=b"")  # an encrypted key fails here, as it would in gRPC
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its key ({exc})") from None
+    for flag, path in (("--tls-ca", ca), ("--etcd-ca", etcd_ca)):
+        if path:
+            try:
+                context.load_verify_locations(path)
+            except (ssl.SSLError, OSError) as exc:
+                raise ValueError(f"{flag} {path}: not a PEM CA certificate ({exc})") from None
 
 
 def is_setting_variable(var: str) -> bool:
@@ -222,18 +248,40 @@ def _load_toml(path: str, prog: str, cls: type[DaemonSettings]) -> dict[str, Any
         raise _Problem(f"--config: cannot read {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise _Problem(f"--config: {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise _Problem(f"--config: {path} is not valid TOML: not UTF-8 text") from None
     for table, entries in doc.items():
         if table not in TABLES:
             raise _Problem(f"--config: unknown table [{table}] in {path} (expected {', '.join(TABLES)})")
         if not isinstance(entries, dict):
             raise _Problem(f"--config: [{table}] in {path} must be a table")
     common = {_key(name, info) for name, info in DaemonSettings.model_fields.items()}
-    known = {_key(name, info) for name, info in cls.model_fields.items()}
+    fields = {_key(name, info): info for name, info in cls.model_fields.items()}
     merged: dict[str, Any] = {}
-    for table, allowed in (("common", common), (prog.removeprefix("kvmesh-"), known)):
+    for table, allowed in (("common", common), (prog.removeprefix("kvmesh-"), set(fields))):
+        seen: dict[str, str] = {}
         for key, value in doc.get(table, {}).items():
             normalized = key.replace("-", "_")
             if normalized not in allowed:
                 raise _Problem(f"--config: unknown setting {key!r} in [{table}] of {path}")
+            if normalized in seen:
+                raise _Problem(
+                    f"--config: {seen[normalized]!r} and {key!r} are one setting, twice in [{table}] of {path}"
+                )
+            seen[normalized] = key
+            if isinstance(value, bool) and not _takes_bool(fields[normalized]):
+                raise _Problem(
+                    f"--config: {key} in [{table}] of {path}: {str(value).lower()} is not a {_kind(fields[normalized])}"
+                )
             merged[normalized] = value
     return merged
+
+
+def _takes_bool(info: FieldInfo) -> bool:
+    return info.annotation is bool or bool in typing.get_args(info.annotation)
+
+
+def _kind(info: FieldInfo) -> str:
+    """What the setting takes, in words, for an error message."""
+    metavar = _metavar(info)
+    return {"N": "number", "X": "number"}.get(metavar or "", "string")

@@ -55,9 +55,11 @@ def kserve_auth(config: Settings) -> tuple[BearerTokenGate, ...]:
     if not config.kserve_token_file:
         return ()
     try:
-        token = Path(config.kserve_token_file).read_text().strip()
+        token = Path(config.kserve_token_file).read_text(encoding="utf-8").strip()
     except OSError as exc:
         fail(PROG, f"--kserve-token-file {config.kserve_token_file}: {exc.strerror}")
+    except UnicodeDecodeError:
+        fail(PROG, f"--kserve-token-file {config.kserve_token_file}: not UTF-8 text")
     if not token:
         fail(PROG, f"--kserve-token-file {config.kserve_token_file}: empty")
     return (BearerTokenGate(token),)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Self
 
 from kvmesh.settings import DaemonSettings, Port, Seconds
-from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt
+from pydantic import NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
 
 from kvmesh_frontend.pipeline import DEFAULT_MAX_TOKENS
 
@@ -40,3 +40,11 @@ class Settings(DaemonSettings):
     (local) or answer RESOURCE_EXHAUSTED (reject)"""
     enforce_disagg: bool = False
     """with no prefill engine left, answer UNAVAILABLE instead of prefilling on the decode engine"""
+
+    @model_validator(mode="after")
+    def _client_cert_needs_tls(self) -> Self:
+        if self.kserve_client_cert and not self.tls_enabled:
+            raise ValueError(
+                "--kserve-client-cert needs --tls-cert, --tls-key and --tls-ca (the CA clients' certificates come from)"
+            )
+        return self

@@ -13,6 +13,7 @@ discovery, while the engine ids come from its discovery instance id.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,12 @@ def resolve(name: str) -> EngineFactory:
         raise EngineBuildError(f"--engine {name}: cannot import {module_name}:{attr}: {exc}") from exc
     if not callable(factory):
         raise EngineBuildError(f"--engine {name}: {module_name}:{attr} is not callable")
+    try:
+        inspect.signature(factory).bind(None, None)
+    except (TypeError, ValueError):  # ValueError: a builtin without a signature
+        raise EngineBuildError(
+            f"--engine {name}: {module_name}:{attr} is not an engine factory (it must take settings, model files)"
+        ) from None
     return factory
 
 

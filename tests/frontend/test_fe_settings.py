@@ -1,0 +1,36 @@
+"""The frontend's own settings: KServe client authentication that cannot work is refused at start (one line, exit 2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvmesh_frontend.main import kserve_auth
+from kvmesh_frontend.settings import Settings
+
+
+def one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvmesh-frontend: error: "), err
+    return err
+
+
+def test_client_certificates_cannot_be_required_without_tls(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --tls-* the port is plaintext: no client certificate could be asked for, so none would be."""
+    with pytest.raises(SystemExit) as exc:
+        Settings.load("kvmesh-frontend", "test", ["--kserve-client-cert"], environ={})
+    assert exc.value.code == 2
+    assert "--kserve-client-cert needs --tls-cert, --tls-key and --tls-ca" in one_line_exit_2(capsys)
+
+
+@pytest.mark.parametrize(("content", "says"), [(b"\xff\xfe\x00", "not UTF-8 text"), (b"  \n", "empty")])
+def test_an_unusable_token_file_is_refused(
+    tmp_path: Path, content: bytes, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_bytes(content)
+    settings = Settings.load("kvmesh-frontend", "test", ["--kserve-token-file", str(token_file)], environ={})
+    with pytest.raises(SystemExit) as exc:
+        kserve_auth(settings)
+    assert exc.value.code == 2
+    assert f"--kserve-token-file {token_file}: {says}" in one_line_exit_2(capsys)

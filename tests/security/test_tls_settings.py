@@ -1,0 +1,39 @@
+"""TLS files are checked when the settings load: one line naming the file, exit 2, before any port opens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvmesh.settings import DaemonSettings
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        DaemonSettings.load("kvmesh-router", "test", argv, environ={})
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+def test_a_matching_certificate_key_and_ca_load(pki: Path) -> None:
+    settings = DaemonSettings.load(
+        "kvmesh-router", "test", ["--tls-cert", str(pki / "router.crt"), "--tls-key", str(pki / "router.key"),
+                                  "--tls-ca", str(pki / "ca.crt")], environ={},
+    )  # fmt: skip
+    assert settings.tls_enabled
+
+
+def test_another_daemons_key_is_refused(pki: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cert, key = pki / "router.crt", pki / "worker.key"
+    err = refused(["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(pki / "ca.crt")], capsys)
+    assert f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its key" in err
+    assert "KEY_VALUES_MISMATCH" in err
+
+
+def test_a_ca_file_that_holds_no_certificate_is_refused(pki: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ca = pki / "router.key"  # a key where the CA certificate should be
+    err = refused(["--tls-cert", str(pki / "router.crt"), "--tls-key", str(pki / "router.key"), "--tls-ca", str(ca)],
+                  capsys)  # fmt: skip
+    assert f"--tls-ca {ca}: not a PEM CA certificate" in err
