@@ -45,6 +45,7 @@ from inference import grpc_service_pb2 as kserve
 from inference import grpc_service_pb2_grpc as kserve_grpc
 from kvmesh.ports import free_port
 
+from kvmesh_bench.argtypes import output_file
 from kvmesh_bench.chaos_multihost import MultiHostMesh
 from kvmesh_bench.frontend_bench import kserve_request as streamed_request
 from kvmesh_bench.local_procs import process_cpu_s, script
@@ -794,7 +795,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--daemon-log-level", default="info", help="every daemon's --log-level (logs kept with --keep)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (daemon logs)")
-    p.add_argument("--json", type=Path, help="also write the report as JSON here")
+    p.add_argument("--json", type=output_file, help="also write the report as JSON here")
     return p
 
 

@@ -63,6 +63,7 @@ from kvmesh.ports import free_port
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from tokenizers import Tokenizer
 
+from kvmesh_bench.argtypes import output_file
 from kvmesh_bench.local_procs import script
 from kvmesh_bench.streams import drain, read_message
 from kvmesh_bench.tables import write_json
@@ -619,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=50, help="sequential warm-up requests per path")
     parser.add_argument("--concurrency", type=int, default=64, help="client loops in the throughput phase")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per path in the throughput phase")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--json", type=output_file, default=None, metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR", help="keep daemon logs here")
     parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure a bare grpc.aio relay (the floor of one Python hop)")  # fmt: skip

@@ -69,10 +69,10 @@ from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 from kvmesh_router.settings import RouterSettings
 from kvmesh_router.slot_tracker import SlotTracker
 
-from kvmesh_bench.argtypes import fleet_sizes
+from kvmesh_bench.argtypes import fleet_sizes, output_file, positive_int
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table, write_json
-from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, load_trace
+from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace
 
 DEFAULT_TRACE = Path(__file__).resolve().parents[3].parent / "shared/data/mooncake/conversation_trace.jsonl"
 _HASH_SALT = 0x6B766D657368  # "kvmesh": fake tokens hash of a trace hash id = chain_hash(salt, id)
@@ -561,7 +561,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvmesh bench indexer", description=__doc__.split("\n\n")[0])
     add_replay_args(p)
-    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--max-requests", type=positive_int, default=None, help="replay only the first N requests")
     p.add_argument(
         "--policy",
         default="kv",
@@ -591,7 +591,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "descheduling is not counted) or the wall clock; latency is always wall clock",
     )
     p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the tracemalloc memory pass")
-    p.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
+    p.add_argument("--json", type=output_file, default=None, help="write the figures as JSON to this path")
     p.add_argument("--baseline", choices=["dynamo"], help="also replay the op stream into Dynamo's RadixTree")
     p.add_argument("--dynamo-python", help="--baseline: Dynamo's venv interpreter (default $KVMESH_DYNAMO_PYTHON)")
     return p.parse_args(argv)
@@ -604,7 +604,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"--engines: {exc}", file=sys.stderr)
         return 2
-    requests = trace_requests(args.trace, args.max_requests, args.block_size)
+    try:
+        requests = trace_requests(args.trace, args.max_requests, args.block_size)
+    except TraceError as exc:
+        print(f"kvmesh bench indexer: error: {exc}", file=sys.stderr)
+        return 2
     if not requests:
         print(f"{args.trace}: no requests", file=sys.stderr)
         return 1

@@ -20,11 +20,11 @@ import sys
 import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvmesh_bench.argtypes import output_file
 from kvmesh_bench.tables import Column, format_table
 
 KIB = 1024
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sizes-kib", default=DEFAULT_SIZES, help="block sizes in KiB (default: %(default)s)")
     p.add_argument("--total-mib", type=int, default=64, help="bytes moved per transfer (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="timed transfers per size; median (default: %(default)s)")
-    p.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
+    p.add_argument("--json", type=output_file, default=None, help="write the figures as JSON to this path")
     args = p.parse_args(argv)
     sizes = [int(x) * KIB for x in args.sizes_kib.split(",") if x.strip()]
     total = args.total_mib << 20

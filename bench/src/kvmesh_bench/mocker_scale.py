@@ -33,7 +33,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +47,7 @@ from kvmesh_worker.engine import (
 )
 from kvmesh_worker.engine_runner import EngineRunner
 
-from kvmesh_bench.argtypes import fleet_sizes
+from kvmesh_bench.argtypes import fleet_sizes, output_file
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import write_json
 
@@ -364,7 +363,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num-gpu-blocks", type=int, default=16384, help="KV blocks per engine (default: %(default)s)")
     p.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the simulated model")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write the figures as JSON to this path")
+    p.add_argument("--json", type=output_file, default=None, help="write the figures as JSON to this path")
     args = p.parse_args(argv)
     try:
         args.engine_counts = fleet_sizes(args.engines)

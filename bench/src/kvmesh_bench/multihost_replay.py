@@ -36,7 +36,7 @@ import numpy as np
 from kvmesh_router.policies import DEFAULT_COST_POLICY
 
 from kvmesh_bench import link_conditions as lc
-from kvmesh_bench.argtypes import positive_float, positive_int
+from kvmesh_bench.argtypes import output_file, positive_float, positive_int
 from kvmesh_bench.multihost import Cluster, missing_requirements
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, Summary, summarize, write_json
@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="token mapping (live run k uses seed + k)")
     parser.add_argument("--drain-timeout", type=positive_float, default=120.0, help="live: wait S s for in-flight")
     parser.add_argument("--workdir", help="logs of the mesh (default: a temporary directory)")
-    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--json", type=output_file, metavar="PATH", help="write the figures as JSON")
     args = parser.parse_args(argv)
     chosen = [c.strip() for c in args.conditions.split(",") if c.strip()]
     unknown = [c for c in chosen if c not in names]

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from kvmesh_planner.core import PlannerConfig, PoolBounds
 
+from kvmesh_bench.argtypes import output_file
 from kvmesh_bench.planner_sim import SimResult, run_planner_sim, run_planner_sim_disagg
 from kvmesh_bench.replay.disagg import DisaggConfig
 from kvmesh_bench.replay.offline import OfflineConfig
@@ -71,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--arrival-speedup", type=float, default=1.0)
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per engine (worker flag)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", type=output_file, metavar="PATH")
     p.add_argument("--plot", metavar="PNG")
     return p
 

@@ -41,6 +41,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from kvmesh_bench.argtypes import output_file
 from kvmesh_bench.tables import format_table
 
 _OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -321,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="take the request path's fixed cost (shortest prompt's TTFT minus a batch-1 decode pass) off every "
         "prefill point: for a profile taken through a mesh, since the mocker's live mesh pays that path again",
     )
-    p.add_argument("--json", metavar="PATH", help="write every measured point as JSON")
+    p.add_argument("--json", type=output_file, metavar="PATH", help="write every measured point as JSON")
     return p
 
 

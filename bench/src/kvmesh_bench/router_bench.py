@@ -54,9 +54,10 @@ from kvmesh_router.settings import RouterSettings
 from kvmesh_router.state import RouterState
 
 from kvmesh_bench import indexer_microbench as mb
-from kvmesh_bench.argtypes import fleet_sizes
+from kvmesh_bench.argtypes import fleet_sizes, non_negative_int, output_file
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table, write_json
+from kvmesh_bench.trace import TraceError
 
 DEFAULT_TRACE = mb.DEFAULT_TRACE
 MODEL = "mooncake"
@@ -496,7 +497,9 @@ _FLEET_COLUMNS = [
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvmesh bench router", description=__doc__.split("\n\n")[0])
     mb.add_replay_args(p)
-    p.add_argument("--max-requests", type=int, default=4000, help="trace requests replayed per fleet (0 = all)")
+    p.add_argument(
+        "--max-requests", type=non_negative_int, default=4000, help="trace requests replayed per fleet (0 = all)"
+    )
     p.add_argument("--grpc-engines", type=int, default=8, help="fleet size of the gRPC measurement (0 = skip it)")
     p.add_argument("--grpc-requests", type=int, default=2000, help="queries measured through the Session stream")
     p.add_argument("--grpc-warm-requests", type=int, default=2000, help="requests that warm the server's index")
@@ -508,7 +511,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="clock of the daemon-path timings: wall, or this thread's CPU time (robust on a shared machine)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write the results as JSON to this path")
+    p.add_argument("--json", type=output_file, default=None, help="write the results as JSON to this path")
     return p.parse_args(argv)
 
 
@@ -520,7 +523,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"--engines: {exc}", file=sys.stderr)
         return 2
-    requests = mb.trace_requests(args.trace, args.max_requests or None, args.block_size)
+    try:
+        requests = mb.trace_requests(args.trace, args.max_requests or None, args.block_size)
+    except TraceError as exc:
+        print(f"kvmesh bench router: error: {exc}", file=sys.stderr)
+        return 2
     if not requests:
         print(f"{args.trace}: no requests", file=sys.stderr)
         return 1

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from kvmesh_cli.vllm_cores import confine, keep_off_model_cores
 
-from kvmesh_bench.argtypes import positive_int
+from kvmesh_bench.argtypes import output_file, positive_int
 from kvmesh_bench.tables import format_table
 
 if TYPE_CHECKING:
@@ -348,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's stream_interval in both modes: tokens per streamed output after the first (default 1: every step)",
     )
     p.add_argument("--rounds", type=positive_int, default=1, help="direct/mesh pairs to measure (medians reported)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", type=output_file, metavar="PATH")
     return p
 
 

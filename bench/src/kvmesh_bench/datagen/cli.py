@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvmesh_bench.argtypes import non_negative_int, positive_float, positive_int
+from kvmesh_bench.argtypes import non_negative_int, output_file, positive_float, positive_int
 from kvmesh_bench.tables import write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace, write_trace
 
@@ -173,7 +173,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "by the median of each figure",
     )
     analyze_parser.add_argument("--compare", metavar="SOURCE", help="compare against this trace")
-    analyze_parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    analyze_parser.add_argument(
+        "--json", type=output_file, metavar="PATH", help="also write the figures as JSON to PATH"
+    )
     analyze_parser.add_argument(
         "--replay-requests",
         metavar="N",

@@ -34,7 +34,7 @@ from kvmesh_router.cost import MODES
 from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 from kvmesh_worker.engine import load_perf_model
 
-from kvmesh_bench.argtypes import positive_float, positive_int
+from kvmesh_bench.argtypes import output_file, positive_float, positive_int
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, format_table, plot_run, run_json, summarize, write_json
 from kvmesh_bench.replay.workload import DEFAULT_VOCAB_SIZE, ReplayRequest, TokenMapper, build_requests
@@ -147,7 +147,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="token mapping and routing tie-breaks (default 0)")
     p.add_argument("--vocab-size", type=positive_int, default=DEFAULT_VOCAB_SIZE, help="token ids drawn below it")
-    p.add_argument("--json", metavar="PATH", help="write the figures as JSON (and the plots next to it)")
+    p.add_argument(
+        "--json", type=output_file, metavar="PATH", help="write the figures as JSON (and the plots next to it)"
+    )
     p.add_argument("--plot", metavar="PATH", help="write the PNG plots here (default: next to --json)")
     p.add_argument("--no-plot", action="store_true", help="no PNG plots (not even next to --json)")
     p.add_argument("--no-progress", action="store_true", help="live: no progress bar")

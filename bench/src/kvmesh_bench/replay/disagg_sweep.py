@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvmesh_bench.replay.cli import load_requests
+from kvmesh_bench.argtypes import output_file, positive_floats, positive_int
+from kvmesh_bench.replay.cli import ReplayError, load_requests
 from kvmesh_bench.replay.disagg import DisaggConfig, run_offline_disagg
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import summarize
@@ -58,9 +59,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvmesh bench disagg-sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="Mooncake JSONL trace")
     p.add_argument("--engines", type=int, default=8, help="engines per fleet, N (default: %(default)s)")
-    p.add_argument("--loads", default="1,2,4,8", help="arrival speedups (default: %(default)s)")
-    p.add_argument("--gbps", default="25,100,400", help="KV link bandwidths, GB/s (default: %(default)s)")
-    p.add_argument("--max-requests", type=int, default=600, help="requests per replay (default: %(default)s)")
+    p.add_argument("--loads", type=positive_floats, default="1,2,4,8", help="arrival speedups (default: %(default)s)")
+    p.add_argument(
+        "--gbps", type=positive_floats, default="25,100,400", help="KV link bandwidths, GB/s (default: %(default)s)"
+    )
+    p.add_argument("--max-requests", type=positive_int, default=600, help="requests per replay (default: %(default)s)")
     p.add_argument(
         "--trace-block-size",
         type=int,
@@ -68,24 +71,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="tokens per hash id of the trace (default: %(default)s, the Mooncake traces')",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None, help="write the rows as JSON (and the plot next to it)")
+    p.add_argument("--json", type=output_file, default=None, help="write the rows as JSON (and the plot next to it)")
     p.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --json)")
     args = p.parse_args(argv)
-    loads = [float(x) for x in args.loads.split(",")]
-    bandwidths = [float(x) for x in args.gbps.split(",")]
+    loads, bandwidths = args.loads, args.gbps
     n = args.engines
-    if n < 2 or not loads or not bandwidths:
-        p.error("--engines must be >= 2, --loads and --gbps non-empty")
+    if n < 2:
+        p.error("--engines must be >= 2")
     rows: list[dict[str, Any]] = []
     for load in loads:
-        requests = load_requests(
-            argparse.Namespace(
-                trace=args.trace,
-                max_requests=args.max_requests,
-                arrival_speedup=load,
-                trace_block_size=args.trace_block_size,
+        try:
+            requests = load_requests(
+                argparse.Namespace(
+                    trace=args.trace,
+                    max_requests=args.max_requests,
+                    arrival_speedup=load,
+                    trace_block_size=args.trace_block_size,
+                )
             )
-        )
+        except ReplayError as exc:
+            print(f"{p.prog}: error: {exc}", file=sys.stderr)
+            return 2
         config = OfflineConfig(engines=n, seed=args.seed)
         mapper = TokenMapper(block_tokens=args.trace_block_size, seed=args.seed)
         rows.append(_row(load, f"{n} agg", "-", run_offline(requests, config, mapper), n))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh_bench import tables
-from kvmesh_bench.argtypes import positive_float, positive_int
+from kvmesh_bench.argtypes import output_file, positive_float, positive_int
 from kvmesh_bench.replay.cli import ReplayError, add_common_args, load_requests, parse_mode, run_mode
 from kvmesh_bench.replay.report import Summary, median_summary, summarize
 
@@ -121,7 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--trace-block-size", type=positive_int, default=512)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     p.add_argument("--overlap-weight", type=positive_float, default=1.0)
-    p.add_argument("--json", metavar="PATH", help="write every replay's figures and the verdicts as JSON")
+    p.add_argument(
+        "--json", type=output_file, metavar="PATH", help="write every replay's figures and the verdicts as JSON"
+    )
     args = p.parse_args(argv)
     fleet = (
         "--engines", str(args.engines), "--engine-block-size", str(args.engine_block_size),
