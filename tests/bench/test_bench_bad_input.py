@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from kvmesh_bench import indexer_microbench, router_bench
+from kvmesh_bench import indexer_microbench, planner_bench, router_bench
 from kvmesh_bench.argtypes import output_file, positive_floats
 from kvmesh_bench.replay import disagg_sweep
 
@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[Main, Callable[[Path], list[str]]]] = {
     "router": (router_bench.main, lambda trace: ["--trace", str(trace), "--grpc-engines", "0"]),
     "indexer": (indexer_microbench.main, lambda trace: ["--trace", str(trace)]),
     "disagg-sweep": (disagg_sweep.main, lambda trace: [str(trace)]),
+    "planner-sim": (planner_bench.main, lambda trace: [str(trace)]),
 }
 
 
@@ -58,6 +59,8 @@ def test_a_trace_that_cannot_be_read_is_one_line_and_exit_2(
         ("indexer", ["--max-requests", "0"], "--max-requests: must be at least 1"),
         ("disagg-sweep", ["--loads", "abc"], "--loads: expected comma-separated numbers"),
         ("indexer", ["--json", "."], "--json: '.' is a directory, not a file to write"),
+        ("planner-sim", ["--modes", "sla:oracle"], "--modes: unknown planner run 'sla:oracle'"),
+        ("planner-sim", ["--ttft-ms", "-1"], "--ttft-ms: must be a positive number"),
     ],
 )
 def test_a_bad_argument_is_refused_before_the_trace_is_read(

@@ -96,7 +96,15 @@ def test_a_sweep_of_zero_rounds_is_refused_with_exit_2(tmp_path) -> None:
         "kvmesh", "profile", "--engine-address", "127.0.0.1:1", "--rounds", "0", "--out", str(tmp_path / "p.npz")
     )
     assert out.returncode == 2
-    assert "--rounds must be at least 1" in out.stderr
+    assert "argument --rounds: must be at least 1, got 0" in out.stderr
+    assert not (tmp_path / "p.npz").exists()
+
+
+def test_an_engine_that_cannot_be_reached_is_one_line_not_a_traceback(tmp_path) -> None:
+    out = run_cli("kvmesh", "profile", "--engine-address", "127.0.0.1:1", "--out", str(tmp_path / "p.npz"))
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith("kvmesh profile: error: 127.0.0.1:1: UNAVAILABLE: ")
     assert not (tmp_path / "p.npz").exists()
 
 

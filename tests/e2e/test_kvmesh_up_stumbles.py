@@ -92,6 +92,25 @@ def test_port_in_use_is_refused_before_anything_starts(tmp_path: Path, listener:
     assert not list(tmp_path.glob("kvmesh-up-*")), "no log dir for a run that never started"
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--grpc-port", "70000"], "argument --grpc-port: must be 1-65535, got 70000"),
+        (["--ready-timeout", "-1"], "argument --ready-timeout: must be a positive number, got -1"),
+        (["--planner", "--planner-args", "'--ttft-ms 500"], "argument --planner-args: cannot split"),
+        (["--tls", "{tmp}/nowhere"], "--tls {tmp}/nowhere: not a directory (make one with kvmesh certs init DIR)"),
+        (["--tls", "{tmp}"], "--tls {tmp}: no ca.crt, frontend.crt"),
+        (["--log-dir", "/proc/kvmesh-logs"], "--log-dir /proc/kvmesh-logs: No such file or directory"),
+    ],
+)
+def test_a_flag_that_cannot_work_is_one_line_and_exit_2(tmp_path: Path, flags: list[str], says: str) -> None:
+    proc = _up(tmp_path, "--grpc-port", str(free_port()), *(f.format(tmp=tmp_path) for f in flags))
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "kvmesh is up" not in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvmesh up: error: ") and says.format(tmp=tmp_path) in lines[0], err
+
+
 def test_sighup_stops_the_mesh_and_removes_the_temp_logs(tmp_path: Path) -> None:
     proc = _up(tmp_path, "--grpc-port", str(free_port()), env={"TMPDIR": str(tmp_path)})
     _wait_up(proc)

@@ -1,4 +1,5 @@
-"""TLS files are checked when the settings load: one line naming the file, exit 2, before any port opens."""
+"""TLS files are checked when the settings load (one line naming the file, exit 2, before any port opens), and
+``kvmesh certs init`` reports a directory it cannot make in one line."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from pathlib import Path
 
 import pytest
 from kvmesh.settings import DaemonSettings
+
+from tests.support.daemons import run_cli
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -37,3 +40,14 @@ def test_a_ca_file_that_holds_no_certificate_is_refused(pki: Path, capsys: pytes
     err = refused(["--tls-cert", str(pki / "router.crt"), "--tls-key", str(pki / "router.key"), "--tls-ca", str(ca)],
                   capsys)  # fmt: skip
     assert f"--tls-ca {ca}: not a PEM CA certificate" in err
+
+
+@pytest.mark.parametrize(
+    ("where", "says"),
+    [("{tmp}/a-file", "{tmp}/a-file: File exists"), ("{tmp}/a-file/certs", "{tmp}/a-file/certs: Not a directory")],
+)
+def test_certs_init_into_a_place_that_cannot_be_a_directory_is_one_line(tmp_path: Path, where: str, says: str) -> None:
+    (tmp_path / "a-file").write_text("")
+    result = run_cli("kvmesh", "certs", "init", where.format(tmp=tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"kvmesh certs: error: {says.format(tmp=tmp_path)}"

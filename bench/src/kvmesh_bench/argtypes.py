@@ -1,14 +1,25 @@
-"""argparse ``type=`` checkers the bench commands share, so a bad number reads the same everywhere."""
+"""argparse ``type=`` checkers the ``kvmesh`` commands share, so a bad number reads the same everywhere."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["fleet_sizes", "non_negative_int", "output_file", "positive_float", "positive_floats", "positive_int"]
+__all__ = [
+    "fractions",
+    "non_negative_int",
+    "output_file",
+    "positive_float",
+    "positive_floats",
+    "positive_int",
+    "positive_ints",
+    "shell_words",
+    "tcp_port",
+]
 
 N = TypeVar("N", int, float)
 
@@ -29,6 +40,16 @@ def _checked(parse: Callable[[str], N], ok: Callable[[N], bool], expected: str, 
 positive_int = _checked(int, lambda v: v >= 1, "an integer", "at least 1")
 non_negative_int = _checked(int, lambda v: v >= 0, "an integer", "non-negative")
 positive_float = _checked(float, lambda v: v > 0 and not math.isinf(v), "a number", "a positive number")
+tcp_port = _checked(int, lambda v: 1 <= v <= 65535, "a port number", "1-65535")
+
+
+def shell_words(text: str) -> str:
+    """Flags for another command, as one shell-quoted string (kept as given; it must split)."""
+    try:
+        shlex.split(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"cannot split {text!r} into words: {exc}") from None
+    return text
 
 
 def positive_floats(text: str) -> list[float]:
@@ -42,15 +63,26 @@ def positive_floats(text: str) -> list[float]:
     return values
 
 
-def fleet_sizes(text: str) -> list[int]:
-    """Comma-separated fleet sizes (``8,128,1000``): at least one, each at least 1."""
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated integers (``32,64,128``): at least one, each at least 1."""
     try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"need at least one size, each at least 1, got {text!r}")
-    return sizes
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need at least one integer, each at least 1, got {text!r}")
+    return values
+
+
+def fractions(text: str) -> list[float]:
+    """Comma-separated fractions in [0, 1) (``0,0.5``): at least one."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(0 <= v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"need fractions from 0 up to (not including) 1, got {text!r}")
+    return values
 
 
 def output_file(text: str) -> Path:

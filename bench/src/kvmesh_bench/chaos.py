@@ -51,6 +51,7 @@ from kvmesh_bench.frontend_bench import kserve_request as streamed_request
 from kvmesh_bench.local_procs import process_cpu_s, script
 from kvmesh_bench.multihost import Cluster, missing_requirements
 from kvmesh_bench.prometheus_text import metric_total, metrics_url
+from kvmesh_bench.tables import write_json
 
 _EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # exported at runtime; types-grpcio omits it
 MODEL = "kvmesh-mock"
@@ -821,7 +822,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     print(report.table())
     if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=2))
+        write_json(args.json, asdict(report))
     return 0
 
 

@@ -69,7 +69,7 @@ from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 from kvmesh_router.settings import RouterSettings
 from kvmesh_router.slot_tracker import SlotTracker
 
-from kvmesh_bench.argtypes import fleet_sizes, output_file, positive_int
+from kvmesh_bench.argtypes import output_file, positive_int, positive_ints
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table, write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace
@@ -600,7 +600,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        sizes = fleet_sizes(args.engines)
+        sizes = positive_ints(args.engines)
     except argparse.ArgumentTypeError as exc:
         print(f"--engines: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
 import statistics
 import sys
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh_bench.argtypes import output_file
-from kvmesh_bench.tables import Column, format_table
+from kvmesh_bench.tables import Column, format_table, write_json
 
 KIB = 1024
 DEFAULT_SIZES = "4,16,64,256,1024,2048"
@@ -147,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"goal: NIXL >= {GOAL_RATIO:.0%} of memcpy at 256 KiB blocks: {verdict} ({goal['ratio']:.0%})")
     if args.json is not None:
         payload = {"benchmark": "kv-transfer", "params": vars(args) | {"json": str(args.json)}, "rows": rows}
-        args.json.write_text(json.dumps(payload, indent=2))
+        write_json(args.json, payload)
     return 0
 
 

@@ -47,7 +47,7 @@ from kvmesh_worker.engine import (
 )
 from kvmesh_worker.engine_runner import EngineRunner
 
-from kvmesh_bench.argtypes import fleet_sizes, output_file
+from kvmesh_bench.argtypes import output_file, positive_ints
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import write_json
 
@@ -366,7 +366,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", type=output_file, default=None, help="write the figures as JSON to this path")
     args = p.parse_args(argv)
     try:
-        args.engine_counts = fleet_sizes(args.engines)
+        args.engine_counts = positive_ints(args.engines)
     except argparse.ArgumentTypeError as exc:
         p.error(f"--engines: {exc}")
     if args.speedup <= 0:

@@ -14,29 +14,33 @@ and engine-seconds are also reported per pool.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from kvmesh_planner.core import PlannerConfig, PoolBounds
+from kvmesh_planner.core.predictors import PREDICTORS
 
-from kvmesh_bench.argtypes import output_file
+from kvmesh_bench.argtypes import output_file, positive_float
 from kvmesh_bench.planner_sim import SimResult, run_planner_sim, run_planner_sim_disagg
 from kvmesh_bench.replay.disagg import DisaggConfig
 from kvmesh_bench.replay.offline import OfflineConfig
 from kvmesh_bench.replay.workload import build_requests
+from kvmesh_bench.tables import write_json
 from kvmesh_bench.trace import TraceError, load_trace
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvmesh bench planner-sim", description=__doc__)
     p.add_argument("trace", help="Mooncake JSONL trace (e.g. from kvmesh datagen synthesize --rate-profile)")
-    p.add_argument("--ttft-ms", type=float, default=600.0)
-    p.add_argument("--itl-ms", type=float, default=30.0)
+    p.add_argument("--ttft-ms", type=positive_float, default=600.0)
+    p.add_argument("--itl-ms", type=positive_float, default=30.0)
     p.add_argument(
-        "--modes", default="sla:kalman,sla:constant,load:latency", help="planner runs: sla:PREDICTOR, load:PROFILE"
+        "--modes",
+        type=_modes,
+        default="sla:kalman,sla:constant,load:latency",
+        help=f"planner runs: sla:PREDICTOR ({', '.join(PREDICTORS)}), load:PROFILE (latency, throughput)",
     )
     p.add_argument(
         "--statics",
@@ -77,6 +81,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _modes(spec: str) -> list[str]:
+    """``sla:kalman,load:latency``: each an SLA planner with a predictor or a load planner with a profile."""
+    modes = [m for m in spec.split(",") if m]
+    known = [*(f"sla:{p}" for p in PREDICTORS), "load:latency", "load:throughput"]
+    for mode in modes:
+        if mode not in known:
+            raise argparse.ArgumentTypeError(f"unknown planner run {mode!r}; expected some of {', '.join(known)}")
+    if not modes:
+        raise argparse.ArgumentTypeError("no planner run given")
+    return modes
+
+
 def _sizes(spec: str) -> list[int]:
     out: list[int] = []
     for part in spec.split(","):
@@ -109,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         requests, _ = build_requests(rows, arrival_speedup=args.arrival_speedup)
         statics: list[int] = [] if disagg else _sizes(args.statics or "1-8")
         splits = _splits(args.statics or "1x1-4,2x2-4") if disagg else []
+        if args.profile and not Path(args.profile).is_file():
+            raise ValueError(f"--profile {args.profile}: no such file")
         if disagg and (args.min_prefill > args.max_prefill or args.min_decode > args.max_decode):
             raise ValueError("--min-prefill/--min-decode must not exceed --max-prefill/--max-decode")
     except (TraceError, ValueError, OSError) as exc:
@@ -126,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pools = {"aggregated": PoolBounds(args.min_engines, args.max_engines)}
         budget = args.max_engines
     results: list[SimResult] = []
-    for mode in [m for m in args.modes.split(",") if m]:
+    for mode in args.modes:
         kind, _, variant = mode.partition(":")
         cfg = PlannerConfig(
             mode="sla" if kind == "sla" else "load",
@@ -207,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "pool_timelines": {r.label: r.pool_timelines for r in planners if r.pool_timelines},
             "decisions": {r.label: r.decisions for r in planners},
         }
-        Path(args.json).write_text(json.dumps(data, indent=1, default=float))
+        write_json(args.json, data, default=float)
     plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if plot:
         _plot(results, args, plot)

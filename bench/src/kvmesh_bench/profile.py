@@ -29,30 +29,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import grpc
 import numpy as np
 
-from kvmesh_bench.argtypes import output_file
-from kvmesh_bench.tables import format_table
+from kvmesh_bench.argtypes import fractions, output_file, positive_int, positive_ints
+from kvmesh_bench.tables import format_table, write_json
 
 _OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
 
 
 class Client:
@@ -300,22 +290,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-id", type=lambda s: int(s, 0), default=None, help="engine of the worker (default: its first)"
     )
     p.add_argument("--model", default="kvmesh-mock", help="--frontend: the model name")
-    p.add_argument("--isl", type=_ints, default=_ints("32,64,128,256,512,1024"), help="prefill ISLs")
-    p.add_argument("--cached", type=_floats, default=[0.0, 0.5], help="cached fractions of the ISL (0 = none)")
-    p.add_argument("--batch", type=_ints, default=_ints("1,2,4,8"), help="decode batch sizes")
-    p.add_argument("--context", type=_ints, default=_ints("64,256,1024"), help="decode prompt lengths")
-    p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode request")
-    p.add_argument("--repeats", type=int, default=3, help="samples per point in each round")
+    p.add_argument("--isl", type=positive_ints, default="32,64,128,256,512,1024", help="prefill ISLs")
+    p.add_argument("--cached", type=fractions, default="0,0.5", help="cached fractions of the ISL (0 = none)")
+    p.add_argument("--batch", type=positive_ints, default="1,2,4,8", help="decode batch sizes")
+    p.add_argument("--context", type=positive_ints, default="64,256,1024", help="decode prompt lengths")
+    p.add_argument("--decode-tokens", type=positive_int, default=32, help="tokens per decode request")
+    p.add_argument("--repeats", type=positive_int, default=3, help="samples per point in each round")
     p.add_argument(
         "--rounds",
-        type=int,
+        type=positive_int,
         default=1,
         help="whole sweeps, one after another; a point is the median of all its samples",
     )
-    p.add_argument("--block-size", type=int, default=32, help="the engine's block size (cached prefixes align to it)")
-    p.add_argument("--vocab-size", type=int, default=2000, help="token ids drawn below it")
+    p.add_argument(
+        "--block-size", type=positive_int, default=32, help="the engine's block size (cached prefixes align to it)"
+    )
+    p.add_argument("--vocab-size", type=positive_int, default=2000, help="token ids drawn below it")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", metavar="NPZ", required=True, help="where the mocker's perf model goes")
+    p.add_argument("--out", type=output_file, metavar="NPZ", required=True, help="where the mocker's perf model goes")
     p.add_argument(
         "--net-prefill",
         action="store_true",
@@ -329,8 +321,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.rounds < 1:
-        parser.error("--repeats and --rounds must be at least 1")
     if 0.0 not in args.cached:
         args.cached = [0.0, *args.cached]
 
@@ -345,8 +335,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             await client.close()
 
-    prefill, decode = asyncio.run(go())
+    try:
+        prefill, decode = asyncio.run(go())
+    except grpc.aio.AioRpcError as exc:
+        target = args.engine_address or args.frontend
+        print(f"kvmesh profile: error: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
     arrays = perf_model_arrays(prefill, decode, args.net_prefill)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "wb") as out:
         np.savez(out, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
     print("prefill (TTFT against ISL and cached tokens)")
@@ -360,16 +356,14 @@ def main(argv: Sequence[str] | None = None) -> int:
           f" ({'taken off' if args.net_prefill else 'kept in'} the prefill points)")  # fmt: skip
     print(f"perf model written to {args.out} (kvmesh-worker --perf-model {args.out})")
     if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {
-                    "prefill": [asdict(p) for p in prefill],
-                    "decode": [asdict(p) for p in decode],
-                    "path_overhead_ms": path_overhead_ms(prefill, decode),
-                    "net_prefill": args.net_prefill,
-                },
-                indent=1,
-            )
+        write_json(
+            args.json,
+            {
+                "prefill": [asdict(p) for p in prefill],
+                "decode": [asdict(p) for p in decode],
+                "path_overhead_ms": path_overhead_ms(prefill, decode),
+                "net_prefill": args.net_prefill,
+            },
         )
     return 0
 

@@ -54,7 +54,7 @@ from kvmesh_router.settings import RouterSettings
 from kvmesh_router.state import RouterState
 
 from kvmesh_bench import indexer_microbench as mb
-from kvmesh_bench.argtypes import fleet_sizes, non_negative_int, output_file
+from kvmesh_bench.argtypes import non_negative_int, output_file, positive_ints
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table, write_json
 from kvmesh_bench.trace import TraceError
@@ -519,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # no C-core info lines (GOAWAY at teardown) in the report
     try:
-        sizes = fleet_sizes(args.engines)
+        sizes = positive_ints(args.engines)
     except argparse.ArgumentTypeError as exc:
         print(f"--engines: {exc}", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ import numpy as np
 from kvmesh_cli.vllm_cores import confine, keep_off_model_cores
 
 from kvmesh_bench.argtypes import output_file, positive_int
-from kvmesh_bench.tables import format_table
+from kvmesh_bench.tables import format_table, write_json
 
 if TYPE_CHECKING:
     from inference import grpc_service_pb2 as kserve
@@ -405,7 +405,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f"; medians of {len(rounds)} rounds" if len(rounds) > 1 else "")
     )
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({**summary, "mesh_output": args.mesh_output, "stream_interval": args.stream_interval}, indent=1)
-        )
+        write_json(args.json, {**summary, "mesh_output": args.mesh_output, "stream_interval": args.stream_interval})
     return 0

@@ -20,6 +20,8 @@ import socket
 import sys
 from pathlib import Path
 
+from kvmesh_bench.argtypes import positive_int
+
 ROLES = ("frontend", "router", "worker", "planner", "operator", "client", "etcd")
 
 
@@ -28,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = p.add_subparsers(dest="certs_command", required=True, parser_class=type(p))
     init = sub.add_parser("init", help="make a CA and per-daemon certificates in DIR")
     init.add_argument("dir", metavar="DIR", help="output directory (created 0700)")
-    init.add_argument("--days", type=int, default=365, help="validity in days (default: 365)")
+    init.add_argument("--days", type=positive_int, default=365, help="validity in days (default: 365)")
     init.add_argument("--name", default="dev", help="instance name in the SPIFFE URIs (default: dev)")
     init.add_argument("--san", action="append", default=[], help="extra DNS name or IP for every leaf (repeatable)")
     init.add_argument("--force", action="store_true", help="overwrite existing files")
@@ -40,7 +42,11 @@ def run_init(args: argparse.Namespace) -> int:
     if not args.force and (out / "ca.key").exists():
         print(f"kvmesh certs: error: {out}/ca.key exists (use --force to replace)", file=sys.stderr)
         return 2
-    init(out, days=args.days, name=args.name, extra_sans=args.san)
+    try:
+        init(out, days=args.days, name=args.name, extra_sans=args.san)
+    except OSError as exc:
+        print(f"kvmesh certs: error: {exc.filename or out}: {exc.strerror}", file=sys.stderr)
+        return 2
     print(f"kvmesh certs: CA and certificates for {', '.join(ROLES)} in {out}")
     return 0
 

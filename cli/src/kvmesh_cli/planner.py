@@ -14,6 +14,7 @@ import shlex
 import sys
 from typing import Any
 
+from kvmesh_bench.argtypes import positive_int, shell_words
 from kvmesh_planner.settings import Settings as PlannerSettings
 
 __all__ = ["PlannerSettings", "add_up_flags", "planner_argv", "register"]
@@ -31,10 +32,15 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         "(and --prefill-workers P) it manages the decode (and prefill) pool instead, from D (P) engines "
         "up to --max-engines each",
     )
-    p.add_argument("--min-engines", type=int, default=1, help="with --planner: smallest aggregated pool (default: 1)")
-    p.add_argument("--max-engines", type=int, default=4, help="with --planner: largest pool, each (default: 4)")
+    p.add_argument(
+        "--min-engines", type=positive_int, default=1, help="with --planner: smallest aggregated pool (default: 1)"
+    )
+    p.add_argument(
+        "--max-engines", type=positive_int, default=4, help="with --planner: largest pool, each (default: 4)"
+    )
     p.add_argument(
         "--planner-args",
+        type=shell_words,
         default="",
         help="with --planner: extra kvmesh-planner flags, e.g. '--ttft-ms 500 --itl-ms 30'",
     )

@@ -24,13 +24,14 @@ from pathlib import Path
 
 import grpc
 from kvmesh.settings import DaemonSettings, default_discovery_url, is_setting_variable
+from kvmesh_bench.argtypes import non_negative_int, positive_float, positive_int, tcp_port
 from kvmesh_frontend.settings import Settings as FrontendSettings
 from kvmesh_router.settings import Settings as RouterSettings
 from kvmesh_worker.settings import Settings as WorkerSettings
 
 from kvmesh_cli import planner as up_planner
 from kvmesh_cli.kserve_demo import demo_request, server_ready
-from kvmesh_cli.up_tls import add_tls_argument, daemon_tls_args, kserve_credentials, prepare_tls
+from kvmesh_cli.up_tls import add_tls_argument, daemon_tls_args, kserve_credentials, prepare_tls, tls_dir_missing
 from kvmesh_cli.vllm_cores import keep_off_model_cores, worker_environments
 
 EXAMPLE = """\
@@ -64,14 +65,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "up", help="run a local mesh: frontend + router + worker (mocker or vLLM engines)", description=__doc__
     )
     # Always passed (they override --config): up probes the port, and a local mesh gets its own namespace.
-    p.add_argument("--grpc-port", type=int, default=8001, help="frontend KServe gRPC port (default: 8001)")
+    p.add_argument("--grpc-port", type=tcp_port, default=8001, help="frontend KServe gRPC port (default: 8001)")
     p.add_argument(
         "--engine",
         default="mocker",
         help="the worker's engine: mocker, vllm (run kvmesh from .venv-vllm: make setup-vllm) or module:factory",
     )
     p.add_argument(
-        "--num-engines", type=int, default=None, help="engines in the worker (default: 2 mockers, 1 vLLM engine)"
+        "--num-engines",
+        type=positive_int,
+        default=None,
+        help="engines in the worker (default: 2 mockers, 1 vLLM engine)",
     )
     p.add_argument(
         "--vllm-engine-args",
@@ -88,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--block-size",
-        type=int,
+        type=positive_int,
         help=f"tokens per KV block (default: the worker's, {_default(WorkerSettings, 'block_size')})",
     )
     p.add_argument(
@@ -101,13 +105,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # D decode worker processes of one engine each.
     p.add_argument(
         "--prefill-workers",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="prefill worker processes (default: 0); with --planner: the prefill pool's minimum",
     )
     p.add_argument(
         "--decode-workers",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="decode worker processes (default: 0 = aggregated); with --planner: the decode pool's minimum",
     )
@@ -125,7 +129,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--metrics-port-base",
-        type=int,
+        type=tcp_port,
         metavar="PORT",
         help="Prometheus /metrics on PORT (worker), PORT+1 (router), PORT+2 (frontend) (default: none)",
     )
@@ -138,7 +142,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_tls_argument(p)
     p.add_argument(
-        "--ready-timeout", type=float, default=None, help="seconds to wait for ServerReady (default: 60, vLLM 240)"
+        "--ready-timeout",
+        type=positive_float,
+        default=None,
+        help="seconds to wait for ServerReady (default: 60, vLLM 240)",
     )
     up_planner.add_up_flags(p)
     p.set_defaults(func=run)
@@ -260,9 +267,22 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.metrics_port_base is not None and args.metrics_port_base + len(DAEMONS) - 1 > 65535:
+        print(
+            f"kvmesh up: error: --metrics-port-base {args.metrics_port_base}: the daemons' ports pass 65535",
+            file=sys.stderr,
+        )
+        return 2
+    if args.tls and (missing := tls_dir_missing(Path(args.tls))):
+        print(f"kvmesh up: error: --tls {args.tls}: {missing} (make one with kvmesh certs init DIR)", file=sys.stderr)
+        return 2
     temporary = args.log_dir is None
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvmesh-up-"))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"kvmesh up: error: --log-dir {log_dir}: {exc.strerror}", file=sys.stderr)
+        return 2
     common = ["--discovery", args.discovery or default_discovery_url(), "--namespace", args.namespace]
     common += ["--bind-host", "127.0.0.1"]  # a local mesh is reachable from this machine only
     tls_dir = prepare_tls(args, log_dir)

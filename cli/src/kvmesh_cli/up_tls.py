@@ -25,6 +25,18 @@ def add_tls_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
+def tls_dir_missing(tls_dir: Path) -> str | None:
+    """What a certificate directory given to ``--tls`` lacks (the CA and every daemon's pair), or None."""
+    if not tls_dir.is_dir():
+        return "not a directory"
+    needed = [
+        "ca.crt",
+        *(f"{role}.{ext}" for role in ("frontend", "router", "worker", "planner") for ext in ("crt", "key")),
+    ]
+    absent = [name for name in needed if not (tls_dir / name).is_file()]
+    return f"no {', '.join(absent)} in it" if absent else None
+
+
 def prepare_tls(args: argparse.Namespace, log_dir: Path) -> Path | None:
     if args.tls is None:
         return None

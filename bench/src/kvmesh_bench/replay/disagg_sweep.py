@@ -10,7 +10,6 @@ p50/p99, ITL p50/p99 and throughput per split (next to the JSON, or ``--plot``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ from kvmesh_bench.replay.disagg import DisaggConfig, run_offline_disagg
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import summarize
 from kvmesh_bench.replay.workload import TokenMapper
-from kvmesh_bench.tables import Column, format_table
+from kvmesh_bench.tables import Column, format_table, write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE
 
 COLUMNS: list[Column] = [
@@ -104,14 +103,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(_row(load, f"{prefill}P{n - prefill}D", f"{gbps:g}", run, n))
                 print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
         if args.json is not None:  # after every load: a long sweep that is stopped keeps what it measured
-            args.json.write_text(json.dumps({"benchmark": "disagg-sweep", "rows": rows}, indent=2))
+            write_json(args.json, {"benchmark": "disagg-sweep", "rows": rows})
     print()
     print(format_table(rows, COLUMNS))
     print("TTFT and ITL in ms; tok/s/engine: output tokens per second per engine of the fleet (P + D = N)")
     plot = args.plot or (args.json.with_suffix(".png") if args.json else None)
     if args.json is not None:
-        args.json.write_text(json.dumps({"benchmark": "disagg-sweep", "params": vars(args) | {
-            "json": str(args.json), "plot": str(plot)}, "rows": rows}, indent=2))  # fmt: skip
+        params = vars(args) | {"json": str(args.json), "plot": str(plot)}
+        write_json(args.json, {"benchmark": "disagg-sweep", "params": params, "rows": rows})
     if plot is not None:
         _plot(rows, loads, bandwidths, n, plot)
         print(f"wrote {plot}")
