@@ -72,3 +72,14 @@ def test_drain_needs_an_operator_certificate_then_deregisters_and_exits_0(mesh: 
 def test_operator_cli_refuses_half_a_tls_config(tmp_path: Path) -> None:
     result = run_cli("kvmesh", "status", "--discovery", f"file://{tmp_path}/d", "--tls-cert", "x")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_file_discovery_directory_that_does_not_exist_is_an_error_not_an_empty_fleet(tmp_path: Path) -> None:
+    """A typo in the path must not read as 'no daemon registered', nor leave a directory behind."""
+    result = run_cli("kvmesh", "status", "--discovery", f"file://{tmp_path}/typo")
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        == f"kvmesh: error: --discovery file://{tmp_path}/typo: no such directory: no daemon on this machine uses it"
+    )
+    assert not (tmp_path / "typo").exists()

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -97,6 +98,9 @@ async def _fleet(args: argparse.Namespace) -> _Fleet:
     from kvmesh.v1 import discovery_pb2
 
     url = args.discovery or default_discovery_url()
+    if url.startswith("file://") and not Path(url.removeprefix("file://")).is_dir():
+        # Opening it would make it: a typo would read as an empty fleet (and leave a directory behind).
+        raise _Problem(f"--discovery {url}: no such directory: no daemon on this machine uses it")
     try:
         discovery = await open_discovery(url, ttl=10, connect_timeout=args.timeout)
     except (DiscoveryUnavailable, ValueError) as exc:
