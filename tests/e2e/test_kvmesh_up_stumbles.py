@@ -147,3 +147,17 @@ def test_metrics_port_clash_is_one_line_and_exit_2(tmp_path: Path, listener: int
     assert "Traceback" not in worker_log
     time.sleep(0.5)
     assert [name for name in _leases(tmp_path) if name.endswith(".lease")] == [], "no stale lease"
+
+
+def test_a_reused_log_dir_reports_this_runs_error_not_an_earlier_one(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for daemon in ("kvmesh-worker", "kvmesh-router", "kvmesh-frontend"):
+        (logs / f"{daemon}.log").write_text(f"{daemon}: error: a stale line from an earlier run\n")
+    config = tmp_path / "mesh.toml"
+    config.write_text("[common]\nlease-ttl = true\n")
+    proc = _up(tmp_path, "--grpc-port", str(free_port()), "--log-dir", str(logs), "--config", str(config))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "lease-ttl in [common]" in err and "stale" not in err, err
+    assert "a stale line" in (logs / "kvmesh-router.log").read_text(), "earlier runs' lines are kept"

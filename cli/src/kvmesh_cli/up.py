@@ -172,17 +172,19 @@ def _port_taken(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-_LOGS: dict[int, Path] = {}
-"""Each spawned daemon's log file, by pid (P/D workers log to one file each)."""
+_LOGS: dict[int, tuple[Path, int]] = {}
+"""Each spawned daemon's log file and where its lines of this run start, by pid (P/D workers log to one file each)."""
 
 
 def _why(proc: subprocess.Popen[bytes], log_dir: Path) -> str:
     """A dead daemon's own last word: its ``error:`` line, else the last line of its log."""
     argv = typing.cast(list[str], proc.args)  # _spawn always passes an argv list of str
     name = Path(argv[0]).name
+    log_path, start = _LOGS.get(proc.pid, (log_dir / f"{name}.log", 0))
     try:
-        log_path = _LOGS.get(proc.pid, log_dir / f"{name}.log")
-        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+        with open(log_path, "rb") as log:
+            log.seek(start)
+            lines = [line for line in log.read().decode(errors="replace").splitlines() if line.strip()]
     except OSError:
         lines = []
     said = next((line for line in reversed(lines) if f"{name}: error:" in line), lines[-1] if lines else "")
@@ -215,6 +217,7 @@ def _spawn(
     own = DAEMONS[name].variables()
     log_path = log_dir / f"{log_name or name}.log"
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    start = log.tell()  # a reused --log-dir keeps earlier runs' lines; this run's start here
     proc = subprocess.Popen(
         [exe, *args],
         stdin=subprocess.DEVNULL,
@@ -232,7 +235,7 @@ def _spawn(
             **(env or {}),
         },
     )
-    _LOGS[proc.pid] = log_path
+    _LOGS[proc.pid] = (log_path, start)
     return proc
 
 
