@@ -150,14 +150,16 @@ def test_metrics_port_clash_is_one_line_and_exit_2(tmp_path: Path, listener: int
 
 
 def test_a_reused_log_dir_reports_this_runs_error_not_an_earlier_one(tmp_path: Path) -> None:
+    """The worker dies with a traceback (no 'error:' line of its own): up quotes its last line, not the
+    'error:' line an earlier run left in the same (appended) log."""
     logs = tmp_path / "logs"
     logs.mkdir()
-    for daemon in ("kvmesh-worker", "kvmesh-router", "kvmesh-frontend"):
-        (logs / f"{daemon}.log").write_text(f"{daemon}: error: a stale line from an earlier run\n")
-    config = tmp_path / "mesh.toml"
-    config.write_text("[common]\nlease-ttl = true\n")
-    proc = _up(tmp_path, "--grpc-port", str(free_port()), "--log-dir", str(logs), "--config", str(config))
+    (logs / "kvmesh-worker.log").write_text("kvmesh-worker: error: a stale line from an earlier run\n")
+    (tmp_path / "crashing_engine.py").write_text("def build(settings, model):\n    raise RuntimeError('boom')\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = _up(tmp_path, "--grpc-port", str(free_port()), "--log-dir", str(logs), "--engine", "crashing_engine:build",
+               env=env)  # fmt: skip
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
-    assert "lease-ttl in [common]" in err and "stale" not in err, err
-    assert "a stale line" in (logs / "kvmesh-router.log").read_text(), "earlier runs' lines are kept"
+    assert "RuntimeError: boom" in err and "stale" not in err, err
+    assert "a stale line" in (logs / "kvmesh-worker.log").read_text(), "earlier runs' lines are kept"
