@@ -163,14 +163,14 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     worker = int(argv[0])
     killed = guard(worker)
+    if len(argv) > 1:  # before the report: a log that cannot be written must not keep the directory
+        shutil.rmtree(argv[1], ignore_errors=True)
     if killed:
         print(
             f"kvmesh-worker {worker} exited and left engine processes {killed} running: killed them",
             file=sys.stderr,
             flush=True,
         )
-    if len(argv) > 1:
-        shutil.rmtree(argv[1], ignore_errors=True)
     return 0
 
 
