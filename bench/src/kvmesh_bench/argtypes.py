@@ -1,4 +1,5 @@
-"""argparse ``type=`` checkers the ``kvmesh`` commands share, so a bad number reads the same everywhere."""
+"""argparse pieces the ``kvmesh`` commands share: ``type=`` checkers, so a bad number reads the same
+everywhere, and a parser whose errors are one line."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import math
 import shlex
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 __all__ = [
+    "CommandParser",
     "fractions",
     "non_negative_int",
     "output_file",
@@ -22,6 +24,14 @@ __all__ = [
 ]
 
 N = TypeVar("N", int, float)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose error is one line (``prog: error: ...``, exit 2), as the daemons' are:
+    the usage it would print first is what ``--help`` is for."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _checked(parse: Callable[[str], N], ok: Callable[[N], bool], expected: str, must: str) -> Callable[[str], N]:

@@ -45,7 +45,7 @@ from inference import grpc_service_pb2 as kserve
 from inference import grpc_service_pb2_grpc as kserve_grpc
 from kvmesh.ports import free_port
 
-from kvmesh_bench.argtypes import output_file
+from kvmesh_bench.argtypes import CommandParser, output_file
 from kvmesh_bench.chaos_multihost import MultiHostMesh
 from kvmesh_bench.frontend_bench import kserve_request as streamed_request
 from kvmesh_bench.local_procs import process_cpu_s, script
@@ -770,7 +770,7 @@ def options(scenario: str, **overrides: Any) -> argparse.Namespace:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvmesh bench chaos", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="kvmesh bench chaos", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenario", choices=sorted(SCENARIOS), help="the fault to inject")
     p.add_argument(
         "--topology",

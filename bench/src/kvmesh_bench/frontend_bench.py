@@ -63,7 +63,7 @@ from kvmesh.ports import free_port
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from tokenizers import Tokenizer
 
-from kvmesh_bench.argtypes import output_file
+from kvmesh_bench.argtypes import CommandParser, output_file
 from kvmesh_bench.local_procs import script
 from kvmesh_bench.streams import drain, read_message
 from kvmesh_bench.tables import write_json
@@ -609,7 +609,7 @@ def _table(r: Result) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvmesh bench frontend", description=__doc__.split("\n\n")[0],
+    parser = CommandParser(prog="kvmesh bench frontend", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     parser.add_argument("--engines", type=int, default=2, help="mocker engines in the worker process")
     parser.add_argument("--model", default="kvmesh-mock", help="model served by the worker")

@@ -69,7 +69,7 @@ from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 from kvmesh_router.settings import RouterSettings
 from kvmesh_router.slot_tracker import SlotTracker
 
-from kvmesh_bench.argtypes import output_file, positive_int, positive_ints
+from kvmesh_bench.argtypes import CommandParser, output_file, positive_int, positive_ints
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table, write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace
@@ -559,7 +559,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvmesh bench indexer", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="kvmesh bench indexer", description=__doc__.split("\n\n")[0])
     add_replay_args(p)
     p.add_argument("--max-requests", type=positive_int, default=None, help="replay only the first N requests")
     p.add_argument(

@@ -11,7 +11,6 @@ reaches >= 50 % of memcpy throughput at 256 KiB blocks.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing as mp
 import statistics
@@ -23,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh_bench.argtypes import output_file
+from kvmesh_bench.argtypes import CommandParser, output_file
 from kvmesh_bench.tables import Column, format_table, write_json
 
 KIB = 1024
@@ -128,7 +127,7 @@ COLUMNS: list[Column] = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmesh bench kv-transfer", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="kvmesh bench kv-transfer", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-kib", default=DEFAULT_SIZES, help="block sizes in KiB (default: %(default)s)")
     p.add_argument("--total-mib", type=int, default=64, help="bytes moved per transfer (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5, help="timed transfers per size; median (default: %(default)s)")

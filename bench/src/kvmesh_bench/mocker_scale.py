@@ -47,7 +47,7 @@ from kvmesh_worker.engine import (
 )
 from kvmesh_worker.engine_runner import EngineRunner
 
-from kvmesh_bench.argtypes import output_file, positive_ints
+from kvmesh_bench.argtypes import CommandParser, output_file, positive_ints
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import write_json
 
@@ -340,7 +340,7 @@ GC: generation 0-1 collections (their pauses summed), all while the load was mea
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvmesh bench mocker-scale", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="kvmesh bench mocker-scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default="10,100,1000", help="comma-separated engine counts (default: %(default)s)")
     p.add_argument(
         "--duration", type=float, default=10.0, help="seconds of load per engine count (default: %(default)s)"

@@ -36,7 +36,7 @@ import numpy as np
 from kvmesh_router.policies import DEFAULT_COST_POLICY
 
 from kvmesh_bench import link_conditions as lc
-from kvmesh_bench.argtypes import output_file, positive_float, positive_int
+from kvmesh_bench.argtypes import CommandParser, output_file, positive_float, positive_int
 from kvmesh_bench.multihost import Cluster, missing_requirements
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, Summary, summarize, write_json
@@ -146,9 +146,7 @@ def _live(cluster: Cluster, requests: list[ReplayRequest], seed: int, label: str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = CommandParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="Mooncake JSONL trace")
     parser.add_argument("--max-requests", type=positive_int, default=40, help="the slice: first N requests")
     parser.add_argument("--arrival-speedup", type=positive_float, default=0.5,

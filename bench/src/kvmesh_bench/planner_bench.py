@@ -22,7 +22,7 @@ import numpy as np
 from kvmesh_planner.core import PlannerConfig, PoolBounds
 from kvmesh_planner.core.predictors import PREDICTORS
 
-from kvmesh_bench.argtypes import output_file, positive_float
+from kvmesh_bench.argtypes import CommandParser, output_file, positive_float
 from kvmesh_bench.planner_sim import SimResult, run_planner_sim, run_planner_sim_disagg
 from kvmesh_bench.replay.disagg import DisaggConfig
 from kvmesh_bench.replay.offline import OfflineConfig
@@ -32,7 +32,7 @@ from kvmesh_bench.trace import TraceError, load_trace
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvmesh bench planner-sim", description=__doc__)
+    p = CommandParser(prog="kvmesh bench planner-sim", description=__doc__)
     p.add_argument("trace", help="Mooncake JSONL trace (e.g. from kvmesh datagen synthesize --rate-profile)")
     p.add_argument("--ttft-ms", type=positive_float, default=600.0)
     p.add_argument("--itl-ms", type=positive_float, default=30.0)

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 import grpc
 import numpy as np
 
-from kvmesh_bench.argtypes import fractions, output_file, positive_int, positive_ints
+from kvmesh_bench.argtypes import CommandParser, fractions, output_file, positive_int, positive_ints
 from kvmesh_bench.tables import format_table, write_json
 
 _OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
@@ -280,9 +280,7 @@ def perf_model_arrays(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvmesh profile", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    p = CommandParser(prog="kvmesh profile", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--engine-address", metavar="HOST:PORT", help="a worker's WorkerService (GenerateStream)")
     where.add_argument("--frontend", metavar="HOST:PORT", help="a frontend's KServe gRPC address")

@@ -54,7 +54,7 @@ from kvmesh_router.settings import RouterSettings
 from kvmesh_router.state import RouterState
 
 from kvmesh_bench import indexer_microbench as mb
-from kvmesh_bench.argtypes import non_negative_int, output_file, positive_ints
+from kvmesh_bench.argtypes import CommandParser, non_negative_int, output_file, positive_ints
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table, write_json
 from kvmesh_bench.trace import TraceError
@@ -495,7 +495,7 @@ _FLEET_COLUMNS = [
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvmesh bench router", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="kvmesh bench router", description=__doc__.split("\n\n")[0])
     mb.add_replay_args(p)
     p.add_argument(
         "--max-requests", type=non_negative_int, default=4000, help="trace requests replayed per fleet (0 = all)"

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from kvmesh_cli.vllm_cores import confine, keep_off_model_cores
 
-from kvmesh_bench.argtypes import output_file, positive_int
+from kvmesh_bench.argtypes import CommandParser, output_file, positive_int
 from kvmesh_bench.tables import format_table, write_json
 
 if TYPE_CHECKING:
@@ -319,7 +319,7 @@ async def run_mesh(args: argparse.Namespace, prompts: list[list[int]]) -> dict[s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvmesh bench vllm-overhead", description=__doc__)
+    p = CommandParser(prog="kvmesh bench vllm-overhead", description=__doc__)
     p.add_argument("--model-path", default=str(TINY_LLAMA), help="HF model dir (default: the repo's tiny-llama)")
     p.add_argument("--vllm-engine-args", default="{}", help="extra vLLM engine arguments (JSON), both modes")
     p.add_argument("--block-size", type=int, default=32)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvmesh_bench.argtypes import non_negative_int, output_file, positive_float, positive_int
+from kvmesh_bench.argtypes import CommandParser, non_negative_int, output_file, positive_float, positive_int
 from kvmesh_bench.tables import write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace, write_trace
 
@@ -279,7 +279,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry point (``python -m kvmesh_bench.datagen``): ``datagen`` as the only command."""
-    parser = argparse.ArgumentParser(prog="kvmesh")
+    parser = CommandParser(prog="kvmesh")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -34,7 +34,7 @@ from kvmesh_router.cost import MODES
 from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 from kvmesh_worker.engine import load_perf_model
 
-from kvmesh_bench.argtypes import output_file, positive_float, positive_int
+from kvmesh_bench.argtypes import CommandParser, output_file, positive_float, positive_int
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, format_table, plot_run, run_json, summarize, write_json
 from kvmesh_bench.replay.workload import DEFAULT_VOCAB_SIZE, ReplayRequest, TokenMapper, build_requests
@@ -274,7 +274,7 @@ def _outputs(args: argparse.Namespace, stem_suffix: str = "") -> tuple[Path | No
 
 def main(argv: Sequence[str] | None = None) -> int:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=raw)
+    parser = CommandParser(prog=PROG, description=__doc__, formatter_class=raw)
     add_common_args(parser)
     parser.add_argument("--router-mode", default="kv", help="kv[:POLICY[+KEY=VALUE...]], round_robin, random, ...")
     parser.add_argument(

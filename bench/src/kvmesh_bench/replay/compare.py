@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvmesh_bench.argtypes import CommandParser
 from kvmesh_bench.replay.cli import (
     ModeSpec,
     ReplayError,
@@ -42,7 +43,7 @@ PROG = "kvmesh bench compare"
 
 def main(argv: Sequence[str] | None = None) -> int:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=raw)
+    parser = CommandParser(prog=PROG, description=__doc__, formatter_class=raw)
     add_common_args(parser)
     parser.add_argument("--modes", default="kv,round_robin,random", help="comma-separated, e.g. kv:dynamo,kv:affinity")
     parser.add_argument("--seeds", type=int, default=1, help="offline: runs per mode (seeds seed..seed+N-1); median")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvmesh_bench.argtypes import output_file, positive_floats, positive_int
+from kvmesh_bench.argtypes import CommandParser, output_file, positive_floats, positive_int
 from kvmesh_bench.replay.cli import ReplayError, load_requests
 from kvmesh_bench.replay.disagg import DisaggConfig, run_offline_disagg
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
@@ -55,7 +55,7 @@ def _row(load: float, fleet: str, gbps: str, run: Any, engines: int) -> dict[str
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvmesh bench disagg-sweep", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="kvmesh bench disagg-sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="Mooncake JSONL trace")
     p.add_argument("--engines", type=int, default=8, help="engines per fleet, N (default: %(default)s)")
     p.add_argument("--loads", type=positive_floats, default="1,2,4,8", help="arrival speedups (default: %(default)s)")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh_bench import tables
-from kvmesh_bench.argtypes import output_file, positive_float, positive_int
+from kvmesh_bench.argtypes import CommandParser, output_file, positive_float, positive_int
 from kvmesh_bench.replay.cli import ReplayError, add_common_args, load_requests, parse_mode, run_mode
 from kvmesh_bench.replay.report import Summary, median_summary, summarize
 
@@ -45,7 +45,7 @@ FIGURES: tuple[tuple[str, str, bool], ...] = (
 
 
 def _replay_args(trace: str, load: float, fleet: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = CommandParser(add_help=False)
     add_common_args(parser)
     return parser.parse_args([trace, "--offline", "--arrival-speedup", repr(load), "--no-plot", *fleet])
 
@@ -103,7 +103,7 @@ def cell_verdict(
 
 def main(argv: Sequence[str] | None = None) -> int:
     raw = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=raw)
+    p = CommandParser(prog=PROG, description=__doc__, formatter_class=raw)
     p.add_argument("traces", nargs="+", help="Mooncake JSONL traces (labelled by file name)")
     p.add_argument("--loads", type=_loads, default=[1.0, 2.0, 4.0, 6.0, 8.0], help="arrival speedups (1,2,4,6,8)")
     p.add_argument(
