@@ -8,6 +8,8 @@ Without vLLM they fail at once with one message saying how to install it; they n
 from __future__ import annotations
 
 import importlib.util
+import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +35,19 @@ def pytest_configure(config: pytest.Config) -> None:
             "tests/vllm need vLLM: run `make setup-vllm`, then `.venv-vllm/bin/python -m pytest tests/vllm` "
             "(or `make test-vllm`)"
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_ipc_directory_outlives_its_worker() -> Iterator[None]:
+    """Every vLLM worker's directory for vLLM's IPC sockets is gone once the session's workers are (the
+    orphan guard removes it, whether the worker stopped or was killed): checked after the last test."""
+    pattern = "kvmesh-vllm-ipc-*"
+    before = set(Path(tempfile.gettempdir()).glob(pattern))
+    yield
+    deadline = time.monotonic() + 15  # a guard notices its worker's exit within its poll
+    while (left := set(Path(tempfile.gettempdir()).glob(pattern)) - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"vLLM IPC directories outlived their workers: {sorted(map(str, left))}"
 
 
 @dataclass
