@@ -156,9 +156,9 @@ def test_a_clean_exit_leaves_the_guard_nothing_to_do_but_leave(
     assert wait_gone([pids["grandchild"]], timeout=15) == []
 
 
-# A stand-in worker whose engine process, forked after the worker's multiprocessing resource tracker
-# started, holds a shared-memory segment (what vLLM's engine core does with its message queues) and
-# ignores SIGTERM.
+# A stand-in worker whose engine process, forked after the worker started its multiprocessing resource
+# tracker as --engine vllm does, holds a shared-memory segment (what vLLM's engine core does with its
+# message queues) and ignores SIGTERM.
 TRACKED_WORKER = textwrap.dedent(
     """
     import json, multiprocessing, signal, sys, time
@@ -172,7 +172,7 @@ TRACKED_WORKER = textwrap.dedent(
         time.sleep(600)
 
     guard = orphan_guard.start()
-    resource_tracker.ensure_running()
+    orphan_guard.start_resource_tracker()
     fork = multiprocessing.get_context("fork")
     names = fork.Queue()
     child = fork.Process(target=engine, args=(names,))
@@ -184,10 +184,17 @@ TRACKED_WORKER = textwrap.dedent(
 )
 
 
-def test_a_killed_engines_shared_memory_is_unlinked_by_its_resource_tracker() -> None:
-    """The guard kills the engine, not the tracker, which then unlinks the segment the engine left."""
+@pytest.mark.parametrize("frozen", [False, True], ids=["running", "frozen"])
+def test_a_killed_engines_shared_memory_is_unlinked_by_its_resource_tracker(frozen: bool) -> None:
+    """The guard kills the engine, not the tracker, which then unlinks the segment the engine left. Frozen:
+    the engine is stopped when its worker (leading its process group) dies, so the kernel SIGHUPs the
+    orphaned group, tracker included."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", TRACKED_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-c", TRACKED_WORKER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        process_group=0,
     )
     assert proc.stdout is not None
     info = json.loads(proc.stdout.readline())
@@ -195,6 +202,8 @@ def test_a_killed_engines_shared_memory_is_unlinked_by_its_resource_tracker() ->
     try:
         assert segment.exists() and orphan_guard.is_resource_tracker(info["tracker"])
         time.sleep(2 * orphan_guard.MAX_INTERVAL_S)  # the guard's next snapshots see the engine and tracker
+        if frozen:
+            os.kill(info["child"], signal.SIGSTOP)
         proc.kill()
         proc.wait()
         assert wait_gone([info["child"]], timeout=15) == []

@@ -612,6 +612,7 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
         ipc_dir = Path(tempfile.mkdtemp(prefix="kvmesh-vllm-ipc-"))
         os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir)
     orphan_guard.start(scratch=ipc_dir)  # vLLM's engine processes would outlive a SIGKILLed worker
+    orphan_guard.start_resource_tracker()  # the cleaner of vLLM's shared memory, before vLLM starts
     kv_endpoint, replay_endpoint = _event_endpoints()
     try:
         args = engine_args(settings, settings.model_path, kv_endpoint, replay_endpoint)

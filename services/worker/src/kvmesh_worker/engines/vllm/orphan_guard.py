@@ -22,6 +22,9 @@ Invariants:
   shared memory (``/dev/shm/psm_*``) and semaphores with it, and it unlinks whatever is left once the
   last of them is gone: killed with them, it leaked those segments at every engine kill or forced stop.
   It exits by itself once the processes holding its pipe are gone.
+- The worker starts that tracker itself, before vLLM, with SIGHUP ignored (``start_resource_tracker``;
+  the disposition survives its exec), for the reason below: otherwise a frozen engine's group took the
+  tracker down with that SIGHUP, and the segments leaked.
 - SIGINT, SIGTERM and SIGHUP are ignored. A Ctrl-C or a unit stop reaches the whole process group, and
   the guard must outlive the worker to do its job. SIGHUP: when a worker that leads its process group
   (``kvmesh up``, the tests) dies while a process of that group is stopped (a frozen engine), the
@@ -61,6 +64,20 @@ def start(scratch: Path | None = None) -> int:
             stdout=subprocess.DEVNULL,
         )
     return _started.pid
+
+
+def start_resource_tracker() -> None:
+    """Start this process's multiprocessing resource tracker now, immune to SIGHUP (see the invariants).
+
+    vLLM's processes, started after it, share it. Call from the main thread, before the engine starts.
+    """
+    from multiprocessing import resource_tracker
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def _processes() -> dict[int, tuple[int, int]]:
