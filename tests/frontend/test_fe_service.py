@@ -130,6 +130,29 @@ async def test_metadata_and_decoupled_config(mesh) -> None:
         assert "model 'nope' is not served here (known models: fake-model)" in info.value.details()
 
 
+async def test_a_model_has_one_version_and_any_other_is_not_found(mesh) -> None:
+    """As Triton answers for a version it does not have; "" and "1" name the one there is."""
+    fe, _, _ = mesh
+    missing = f"model '{MODEL}' version 7 is not found (its one version is 1)"
+    for version in ("", "1"):
+        assert (await fe.stub.ModelReady(pb.ModelReadyRequest(name=MODEL, version=version))).ready
+        await fe.stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL, version=version))
+    assert not (await fe.stub.ModelReady(pb.ModelReadyRequest(name=MODEL, version="7"))).ready
+    for call in (
+        fe.stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL, version="7")),
+        fe.stub.ModelConfig(pb.ModelConfigRequest(name=MODEL, version="7")),
+        fe.stub.ModelStatistics(pb.ModelStatisticsRequest(name=MODEL, version="7")),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert (info.value.code(), info.value.details()) == (grpc.StatusCode.NOT_FOUND, missing)
+    request = llm_request("x", model=MODEL)
+    request.model_version = "7"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await fe.stub.ModelInfer(request)
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.NOT_FOUND, missing)
+
+
 async def test_unimplemented_rpcs_say_why(mesh) -> None:
     fe, _, _ = mesh
     with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -52,7 +52,7 @@ import numpy as np
 from inference import grpc_service_pb2 as pb
 from kvmesh.v1 import router_pb2
 
-from kvmesh_frontend.errors import clip, invalid
+from kvmesh_frontend.errors import MAX_ECHO_CHARS, clip, invalid
 from kvmesh_frontend.prompt_tokens import PromptTokens
 from kvmesh_frontend.tensors import Tensor, TensorLimit, decode_inputs
 
@@ -104,6 +104,7 @@ DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
 _MAX_TOKEN_ID = 0xFFFF_FFFF  # token ids travel as u32 (GenerateRequest.token_ids_u32le)
 MAX_SAMPLING_JSON_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 32
+MAX_STOP_STRINGS = 64  # stop strings per request (OpenAI takes 4; each costs a search per token)
 MAX_SCALAR_ELEMENTS = 16  # a scalar input must hold 1; a few more still get the precise message
 MAX_PARAMETERS = 64
 MAX_PARAMETER_STRING_BYTES = 4096
@@ -211,6 +212,8 @@ def _load_json(name: str, text: str) -> Any:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise invalid(f"input '{name}': not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except ValueError:  # an integer of more digits than int() converts (sys.get_int_max_str_digits)
+        raise invalid(f"input '{name}': not valid JSON here (a number with too many digits)") from None
     except RecursionError:
         doc = None
         depth = MAX_JSON_DEPTH + 1
@@ -292,11 +295,16 @@ def _vllm_int(where: str, value: Any) -> int:
     return _as_int(where, value)
 
 
-def _int_at_least(minimum: int, *, lenient: bool = False) -> Callable[[str, Any], int]:
+U32_MAX = 2**32 - 1  # the largest a uint32 field of the worker contract (SamplingOptions) holds
+
+
+def _int_at_least(minimum: int, *, lenient: bool = False, maximum: int = U32_MAX) -> Callable[[str, Any], int]:
     def parse(where: str, value: Any) -> int:
         number = _vllm_int(where, value) if lenient else _as_int(where, value)
         if number < minimum:
             raise invalid(f"{where} must be >= {minimum}, got {number}")
+        if number > maximum:
+            raise invalid(f"{where} must be <= {maximum}, got {clip(str(number))}")
         return number
 
     return parse
@@ -318,8 +326,11 @@ def _top_p(where: str, value: Any) -> float:
 
 def _top_k(where: str, value: Any) -> int:
     number = _vllm_int(where, value)
-    if number < -1:
-        raise invalid(f"{where} must be -1 (disabled), 0 (disabled) or a positive integer, got {number}")
+    if not -1 <= number <= 2**31 - 1:  # SamplingOptions.top_k is an int32
+        raise invalid(
+            f"{where} must be -1 (disabled), 0 (disabled) or a positive integer up to {2**31 - 1}, "
+            f"got {clip(str(number))}"
+        )
     return max(number, 0)
 
 
@@ -338,6 +349,8 @@ def _stop(where: str, value: Any) -> tuple[str, ...]:
         raise invalid(f"{where} must be a string or a list of strings, got {_shown(value)}")
     if any(item == "" for item in items):
         raise invalid(f"{where} must not contain an empty string")
+    if len(items) > MAX_STOP_STRINGS:  # each is looked for in every token's text, on the event loop
+        raise invalid(f"{where} has {len(items)} strings; at most {MAX_STOP_STRINGS} are accepted")
     return tuple(items)
 
 
@@ -513,8 +526,11 @@ def _apply_parameters(params: Mapping[str, pb.InferParameter], req: LlmRequest) 
                 raise invalid(f"parameter '{key}' must be one of {', '.join(ROUTER_MODES)}, got {clip(value)!r}")
             req.router_mode = mode
         elif key == PARAM_ROUTER_POLICY:
-            if not isinstance(value, str) or not value.strip():
-                raise invalid(f"parameter '{key}' must be a cost policy name such as 'affinity' or 'dynamo'")
+            if not isinstance(value, str) or not value.strip() or len(value.strip()) > MAX_ECHO_CHARS:
+                raise invalid(
+                    f"parameter '{key}' must be a cost policy name such as 'affinity' or 'dynamo' "
+                    f"(at most {MAX_ECHO_CHARS} characters), got {clip(value)!r}"
+                )
             req.router_policy = value.strip()
         elif key in SAMPLING_KEYS:
             _apply_sampling(req.sampling, key, value, f"parameter '{key}'")

@@ -39,6 +39,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 _RETRY_FAILED_LOAD_S = 5.0
 
 
+#: Every model is served at one version, as Triton reports a model with one version directory: a request
+#: may name it or leave the version empty; any other version is NOT_FOUND (Triton's answer).
+MODEL_VERSION = "1"
+
+
+def version_not_found(name: str, version: str) -> str:
+    return f"model '{clip(name)}' version {clip(version)} is not found (its one version is {MODEL_VERSION})"
+
+
 @dataclass(slots=True)
 class _Assets:
     """The tokenizer of one files_digest: loading, loaded, absent or failed."""
@@ -191,13 +200,15 @@ class ModelRegistry:
     def get(self, name: str) -> ModelEntry | None:
         return self._models.get(name)
 
-    def resolve(self, name: str) -> ModelEntry:
-        """The model with a live engine; NOT_FOUND if never seen, UNAVAILABLE if no engine now."""
+    def resolve(self, name: str, version: str = "") -> ModelEntry:
+        """The model with a live engine; NOT_FOUND if never seen (or not that version), UNAVAILABLE if no engine now."""
         entry = self._models.get(name)
         if entry is None:
             if not name:
                 raise not_found("model_name is empty")
             raise not_found(f"model '{clip(name)}' is not served here (known models: {self.known_names()})")
+        if version not in ("", MODEL_VERSION):
+            raise not_found(version_not_found(name, version))
         if not entry.cards:
             raise unavailable(f"model '{name}' has no live engine")
         return entry

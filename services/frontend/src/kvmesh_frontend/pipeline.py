@@ -31,7 +31,7 @@ from kvmesh_frontend.errors import FrontendError, internal, invalid, not_found
 from kvmesh_frontend.generation import GenerationState, Generator, PreparedRequest
 from kvmesh_frontend.llm_request import PARAM_WORKER_ID, LlmRequest, parse_llm_request
 from kvmesh_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
-from kvmesh_frontend.models import ModelEntry, ModelRegistry
+from kvmesh_frontend.models import MODEL_VERSION, ModelEntry, ModelRegistry
 from kvmesh_frontend.prompt_tokens import PromptTokens
 from kvmesh_frontend.responses import Response, ResponseWriter
 from kvmesh_frontend.tokenization import ChatTemplateError, ModelTokenizer
@@ -136,7 +136,8 @@ class Frontend:
         prepared_at = 0.0
         final_sent = False
         try:
-            entry = self.registry.resolve(request.model_name)  # first, like Triton: unknown model beats bad tensors
+            # first, like Triton: an unknown model (or version) beats bad tensors
+            entry = self.registry.resolve(request.model_name, request.model_version)
             label = entry.name
             model_metrics = self.metrics.model(label)
             model_metrics.inflight.inc()
@@ -152,7 +153,7 @@ class Frontend:
             model_metrics.input_tokens.observe(len(prompt))
             state = GenerationState()
             writer = ResponseWriter(
-                llm, tokenizer, prompt, prompt_text, state, model_version=request.model_version or "1", unary=unary
+                llm, tokenizer, prompt, prompt_text, state, model_version=MODEL_VERSION, unary=unary
             )
             # Closing the generation (here, or when the client goes away while a response is being
             # written) cancels its engine request and frees its router booking.

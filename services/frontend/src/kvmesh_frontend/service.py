@@ -30,6 +30,7 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
 
 from kvmesh_frontend.errors import FrontendError, clip, not_found
+from kvmesh_frontend.models import MODEL_VERSION, version_not_found
 from kvmesh_frontend.pipeline import Frontend
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 SERVER_NAME = "kvmesh"
 PLATFORM = "kvmesh"
 EXTENSIONS = ("model_configuration", "parameters", "statistics")
-MODEL_VERSION = "1"
 
 # (name, datatype, dims) in ModelMetadata order; every input is optional in ModelConfig.
 INPUTS: tuple[tuple[str, str, tuple[int, ...]], ...] = (
@@ -127,7 +127,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.ModelReadyRequest, pb.ModelReadyResponse],
     ) -> pb.ModelReadyResponse:
         entry = self._registry.get(request.name)
-        return pb.ModelReadyResponse(ready=entry is not None and entry.ready)
+        ready = entry is not None and entry.ready and request.version in ("", MODEL_VERSION)
+        return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(
         self,
@@ -136,8 +137,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=self._version, extensions=EXTENSIONS)
 
-    def _known(self, name: str, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    def _known(self, name: str, context: grpc.aio.ServicerContext[Any, Any], version: str = "") -> Any:
         """The model's entry, or None with NOT_FOUND set on the call (the caller returns at once)."""
+        if version not in ("", MODEL_VERSION):
+            _refuse(context, not_found(version_not_found(name, version)))
+            return None
         entry = self._registry.get(name)
         if entry is None or not entry.cards:
             # The name is clipped: a status message travels in a trailer, and a client refuses
@@ -152,7 +156,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelMetadataRequest,
         context: grpc.aio.ServicerContext[pb.ModelMetadataRequest, pb.ModelMetadataResponse],
     ) -> pb.ModelMetadataResponse:
-        if self._known(request.name, context) is None:
+        if self._known(request.name, context, request.version) is None:
             return pb.ModelMetadataResponse()
         return model_metadata(request.name)
 
@@ -161,7 +165,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelConfigRequest,
         context: grpc.aio.ServicerContext[pb.ModelConfigRequest, pb.ModelConfigResponse],
     ) -> pb.ModelConfigResponse:
-        entry = self._known(request.name, context)
+        entry = self._known(request.name, context, request.version)
         if entry is None:
             return pb.ModelConfigResponse()
         parameters = {
@@ -177,7 +181,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.ModelStatisticsRequest, pb.ModelStatisticsResponse],
     ) -> pb.ModelStatisticsResponse:
         if request.name:
-            if self._known(request.name, context) is None:
+            if self._known(request.name, context, request.version) is None:
                 return pb.ModelStatisticsResponse()
             names = [request.name]
         else:
