@@ -31,7 +31,7 @@ from kvmesh_frontend.metrics import FrontendMetrics
 from kvmesh_frontend.models import ModelRegistry
 from kvmesh_frontend.pipeline import Frontend
 from kvmesh_frontend.routing import RouterClient
-from kvmesh_frontend.service import InferenceServicer
+from kvmesh_frontend.service import InferenceServicer, add_inference_service
 from kvmesh_frontend.tensors import encode_bytes
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -340,7 +340,7 @@ class FrontendHarness:
 
     async def start(self) -> None:
         self.server = grpc.aio.server(options=FRONTEND_SERVER_OPTIONS)
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.frontend, "test"), self.server)
+        add_inference_service(InferenceServicer(self.frontend, "test"), self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         self.address = f"127.0.0.1:{port}"

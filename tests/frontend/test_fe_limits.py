@@ -18,7 +18,7 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from kvmesh.grpc_options import FRONTEND_MAX_RECEIVE_BYTES
 from kvmesh_frontend.errors import MAX_MESSAGE_BYTES, FrontendError, internal
 from kvmesh_frontend.llm_request import PROMPT_BYTES_PER_TOKEN, parse_llm_request
-from kvmesh_frontend.service import InferenceServicer
+from kvmesh_frontend.service import InferenceServicer, add_inference_service
 
 from tests.frontend.frontend_fakes import MODEL, FrontendHarness, bytes_input, llm_request
 from tests.frontend.test_fe_service import expect_status, mesh, no_leaks, stream_all  # noqa: F401 (fixture)
@@ -214,7 +214,7 @@ async def test_a_refused_stream_is_unavailable_even_when_the_client_writes_late(
     gate = runtime._ServingGate(lambda: False, lambda: "the frontend lost its discovery lease")
     harness = FrontendHarness()
     server = grpc.aio.server(interceptors=[gate])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(harness.frontend, "test"), server)
+    add_inference_service(InferenceServicer(harness.frontend, "test"), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     codes: list[grpc.StatusCode] = []

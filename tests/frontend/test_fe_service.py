@@ -406,6 +406,43 @@ async def expect_status(call, code: grpc.StatusCode, text: str) -> None:
     assert text in info.value.details(), info.value.details()
 
 
+MALFORMED_BYTES = b"\x0a\x03\xff\xfe\xfd"  # model_name = 3 bytes that are not UTF-8 (a C++ client can send them)
+
+
+async def test_bytes_that_are_no_model_infer_request_are_invalid_argument(mesh) -> None:
+    fe, _, _ = mesh
+    raw = fe.channel.unary_unary(
+        "/inference.GRPCInferenceService/ModelInfer", request_serializer=bytes, response_deserializer=bytes
+    )
+    for garbage in (MALFORMED_BYTES, b"\xff\xff\xff"):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await raw(garbage)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == (
+            "the message is not a valid inference.ModelInferRequest (it does not parse, or a string field is not UTF-8)"
+        )
+
+
+async def test_a_malformed_message_on_a_stream_is_refused_in_band_and_the_others_go_on(mesh) -> None:
+    fe, worker, router = mesh
+    for b in worker.behaviour.values():
+        b.delay = 0.002
+    good = llm_request("a long answer", request_id="good", stream=True, sampling={"max_tokens": 20})
+    stream = fe.channel.stream_stream(
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+        request_serializer=bytes,
+        response_deserializer=pb.ModelStreamInferResponse.FromString,
+    )
+    messages = [m async for m in stream(iter([good.SerializeToString(), MALFORMED_BYTES]))]
+    errors = [m.error_message for m in messages if m.error_message]
+    assert errors == ["INVALID_ARGUMENT: the message is not a valid inference.ModelInferRequest (it does not "
+                      "parse, or a string field is not UTF-8)"]  # fmt: skip
+    answer = [m.infer_response for m in messages if m.infer_response.id == "good"]
+    tok = fe.registry.get(MODEL).assets.tokenizer
+    assert "".join(text_of(r) for r in answer) == tok.decode(output_tokens()[:20])
+    await no_leaks(worker, router)
+
+
 async def test_model_infer_errors_are_statuses(mesh) -> None:
     fe, worker, router = mesh
     stub = fe.stub

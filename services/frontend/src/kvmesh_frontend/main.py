@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from pathlib import Path
 
-from inference import grpc_service_pb2, grpc_service_pb2_grpc
+from inference import grpc_service_pb2
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import Discovery, WatchEvent, instance_prefix, model_prefix
 from kvmesh.grpc_options import FRONTEND_SERVER_OPTIONS
@@ -29,7 +29,7 @@ from kvmesh_frontend.metrics import default_metrics
 from kvmesh_frontend.models import ModelRegistry
 from kvmesh_frontend.pipeline import Frontend
 from kvmesh_frontend.routing import RouterClient
-from kvmesh_frontend.service import InferenceServicer
+from kvmesh_frontend.service import InferenceServicer, add_inference_service
 from kvmesh_frontend.settings import Settings
 
 PROG = "kvmesh-frontend"
@@ -110,7 +110,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
     service_name = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
     runtime.add_service(
         service_name,
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+        add_inference_service,
         InferenceServicer(frontend, VERSION),
     )
     bound = await runtime.start(config.grpc_port, require_client_cert=config.kserve_client_cert)
