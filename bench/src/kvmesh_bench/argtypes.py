@@ -62,37 +62,26 @@ def shell_words(text: str) -> str:
     return text
 
 
-def positive_floats(text: str) -> list[float]:
-    """Comma-separated positive numbers (``1,2,4.5``): at least one."""
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or not all(v > 0 and math.isfinite(v) for v in values):
-        raise argparse.ArgumentTypeError(f"need at least one number, each positive, got {text!r}")
-    return values
+def _comma_list(
+    parse: Callable[[str], N], ok: Callable[[N], bool], expected: str, must: str
+) -> Callable[[str], list[N]]:
+    """A checker of comma-separated values (``1,2,4``): at least one, each ``ok``."""
+
+    def check(text: str) -> list[N]:
+        try:
+            values = [parse(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {expected}, got {text!r}") from None
+        if not values or not all(map(ok, values)):
+            raise argparse.ArgumentTypeError(f"need at least one, each {must}, got {text!r}")
+        return values
+
+    return check
 
 
-def positive_ints(text: str) -> list[int]:
-    """Comma-separated integers (``32,64,128``): at least one, each at least 1."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"need at least one integer, each at least 1, got {text!r}")
-    return values
-
-
-def fractions(text: str) -> list[float]:
-    """Comma-separated fractions in [0, 1) (``0,0.5``): at least one."""
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or not all(0 <= v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"need fractions from 0 up to (not including) 1, got {text!r}")
-    return values
+positive_ints = _comma_list(int, lambda v: v >= 1, "integers", "at least 1")  # 32,64,128
+positive_floats = _comma_list(float, lambda v: v > 0 and math.isfinite(v), "numbers", "positive")  # 1,2,4.5
+fractions = _comma_list(float, lambda v: 0 <= v < 1, "numbers", "from 0 up to (not including) 1")  # 0,0.5
 
 
 def output_file(text: str) -> Path:

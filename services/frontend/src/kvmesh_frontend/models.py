@@ -44,6 +44,10 @@ _RETRY_FAILED_LOAD_S = 5.0
 MODEL_VERSION = "1"
 
 
+def is_served_version(version: str) -> bool:
+    return version in ("", MODEL_VERSION)
+
+
 def version_not_found(name: str, version: str) -> str:
     return f"model '{clip(name)}' version {clip(version)} is not found (its one version is {MODEL_VERSION})"
 
@@ -207,7 +211,7 @@ class ModelRegistry:
             if not name:
                 raise not_found("model_name is empty")
             raise not_found(f"model '{clip(name)}' is not served here (known models: {self.known_names()})")
-        if version not in ("", MODEL_VERSION):
+        if not is_served_version(version):
             raise not_found(version_not_found(name, version))
         if not entry.cards:
             raise unavailable(f"model '{name}' has no live engine")

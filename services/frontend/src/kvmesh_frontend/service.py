@@ -32,7 +32,7 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
 
 from kvmesh_frontend.errors import FrontendError, clip, invalid, not_found
-from kvmesh_frontend.models import MODEL_VERSION, version_not_found
+from kvmesh_frontend.models import MODEL_VERSION, is_served_version, version_not_found
 from kvmesh_frontend.pipeline import Frontend
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.ModelReadyRequest, pb.ModelReadyResponse],
     ) -> pb.ModelReadyResponse:
         entry = self._registry.get(request.name)
-        ready = entry is not None and entry.ready and request.version in ("", MODEL_VERSION)
+        ready = entry is not None and entry.ready and is_served_version(request.version)
         return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(
@@ -164,7 +164,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _known(self, name: str, context: grpc.aio.ServicerContext[Any, Any], version: str = "") -> Any:
         """The model's entry, or None with NOT_FOUND set on the call (the caller returns at once)."""
-        if version not in ("", MODEL_VERSION):
+        if not is_served_version(version):
             _refuse(context, not_found(version_not_found(name, version)))
             return None
         entry = self._registry.get(name)
