@@ -210,6 +210,10 @@ def test_allowed_and_excluded_engines_restrict_the_candidates():
         assert d.engine_id == 3
     rej = adm.decide(request("z", "A", allowed_engines=frozenset({9})), 0.0)
     assert isinstance(rej, Rejection) and rej.reason is RejectReason.NO_ENGINES
+    # The model's engines are usually the whole fleet (and may name engines this admission has not met yet)
+    picked = {decided(adm.decide(request(f"w{i}", "E", allowed_engines=frozenset({1, 2, 3, 4})), 0.0)).engine_id
+              for i in range(30)}  # fmt: skip
+    assert picked == {1, 2, 3}
 
 
 def test_per_request_override_reaches_the_cost():
@@ -318,7 +322,7 @@ def test_the_busy_filter_checks_only_engines_that_can_be_busy_and_agrees_with_ch
         if roll < 0.45:
             rid = f"r{step}"
             prompt = rng.sample(names, rng.randint(1, 5))
-            result = adm.decide(request(rid, *prompt, allowed_engines=rng.sample(engines, 10)), float(step))
+            result = adm.decide(request(rid, *prompt, allowed_engines=frozenset(rng.sample(engines, 10))), float(step))
             if isinstance(result, Decision):
                 live.append(rid)
         elif roll < 0.65 and live:

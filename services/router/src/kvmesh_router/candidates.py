@@ -43,9 +43,11 @@ def allowed_filter(
 ) -> Sequence[int]:
     """Keep ``request.allowed_engines`` (None = all), drop ``request.excluded_engines``."""
     allowed, excluded = request.allowed_engines, request.excluded_engines
-    if allowed is None and not excluded:
+    if excluded:
+        return [e for e in engines if (allowed is None or e in allowed) and e not in excluded]
+    if allowed is None or allowed.issuperset(engines):  # one model serving the whole fleet: a C-level check
         return engines
-    return [e for e in engines if (allowed is None or e in allowed) and e not in excluded]
+    return [e for e in engines if e in allowed]
 
 
 def role_filter(
