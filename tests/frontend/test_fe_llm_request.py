@@ -231,6 +231,8 @@ BAD = [
      "input 'sampling_parameters': not valid JSON here (a number with too many digits)"),
     ("65 stop strings", llm_request("x", sampling={"stop": [f"s{i}" for i in range(65)]}),
      "'stop' has 65 strings; at most 64 are accepted"),
+    ("1025 stop token ids", llm_request("x", sampling={"stop_token_ids": [2] * 1025}),
+     "'stop_token_ids' has 1025 token ids; at most 1024 are accepted"),
     ("a long cost policy name", llm_request("x", params={"kvmesh.router_policy": "p" * 4000}),
      "(at most 64 characters), got 'pppp"),
     ("unknown output", pb.ModelInferRequest(model_name="m", inputs=[bytes_input("text_input", "x")],

@@ -10,10 +10,12 @@ import contextlib
 import os
 import signal
 
+import grpc
 import pytest
 from kvmesh.discovery import DiscoveryError, instance_prefix, open_discovery
 from kvmesh.runtime import DaemonRuntime
 from kvmesh.settings import DaemonSettings
+from kvmesh.v1 import admin_pb2, admin_pb2_grpc
 
 
 def settings(tmp_path):
@@ -64,3 +66,30 @@ async def test_a_stop_signal_during_start_up_leaves_the_block_and_revokes_the_le
 
 async def _note(events, text):
     events.append(text)
+
+
+async def test_a_second_drain_is_answered_started_false_while_the_first_drains(tmp_path):
+    """The serving gate refused every call while draining, Drain included: admin.proto's ``started = false``
+    could never be seen, only UNAVAILABLE."""
+    hold = asyncio.Event()  # holds the drain open (an on_draining hook) until the second Drain is answered
+    up: asyncio.Queue = asyncio.Queue()
+
+    async def daemon() -> None:
+        async with DaemonRuntime("kvmesh-test", settings(tmp_path)) as runtime:
+            runtime.on_draining(hold.wait)
+            await up.put((runtime, await runtime.start(0, "127.0.0.1")))
+            await runtime.wait_for_stop()
+
+    task = asyncio.create_task(daemon())
+    runtime, port = await asyncio.wait_for(up.get(), 10)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        drain = admin_pb2_grpc.AdminServiceStub(channel).Drain
+        first = await drain(admin_pb2.DrainRequest(reason="test"))
+        async with asyncio.timeout(5):
+            while runtime.is_serving():
+                await asyncio.sleep(0.01)
+        second = await drain(admin_pb2.DrainRequest(reason="again"))
+    hold.set()
+    await asyncio.wait_for(task, 10)
+    assert first.started and not second.started
+    assert first.instance_id == second.instance_id

@@ -205,6 +205,28 @@ async def test_bad_request_is_invalid_argument_naming_the_limit(channel, tokens,
     assert limit in error.value.message
 
 
+@pytest.mark.parametrize(
+    ("sampling", "why"),
+    [
+        ({"temperature": -1.0}, "temperature must be finite and >= 0"),
+        ({"temperature": float("nan")}, "temperature must be finite and >= 0"),
+        ({"top_p": 5.0}, "top_p must be in (0, 1]"),
+        ({"top_k": -5}, "top_k must be -1 or 0"),
+        ({"min_tokens": 100}, "min_tokens (100) must not exceed max_tokens (2)"),
+        ({"stop_token_ids": [5] * 1025}, "1025 stop_token_ids; at most 1024"),
+    ],
+    ids=["negative-temperature", "nan-temperature", "top-p-5", "top-k-minus-5", "min-over-max", "stop-ids"],
+)
+async def test_sampling_no_engine_can_honour_is_invalid_argument(channel, sampling, why):
+    """The mocker took these silently (vLLM refuses them); now every engine refuses them the same way."""
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    engine = (await engine_ids(stub))[0]
+    with pytest.raises(RequestFailed) as error:
+        await generate(stub, request(engine, [3, 4, 5], 2, **sampling))
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert why in error.value.message
+
+
 async def test_a_prompt_sent_as_u32_bytes_generates_what_the_same_ids_do(channel):
     """The frontend's compact form (``token_ids_u32le``) is the same prompt as ``token_ids``."""
     stub = worker_pb2_grpc.WorkerServiceStub(channel)
@@ -539,6 +561,78 @@ async def test_generate_stream_failures_are_in_band_and_end_only_their_request(s
     errors = [o for o in client.outputs[long_running.request_id] if o.error_code]
     assert [e.error_message for e in errors] == [f"request id {long_running.request_id!r} is already active"]
     assert len(client.tokens(long_running.request_id)) == 200  # the original went on undisturbed
+
+
+async def test_a_message_that_does_not_parse_is_refused_in_band_and_the_stream_goes_on(channel):
+    """Garbage, or a request id that is not UTF-8 (a C++ or Go client can send one), ended the whole stream as
+    UNKNOWN naming protobuf's DecodeError, with the requests in flight on it."""
+    engines = await engine_ids(worker_pb2_grpc.WorkerServiceStub(channel))
+    call = channel.stream_stream(
+        "/kvmesh.v1.WorkerService/GenerateStream", lambda b: b, worker_pb2.GenerateStreamResponse.FromString
+    )()
+    running = request(engines[0], range(3, 20), 40, ignore_eos=True)
+    not_utf8 = b"\x0a\x04\x0a\x02\xff\xfe"  # requests[0].request_id = b"\xff\xfe"
+    for message in (worker_pb2.GenerateStreamRequest(requests=[running]).SerializeToString(), not_utf8, b"\xff\xff"):
+        await call.write(message)
+    await call.done_writing()
+    outputs = [o async for response in call for o in response.outputs]
+    assert await call.code() is grpc.StatusCode.OK
+    refused = [o for o in outputs if o.error_code]
+    assert [(o.request_id, o.error_code) for o in refused] == [("", grpc.StatusCode.INVALID_ARGUMENT.value[0])] * 2
+    assert "not a valid kvmesh.v1.GenerateStreamRequest" in refused[0].error_message
+    mine = [o for o in outputs if o.request_id == running.request_id]
+    assert sum(len(o.response.token_ids) for o in mine) == 40 and mine[-1].response.finish_reason
+
+
+async def test_a_caller_that_sends_and_never_reads_is_not_read_either(channel):
+    """Each bad request is an in-band error queued for the caller: one that never read grew the worker by
+    1.4 GB in 30 s. Now the worker stops reading it, flow control stalls its writes, and nothing is lost."""
+    stub = worker_pb2_grpc.WorkerServiceStub(channel)
+    call = stub.GenerateStream()
+    no_id = worker_pb2.GenerateRequest(engine_id=1, token_ids=[3] * 100)  # ~60 KB a message: 110 MB in all
+    message = worker_pb2.GenerateStreamRequest(requests=[no_id] * 500)
+    sent, stalled = 0, False
+
+    async def write() -> None:
+        nonlocal sent
+        while not stalled and sent < 1_000_000:
+            await call.write(message)
+            sent += 500
+        await call.done_writing()
+
+    writer = asyncio.create_task(write())
+    last = -1
+    while sent != last:  # until two seconds pass without a write going through
+        last = sent
+        await asyncio.sleep(2)
+    stalled = True
+    assert not writer.done() and sent < 500_000  # what gRPC's flow-control windows hold, a few MB
+    errors = 0
+    async with asyncio.timeout(60):  # reading resumes the worker: every request still gets its error
+        async for response in call:
+            errors += sum(1 for o in response.outputs if o.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0])
+        await writer
+    assert errors == sent
+
+
+async def test_every_other_rpc_answers_bytes_that_do_not_parse_with_invalid_argument(channel):
+    for method, response in [
+        ("/kvmesh.v1.WorkerService/GetModelCard", worker_pb2.GetModelCardResponse),
+        ("/kvmesh.v1.WorkerService/DumpKvIndex", worker_pb2.DumpKvIndexResponse),
+        ("/kvmesh.v1.AdminService/Drain", worker_pb2.DumpKvIndexResponse),
+        ("/grpc.health.v1.Health/Check", worker_pb2.DumpKvIndexResponse),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await channel.unary_unary(method, lambda b: b, response.FromString)(b"\xff\xff")
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT, method
+        assert "DecodeError" not in caught.value.details()
+    watch = channel.unary_stream(
+        "/kvmesh.v1.WorkerService/WatchLoad", lambda b: b, worker_pb2.WatchLoadResponse.FromString
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in watch(b"\xff\xff"):
+            pass
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_generate_stream_cancel_and_hang_up_free_blocks_within_one_second(slow_worker, slow_channel):

@@ -13,6 +13,8 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_reflection.v1alpha import reflection_pb2 as pb
 
+from kvmesh import grpc_services
+
 V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
 SERVICE_NAMES = (V1_SERVICE_NAME, reflection.SERVICE_NAME)
 
@@ -21,12 +23,5 @@ def enable_server_reflection(service_names: Sequence[str], server: grpc.aio.Serv
     """Serve reflection over ``service_names`` (both reflection services are listed too) as v1 and v1alpha."""
     names = list(dict.fromkeys([*service_names, *SERVICE_NAMES]))
     servicer = reflection.aio.ReflectionServicer(names)
-    handler = grpc.stream_stream_rpc_method_handler(
-        servicer.ServerReflectionInfo,
-        request_deserializer=pb.ServerReflectionRequest.FromString,
-        response_serializer=pb.ServerReflectionResponse.SerializeToString,
-    )
-    for service in SERVICE_NAMES:
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(service, {"ServerReflectionInfo": handler}),)
-        )
+    for name in SERVICE_NAMES:
+        grpc_services.add_service(server, pb.DESCRIPTOR.services_by_name["ServerReflection"], servicer, name=name)

@@ -34,7 +34,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
@@ -42,11 +42,12 @@ from typing import Any, Self, TypeVar
 
 import grpc
 import uvloop
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.descriptor import ServiceDescriptor
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh import grpc_services, sd_notify, telemetry, tls
 from kvmesh import reflection as kvmesh_reflection
-from kvmesh import sd_notify, telemetry, tls
 from kvmesh.discovery import Discovery, DiscoveryUnavailable, Lease, instance_key, open_discovery
 from kvmesh.grpc_options import SERVER_OPTIONS
 from kvmesh.identity import RoleGate
@@ -56,7 +57,7 @@ from kvmesh.v1 import admin_pb2, admin_pb2_grpc, discovery_pb2
 log = logging.getLogger(__name__)
 
 VERSION = "0.1.0"
-_ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/kvmesh.v1.AdminService/")
 
 
 class _ServingGate(grpc.aio.ServerInterceptor):
@@ -213,7 +214,7 @@ class DaemonRuntime:
             options=list(server_options),
         )
         self.health = health.aio.HealthServicer()
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(_Admin(self), self.server)
+        grpc_services.add_service(self.server, admin_pb2.DESCRIPTOR.services_by_name["AdminService"], _Admin(self))
         self._discovery: Discovery | None = None
         self._lease: Lease | None = None
         self._service_names: list[str] = [
@@ -333,9 +334,10 @@ class DaemonRuntime:
         except Exception:  # discovery may be down; the lease then expires by itself
             log.warning("could not revoke the lease; records expire within the TTL", exc_info=True)
 
-    def add_service(self, full_name: str, add_to_server: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> None:
-        add_to_server(servicer, self.server)
-        self._service_names.append(full_name)
+    def add_service(self, service: ServiceDescriptor, servicer: Any, *, in_band: Collection[str] = ()) -> None:
+        """Serve ``servicer`` as ``service`` (see :func:`kvmesh.grpc_services.add_service` for ``in_band``)."""
+        grpc_services.add_service(self.server, service, servicer, in_band=in_band)
+        self._service_names.append(service.full_name)
 
     async def start(
         self, port: int, bind_host: str | None = None, *, ready: bool = True, require_client_cert: bool = True
@@ -350,7 +352,7 @@ class DaemonRuntime:
         """
         self._ready = ready
         await self._set_health(False)  # before the port opens: no probe ever sees SERVING too early
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        grpc_services.add_service(self.server, health_pb2.DESCRIPTOR.services_by_name["Health"], self.health)
         kvmesh_reflection.enable_server_reflection(self._service_names, self.server)  # v1 and v1alpha
         try:
             target = f"{bind_host or self.settings.bind_host}:{port}"

@@ -104,6 +104,7 @@ DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
 _MAX_TOKEN_ID = 0xFFFF_FFFF  # token ids travel as u32 (GenerateRequest.token_ids_u32le)
 MAX_SAMPLING_JSON_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 32
+MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request (the worker's bound too: each is checked per token)
 MAX_STOP_STRINGS = 64  # stop strings per request (OpenAI takes 4; each costs a search per token)
 MAX_SCALAR_ELEMENTS = 16  # a scalar input must hold 1; a few more still get the precise message
 MAX_PARAMETERS = 64
@@ -359,6 +360,8 @@ def _stop_token_ids(where: str, value: Any) -> tuple[int, ...]:
         return ()
     if not isinstance(value, list):
         raise invalid(f"{where} must be a list of token ids, got {_shown(value)}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"{where} has {len(value)} token ids; at most {MAX_STOP_TOKEN_IDS} are accepted")
     ids = tuple(_as_int(f"{where}[{i}]", item) for i, item in enumerate(value))
     for i, token in enumerate(ids):
         if not 0 <= token < 2**32:

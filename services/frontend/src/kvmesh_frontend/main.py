@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from pathlib import Path
 
-from inference import grpc_service_pb2
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import Discovery, WatchEvent, instance_prefix, model_prefix
 from kvmesh.grpc_options import FRONTEND_SERVER_OPTIONS
@@ -29,7 +28,7 @@ from kvmesh_frontend.metrics import default_metrics
 from kvmesh_frontend.models import ModelRegistry
 from kvmesh_frontend.pipeline import Frontend
 from kvmesh_frontend.routing import RouterClient
-from kvmesh_frontend.service import InferenceServicer, add_inference_service
+from kvmesh_frontend.service import IN_BAND, SERVICE, InferenceServicer
 from kvmesh_frontend.settings import Settings
 
 PROG = "kvmesh-frontend"
@@ -107,12 +106,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         default_max_tokens=config.default_max_tokens,
         admission_factor=config.admission_factor,
     )
-    service_name = grpc_service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
-    runtime.add_service(
-        service_name,
-        add_inference_service,
-        InferenceServicer(frontend, VERSION),
-    )
+    runtime.add_service(SERVICE, InferenceServicer(frontend, VERSION), in_band=IN_BAND)
     bound = await runtime.start(config.grpc_port, require_client_cert=config.kserve_client_cert)
     watchers = [
         asyncio.create_task(_watch(runtime.discovery, model_prefix(config.namespace), registry.apply)),

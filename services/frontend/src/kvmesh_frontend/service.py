@@ -20,16 +20,15 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
 import grpc
-from google.protobuf import message_factory
-from google.protobuf.message import DecodeError
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
+from kvmesh import grpc_services
 
 from kvmesh_frontend.errors import FrontendError, clip, invalid, not_found
 from kvmesh_frontend.models import MODEL_VERSION, is_served_version, version_not_found
@@ -102,27 +101,11 @@ def model_config(name: str, parameters: dict[str, str] | None = None) -> mc.Mode
     return config
 
 
-#: What the KServe port's ModelInfer and ModelStreamInfer get for bytes that are no ModelInferRequest
-#: (truncated, garbage, a string field that is not UTF-8: what a C++ or Go client can send). gRPC's
-#: own deserializer would end the call, the whole stream with it, as UNKNOWN naming protobuf's
-#: DecodeError; this one sentinel lets the handler refuse that one message as INVALID_ARGUMENT.
-MALFORMED_REQUEST = pb.ModelInferRequest()
-MALFORMED = "the message is not a valid inference.ModelInferRequest (it does not parse, or a string field is not UTF-8)"
-
-
-def _parse_infer_request(data: bytes) -> pb.ModelInferRequest:
-    try:
-        return pb.ModelInferRequest.FromString(data)
-    except DecodeError:
-        return MALFORMED_REQUEST
-
-
-_HANDLER_KINDS: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+#: ModelStreamInfer refuses a message that does not parse in band (an error response without an id) and
+#: serves the stream's other requests; every other method's call ends INVALID_ARGUMENT (kvmesh.grpc_services).
+IN_BAND = ("ModelStreamInfer",)
+MALFORMED = grpc_services.malformed_details(pb.ModelInferRequest)
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -242,9 +225,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelInferRequest,
         context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
     ) -> pb.ModelInferResponse:
-        if request is MALFORMED_REQUEST:
-            _refuse(context, invalid(MALFORMED))
-            return pb.ModelInferResponse()
         counted, refusal = self._frontend.admit(request.model_name)
         if refusal is not None:
             _refuse(context, refusal)
@@ -308,7 +288,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
         try:
             async for request in request_iterator:
-                if request is MALFORMED_REQUEST:  # in band: the stream's other requests go on
+                if grpc_services.is_malformed(request):  # in band: the stream's other requests go on
                     await refuse(pb.ModelInferRequest(), invalid(MALFORMED))
                     continue
                 # Admission first, on the raw request: a model at its bound is refused right here, with
@@ -395,19 +375,5 @@ def _error_response(request: pb.ModelInferRequest) -> pb.ModelInferResponse:
 
 
 def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    """The generated ``add_GRPCInferenceServiceServicer_to_server``, but ModelInferRequests are parsed by
-    ``_parse_infer_request`` (see ``MALFORMED_REQUEST``)."""
-    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    handlers = {}
-    for method in service.methods:
-        request_class = message_factory.GetMessageClass(method.input_type)
-        response_class = message_factory.GetMessageClass(method.output_type)
-        make = _HANDLER_KINDS[method.client_streaming, method.server_streaming]
-        handlers[method.name] = make(
-            getattr(servicer, method.name),
-            request_deserializer=(
-                _parse_infer_request if request_class is pb.ModelInferRequest else request_class.FromString
-            ),
-            response_serializer=response_class.SerializeToString,
-        )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    """The KServe service on ``server`` as the daemon serves it (for a server outside the daemon's runtime)."""
+    grpc_services.add_service(server, SERVICE, servicer, in_band=IN_BAND)

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 from kvmesh.runtime import DaemonRuntime, run_daemon
 from kvmesh.settings import fail
-from kvmesh.v1 import planner_pb2, planner_pb2_grpc
+from kvmesh.v1 import planner_pb2
 
 from kvmesh_planner.connectors.base import Connector
 from kvmesh_planner.connectors.local import LocalConnector
@@ -220,11 +220,7 @@ async def serve(cfg: Settings) -> int:
         else:
             election = FileElection(cfg.discovery.removeprefix("file://"), cfg.namespace)
         planner = Planner(cfg, runtime, observer, connector, election, profile)
-        runtime.add_service(
-            planner_pb2.DESCRIPTOR.services_by_name["PlannerService"].full_name,
-            planner_pb2_grpc.add_PlannerServiceServicer_to_server,
-            planner.servicer,
-        )
+        runtime.add_service(planner_pb2.DESCRIPTOR.services_by_name["PlannerService"], planner.servicer)
         runtime.on_draining(planner.servicer.close)
         await runtime.start(cfg.grpc_port)
         await runtime.register(runtime.instance_record("planner", "planner"))

@@ -31,7 +31,6 @@ import grpc
 import prometheus_client
 from kvmesh.channels import ChannelPool
 from kvmesh.runtime import DaemonRuntime, run_daemon
-from kvmesh.v1 import router_pb2
 
 from kvmesh_router.engines import EngineInfo
 from kvmesh_router.fleet import Fleet
@@ -40,7 +39,7 @@ from kvmesh_router.ingest import Ingest
 from kvmesh_router.load_watch import LoadWatch
 from kvmesh_router.metrics import RouterMetrics
 from kvmesh_router.replica_sync import ReplicaHub
-from kvmesh_router.service import RouterServicer, add_to_server
+from kvmesh_router.service import IN_BAND, SERVICE, RouterServicer
 from kvmesh_router.settings import Settings
 from kvmesh_router.state import RouterState
 
@@ -134,7 +133,7 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
     warm = asyncio.Event()  # set once warm, cleared when draining starts
     runtime.on_draining(warm.clear)
     servicer = RouterServicer(state, hub, ingest.next_event_id if ingest else lambda _e: None, warm.is_set)
-    runtime.add_service(router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name, add_to_server, servicer)
+    runtime.add_service(SERVICE, servicer, in_band=IN_BAND)
 
     # Health answers NOT_SERVING from the first moment until the replica is warm.
     await runtime.start(settings.grpc_port, ready=False)

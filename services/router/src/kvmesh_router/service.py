@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from kvmesh import grpc_services
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 
 from kvmesh_router.replica_sync import ReplicaHub
@@ -71,5 +72,11 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         return response
 
 
+SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"]
+#: Session answers a message that does not parse in band (an INVALID decision); the session goes on.
+IN_BAND = ("Session",)
+
+
 def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
-    router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)
+    """The router's service on ``server`` as the daemon serves it (for a server outside the daemon's runtime)."""
+    grpc_services.add_service(server, SERVICE, servicer, in_band=IN_BAND)

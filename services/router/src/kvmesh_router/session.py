@@ -6,6 +6,9 @@ back, in order; ``LifecycleUpdate`` messages (no answer) move a routed request t
 - ``FIRST_TOKEN`` -> the booking's prefill tokens stop counting (``mark_prefill_completed``);
 - ``FINISHED`` -> the booking is freed (the request finished, failed or was cancelled).
 
+A message that does not parse (garbage, or a string field that is not UTF-8) is answered with an
+INVALID decision without a request id, and the session goes on: it may have been a query.
+
 Request ids are the frontend's: unique among *this session's* active requests (a second query with an
 active id is INVALID). Bookings are keyed ``s{session}/{request_id}``, so two frontends may use the
 same ids. When the stream ends for any reason (the frontend closed it, crashed, or the connection
@@ -32,6 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+from kvmesh import grpc_services
 from kvmesh.v1 import router_pb2
 
 from kvmesh_router.state import RouterState
@@ -45,6 +49,7 @@ _FIRST_TOKEN = router_pb2.LIFECYCLE_STAGE_FIRST_TOKEN
 _FINISHED = router_pb2.LIFECYCLE_STAGE_FINISHED
 #: How long a batch's decisions may wait for the rest of the batch before those made so far go out.
 FLUSH_AFTER_S = 0.001
+_MALFORMED = grpc_services.malformed_details(router_pb2.SessionRequest)
 
 
 class SessionHandler:
@@ -77,7 +82,12 @@ class SessionHandler:
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
-                if kind == "route":
+                if kind is None and grpc_services.is_malformed(message):  # in band: the session goes on
+                    response = router_pb2.SessionResponse()
+                    response.decision.outcome = INVALID
+                    response.decision.message = _MALFORMED
+                    yield response
+                elif kind == "route":
                     response = router_pb2.SessionResponse()
                     decide(prefix, active, message.route, response.decision)
                     yield response
@@ -127,11 +137,13 @@ class SessionHandler:
         key = prefix + rid
         try:
             state.route(key, query, decision)
-        except Exception as exc:  # a bug must not take the frontend's whole session down
+        except Exception:  # a bug must not take the frontend's whole session down, nor show its text to clients
             log.exception("route query %s failed", rid)
             state.finish(key)
+            decision.Clear()
+            decision.request_id = rid
             decision.outcome = INVALID
-            decision.message = f"internal router error: {exc!r}"
+            decision.message = "internal router error (logged by the router); the query was not routed"
         if decision.outcome == ROUTED:
             active[rid] = key
             prefill = decision.prefill.request_id  # a remote prefill, booked beside the decode engine

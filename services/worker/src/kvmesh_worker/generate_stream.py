@@ -19,6 +19,8 @@ Invariants:
   are new; its final output (or in-band error) releases everything held, and nothing held outlives the
   request (a cancel or the stream's end drops it with the request);
 - when the stream ends for any reason, every request still on it is aborted (blocks freed);
+- a caller that does not read is not read either: with ``MAX_UNSENT_ERRORS`` in-band errors unsent, the
+  session reads no more requests until the writer sends, so its memory stays bounded;
 - while the daemon is not serving (lease lost, draining) new requests fail in-band with
   UNAVAILABLE; a draining worker ends the stream once its last request is done, so a drain does
   not wait for the caller to hang up;
@@ -32,6 +34,8 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -39,7 +43,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from kvmesh import telemetry
+from kvmesh import grpc_services, telemetry
 from kvmesh.v1 import worker_pb2
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams, KvTransferReport
 from kvmesh.wakeup import Wakeup
@@ -55,12 +59,21 @@ from kvmesh_worker.engine import (
 from kvmesh_worker.engines import Engine, KvPullFailed
 from kvmesh_worker.metrics import request_metrics
 
+log = logging.getLogger(__name__)
+
 SPAN_NAME = "kvmesh.v1.WorkerService/Generate"  # one span per request (the name traces already use)
 _FINISH = {
     "length": worker_pb2.FINISH_REASON_LENGTH,
     "stop": worker_pb2.FINISH_REASON_STOP,
     "abort": worker_pb2.FINISH_REASON_CANCELLED,
 }
+
+_MALFORMED = grpc_services.malformed_details(worker_pb2.GenerateStreamRequest)
+#: In-band errors a stream may have unsent before its requests stop being read (flow control then holds
+#: the caller's writes): a caller that sends and never reads cannot grow the worker's memory.
+MAX_UNSENT_ERRORS = 4096
+#: Stop token ids per request: each is checked against every generated token (1M of them stalled the loop).
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def prompt_tokens(request: worker_pb2.GenerateRequest) -> np.ndarray | list[int]:
@@ -78,8 +91,9 @@ def prompt_tokens(request: worker_pb2.GenerateRequest) -> np.ndarray | list[int]
 
 
 def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> EngineRequest:
-    """The engine's view of ``request``; raises :class:`InvalidRequest` for a malformed prompt."""
+    """The engine's view of ``request``; raises :class:`InvalidRequest` for a malformed prompt or sampling."""
     sampling = request.sampling
+    check_sampling(sampling)
     return EngineRequest(
         request_id=request_id,
         prompt=prompt_tokens(request),
@@ -98,6 +112,23 @@ def engine_request(request: worker_pb2.GenerateRequest, request_id: str) -> Engi
         ),
         hold_kv=request.hold_kv_for_transfer,
     )
+
+
+def check_sampling(sampling: worker_pb2.SamplingOptions) -> None:
+    """SamplingOptions no engine can honour are INVALID_ARGUMENT for every engine, as vLLM refuses them
+    (the mocker, which samples no distribution, took them silently)."""
+    if not 0 <= sampling.temperature < math.inf:
+        raise InvalidRequest(f"temperature must be finite and >= 0, got {sampling.temperature}")
+    if not 0 <= sampling.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1] (0: disabled), got {sampling.top_p}")
+    if sampling.top_k < -1:
+        raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or a positive integer, got {sampling.top_k}")
+    if sampling.min_tokens > sampling.max_tokens:
+        raise InvalidRequest(f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens ({sampling.max_tokens})")
+    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"{len(sampling.stop_token_ids)} stop_token_ids; at most {MAX_STOP_TOKEN_IDS} are accepted"
+        )
 
 
 def mock_logprob(token_id: int, position: int) -> float:
@@ -280,6 +311,7 @@ class GenerateStreamSession:
         self._holds: dict[str, _Hold] = {}  # requests whose stream interval is above 1
         self._failed: list[worker_pb2.GenerateStreamOutput] = []
         self._wakeup = Wakeup()
+        self._written = asyncio.Event()  # set after each message the writer sends
         self._input_done = False
         self._stopping = False
 
@@ -334,10 +366,16 @@ class GenerateStreamSession:
 
     async def _read(self, requests: AsyncIterator[worker_pb2.GenerateStreamRequest]) -> None:
         async for message in requests:
+            if grpc_services.is_malformed(message):  # in band: the stream's other requests go on
+                self._fail("", grpc.StatusCode.INVALID_ARGUMENT, _MALFORMED)
+                continue
             for request_id in message.cancel_request_ids:
                 self._cancel(request_id)
             for request in message.requests:
                 self._start(request)
+            while len(self._failed) >= MAX_UNSENT_ERRORS:  # a caller that does not read: stop reading it too
+                self._written.clear()
+                await self._written.wait()
         self._input_done = True  # the caller half-closed: finish what is in flight, then end
         self._wakeup.set()
 
@@ -405,8 +443,11 @@ class GenerateStreamSession:
         except KvPullFailed as exc:
             self._fail_active(request_id, grpc.StatusCode[exc.code], str(exc))
             return
-        except Exception as exc:  # never leave the request hanging; the client sees no internals
-            self._fail_active(request_id, grpc.StatusCode.INTERNAL, f"KV pull failed ({type(exc).__name__})")
+        except Exception:  # never leave the request hanging; the client sees no internals
+            log.exception("KV pull for %s failed", request_id)
+            self._fail_active(
+                request_id, grpc.StatusCode.INTERNAL, "KV pull failed (an internal error, logged by the worker)"
+            )
             return
         finally:
             self._pulls.pop(request_id, None)
@@ -507,3 +548,4 @@ class GenerateStreamSession:
                     entry.finished(item.response)
             if message.outputs:
                 await write(message)
+                self._written.set()

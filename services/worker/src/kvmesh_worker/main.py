@@ -20,12 +20,12 @@ import xxhash
 from kvmesh.discovery import model_key
 from kvmesh.runtime import DaemonRuntime, run_daemon
 from kvmesh.settings import fail
-from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import discovery_pb2, worker_pb2
 
 from kvmesh_worker.engines import Engine, EngineSpec, registry
 from kvmesh_worker.metrics import EngineCollector
 from kvmesh_worker.model_files import ModelFiles, ModelFilesError, load_model_files
-from kvmesh_worker.service import WorkerServicer
+from kvmesh_worker.service import IN_BAND, WorkerServicer
 from kvmesh_worker.settings import Settings
 
 log = logging.getLogger("kvmesh_worker")
@@ -98,11 +98,7 @@ async def serve(cfg: Settings) -> int:
         servicer = WorkerServicer(runners, cards, model, runtime.refusal, cfg.stream_interval)
         runtime.resources.push_async_callback(servicer.close)
         runtime.on_draining(servicer.drain)
-        runtime.add_service(
-            worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name,
-            worker_pb2_grpc.add_WorkerServiceServicer_to_server,
-            servicer,
-        )
+        runtime.add_service(worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], servicer, in_band=IN_BAND)
         runtime.resources.callback(EngineCollector.register(runners, model.name).unregister)
         await runtime.start(cfg.grpc_port)
         for runner in runners:

@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 
 FILE_CHUNK_BYTES = 1 << 20
 LOAD_COALESCE_S = 0.05
+#: Forward passes a WatchLoad watcher may have unsent (~200 bytes each) before its watch is cut.
+MAX_UNSENT_PASSES = 1 << 16
+#: GenerateStream answers a message that does not parse in band (an error output without a request id)
+#: and serves the stream's other requests; every other method's call ends INVALID_ARGUMENT.
+IN_BAND = ("GenerateStream",)
 
 
 class _LoadWatcher:
@@ -41,13 +46,19 @@ class _LoadWatcher:
         self.want_passes = want_passes
         self.dirty: set[int] = set()
         self.passes: list[worker_pb2.ForwardPassMetrics] = []
+        self.too_slow = False  # MAX_UNSENT_PASSES piled up: the watch ends with RESOURCE_EXHAUSTED
         self.changed = asyncio.Event()
 
     def on_pass(self, engine_id: int, metrics: ForwardPassMetrics, wall_s: float) -> None:
         if self.engine_ids is not None and engine_id not in self.engine_ids:
             return
         self.dirty.add(engine_id)
-        if self.want_passes:
+        if self.want_passes and not self.too_slow:
+            if len(self.passes) >= MAX_UNSENT_PASSES:  # a watcher that stopped reading: memory stays bounded
+                self.too_slow = True
+                self.passes = []
+                self.changed.set()
+                return
             self.passes.append(
                 worker_pb2.ForwardPassMetrics(
                     engine_id=engine_id,
@@ -230,6 +241,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             while True:
                 await watcher.changed.wait()
                 await asyncio.sleep(LOAD_COALESCE_S)  # one message per burst of passes
+                if watcher.too_slow:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"this watcher fell {MAX_UNSENT_PASSES} forward passes behind; watch again",
+                    )
                 watcher.changed.clear()
                 dirty, watcher.dirty = watcher.dirty, set()
                 passes, watcher.passes = watcher.passes, []

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 import uuid
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # one machine: keep UCX's TCP lane on loopback
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines on stdout otherwise
@@ -69,8 +72,9 @@ class NixlAgent:
             raise TransferFailed(f"no backend metadata for KV source agent {name}")
         try:
             self._agent.add_remote_agent(metadata)
-        except Exception as exc:
-            raise TransferFailed(f"cannot load KV source agent {name}: {type(exc).__name__}") from None
+        except Exception as exc:  # the backend's own error names its internals: logged here, not sent back
+            log.warning("cannot load KV source agent %s: %r", name, exc)
+            raise TransferFailed(f"cannot load KV source agent {name}: its metadata was refused") from None
         self._peers.add(name)
 
     def forget_peer(self, name: str) -> None:
@@ -118,7 +122,8 @@ class NixlAgent:
             raise
         except Exception as exc:  # nixlRemoteDisconnectError & co: the peer is gone or the backend broke
             self.forget_peer(peer)
-            raise TransferFailed(f"KV read from {peer} failed: {type(exc).__name__}") from None
+            log.warning("KV read from %s failed: %r", peer, exc)
+            raise TransferFailed(f"KV read from {peer} failed: the source is gone or refused the read") from None
         finally:
             if handle is not None:
                 self._release(handle)
