@@ -8,6 +8,8 @@ from collections import Counter
 
 import pytest
 from kvmesh_router.cost import (
+    MAX_WEIGHT,
+    AffinityCost,
     CostBatch,
     CostInputs,
     DynamoCost,
@@ -110,6 +112,22 @@ def test_config_validation():
         POLICIES.cost_policy("nope")
 
 
+@pytest.mark.parametrize("weight", [MAX_WEIGHT * 10, 1e308, -0.5])
+def test_weights_are_bounded_so_that_costs_stay_finite(weight):
+    """A weight of 1e308 made costs inf and the near-tie band inf / inf = nan: no engine was the argmin."""
+    with pytest.raises(ValueError, match="must be in"):
+        RouterPolicyConfig(overlap_score_weight=weight)
+    with pytest.raises(ValueError, match="decode_weight must be in"):
+        RouterPolicyConfig(params={"decode_weight": weight})
+    heaviest = RouterPolicyConfig(
+        overlap_score_weight=MAX_WEIGHT, params=dict.fromkeys(AffinityCost.DEFAULTS, MAX_WEIGHT)
+    )
+    cands = [inputs(1, overlap=3, prefill=2**40, active=2**40), inputs(2, prefill=2**39, active=2**41)]
+    costs = policy_costs(AffinityCost(), CostBatch.from_rows(cands), FLEET, heaviest)
+    assert all(math.isfinite(c) for c in costs)
+    assert KvSelector().select(SelectionContext.from_inputs(cands, heaviest)).engine_id in (1, 2)
+
+
 def test_cost_policies_are_pluggable_and_selectable_by_name():
     class FewestRequests:
         name = "test_fewest_requests"
@@ -161,6 +179,13 @@ def test_softmax_of_equal_costs_is_uniform_and_high_temperature_flattens():
     assert hot[0] == pytest.approx(0.5, abs=0.01)
     cold = softmax_probabilities([0.0, 100.0], 0.01)
     assert cold[0] > 0.999
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-320])
+def test_a_temperature_too_small_to_scale_the_costs_picks_the_argmin(temperature):
+    """spread x temperature underflowed to 0 (a division by zero) or 1 / it overflowed to inf (0 x inf = nan)."""
+    assert softmax_probabilities([7.0, 3.0, 6403.0, 3.0], temperature) == [0.0, 0.5, 0.0, 0.5]
+    assert pick_index([7.0, 3.0, 6403.0], temperature, random.Random(0)) == 1
 
 
 # ---------------------------------------------------------------------- modes

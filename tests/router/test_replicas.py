@@ -19,7 +19,7 @@ import signal
 
 import grpc
 import pytest
-from kvmesh.v1 import router_pb2
+from kvmesh.v1 import router_pb2, router_pb2_grpc
 from kvmesh_router.engines import EngineInfo
 from kvmesh_router.metrics import RouterMetrics
 from kvmesh_router.replica_sync import ReplicaHub
@@ -142,6 +142,38 @@ async def test_link_to_myself_is_refused(pair):
     a, _ = pair
     link = await asyncio.wait_for(a.hub._dial(1, a.address), 5)
     assert not link.ever_attached and a.hub.current == {}
+
+
+@pytest.mark.parametrize(
+    ("router_id", "code", "why"),
+    [
+        ("", grpc.StatusCode.INVALID_ARGUMENT, "is not a router id"),
+        ("zz", grpc.StatusCode.INVALID_ARGUMENT, "is not a router id"),
+        ("-1", grpc.StatusCode.INVALID_ARGUMENT, "is not a router id"),
+        ("0x10", grpc.StatusCode.INVALID_ARGUMENT, "is not a router id"),
+        ("010", grpc.StatusCode.INVALID_ARGUMENT, "is not a router id"),
+        (
+            "\u0661\u0662",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "is not a router id",
+        ),  # Arabic-Indic digits: int() takes them
+        ("f" * 5000, grpc.StatusCode.INVALID_ARGUMENT, "..."),  # shown cut short
+        ("1", grpc.StatusCode.FAILED_PRECONDITION, "router 1 is this router itself"),
+    ],
+)
+async def test_a_link_from_something_that_is_no_router_ends_with_a_status_saying_why(pair, router_id, code, why):
+    """Such links ended OK with no details (the reason was only in the router's log)."""
+    a, _ = pair
+    async with grpc.aio.insecure_channel(a.address) as channel:
+        call = router_pb2_grpc.RouterServiceStub(channel).ReplicaSync()
+        await call.write(router_pb2.ReplicaSyncRequest(router_id=router_id))
+        await call.done_writing()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in call:  # a's own snapshot comes first
+                pass
+        assert caught.value.code() is code
+        assert why in caught.value.details() and len(caught.value.details()) < 200
+    assert a.hub.current == {}
 
 
 async def test_two_links_between_a_pair_collapse_to_the_smaller_dialers(pair):

@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Protocol
 from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 
 __all__ = [
+    "MAX_WEIGHT",
     "MODES",
     "ROLES",
     "AffinityCost",
@@ -53,6 +54,9 @@ __all__ = [
 MODES = ("kv", "round_robin", "random", "power_of_two", "direct")
 #: Worker roles a query may ask for (``discovery.proto`` ``WorkerRole``; unspecified counts as aggregated).
 ROLES = ("aggregated", "prefill", "decode")
+#: Bound of every weight and policy parameter: far above any useful value, and low enough that a cost
+#: (a weight times at most ~2^40 tokens) stays finite, so costs never become inf or NaN.
+MAX_WEIGHT = 1e6
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +85,11 @@ class RouterPolicyConfig:
             raise ValueError(f"unknown routing mode {self.mode!r}; expected one of {', '.join(POLICIES.modes)}")
         if self.role not in ROLES:
             raise ValueError(f"unknown worker role {self.role!r}; expected one of {', '.join(ROLES)}")
-        if not (self.overlap_score_weight >= 0 and math.isfinite(self.overlap_score_weight)):
-            raise ValueError(f"overlap_score_weight must be finite and >= 0, got {self.overlap_score_weight}")
+        if not 0 <= self.overlap_score_weight <= MAX_WEIGHT:
+            raise ValueError(f"overlap_score_weight must be in [0, {MAX_WEIGHT:g}], got {self.overlap_score_weight}")
+        for name, value in self.params.items():
+            if not 0 <= value <= MAX_WEIGHT:
+                raise ValueError(f"policy parameter {name} must be in [0, {MAX_WEIGHT:g}], got {value}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
 

@@ -58,6 +58,17 @@ MAX_EVENTS_PER_MESSAGE = 512
 _serials = itertools.count(1)
 
 
+_ID_FORM = "a replica's instance id: lowercase hex, 1-16 digits, no leading zero"
+
+
+def parse_router_id(text: str) -> int | None:
+    """A ``router_id`` as the instance id it names, or None unless it is written as a router writes its own."""
+    if not 0 < len(text) <= 16 or text.strip("0123456789abcdef"):
+        return None
+    value = int(text, 16)
+    return value if f"{value:x}" == text else None
+
+
 class Link:
     """One ReplicaSync stream with one peer, in either direction (``inbound``: the peer dialed)."""
 
@@ -84,6 +95,7 @@ class Link:
         self.overflowed = False
         self.closed = asyncio.Event()
         self._stop = asyncio.Event()
+        self.refusal: tuple[grpc.StatusCode, str] | None = None  # why the peer's first message was refused
 
     @property
     def dialer(self) -> int:
@@ -165,13 +177,15 @@ class Link:
         first = await self._recv()
         if first is None:
             return
-        try:
-            peer = int(first.router_id, 16)
-        except ValueError:
-            log.warning("replica sync: ignoring a link from malformed router id %r", first.router_id)
+        peer = parse_router_id(first.router_id)
+        if peer is None:
+            shown = first.router_id[:40] + ("..." if len(first.router_id) > 40 else "")
+            log.warning("replica sync: ignoring a link from malformed router id %r", shown)
+            self.refusal = (grpc.StatusCode.INVALID_ARGUMENT, f"router_id {shown!r} is not a router id ({_ID_FORM})")
             return
         if peer == hub.own_id:
             log.warning("replica sync: a link to myself (%s); closing it", first.router_id)
+            self.refusal = (grpc.StatusCode.FAILED_PRECONDITION, f"router {first.router_id} is this router itself")
             return
         if self.peer_id is not None and peer != self.peer_id:
             log.warning("replica sync: dialed %x but %x answered; closing", self.peer_id, peer)
@@ -302,6 +316,9 @@ class ReplicaHub(BookingListener):
 
         link = Link(self, inbound=True, send=context.write, recv=recv, message_type=router_pb2.ReplicaSyncResponse)
         await link.run()
+        if link.refusal is not None:
+            context.set_code(link.refusal[0])
+            context.set_details(link.refusal[1])
 
     async def _dial(self, peer: int, address: str) -> Link:
         stub = router_pb2_grpc.RouterServiceStub(self.channel_for(address))

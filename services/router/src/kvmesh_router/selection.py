@@ -167,7 +167,12 @@ def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[fl
     spread = max(costs) - lo
     if spread <= 0 or not math.isfinite(spread):
         return [1.0 / len(costs)] * len(costs)
-    scale = 1.0 / (spread * temperature)
+    width = spread * temperature
+    scale = 1.0 / width if width > 0 else math.inf
+    if math.isinf(scale):  # a temperature that vanishes next to the spread (0 * inf would be nan): the argmin
+        ties = [c == lo for c in costs]
+        share = 1.0 / sum(ties)
+        return [share if tie else 0.0 for tie in ties]
     weights = [math.exp(-(c - lo) * scale) for c in costs]
     total = sum(weights)
     return [w / total for w in weights]

@@ -19,6 +19,7 @@ from kvmesh_router.slot_tracker import Booking
 
 __all__ = [
     "INVALID",
+    "MAX_QUERY_BLOCKS",
     "NO_ENGINE",
     "OUTCOME_NAMES",
     "REJECTED",
@@ -60,6 +61,12 @@ class QueryError(Exception):
         self.message = message
 
 
+#: Block hashes one query may carry: a 2M-token prompt at block size 16, far past any context window.
+#: Deciding and booking are O(blocks) and serialized across sessions: 6.5M hashes in one query held
+#: every other session's decisions for seconds.
+MAX_QUERY_BLOCKS = 1 << 17
+
+
 def role_name(role: int) -> str | None:
     """A ``WorkerRole`` as a ``cost.ROLES`` name (None for a value this build does not know)."""
     return _ROLES.get(role)
@@ -67,6 +74,10 @@ def role_name(role: int) -> str | None:
 
 def route_request(key: str, query: router_pb2.RouteQuery, allowed: frozenset[int]) -> RouteRequest:
     """The core's request for ``query``, booked under ``key``, restricted to ``allowed`` engines."""
+    if len(query.block_hashes) > MAX_QUERY_BLOCKS:
+        raise QueryError(
+            INVALID, f"{len(query.block_hashes)} block hashes in one query; at most {MAX_QUERY_BLOCKS} are accepted"
+        )
     override: RouterConfigOverride | None = None
     if query.HasField("overrides"):
         ov = query.overrides

@@ -1,0 +1,119 @@
+"""A Session stream outlives any one bad message: bytes that do not parse, overrides out of range, and a
+bug inside a decision each get one INVALID decision, and the stream's other queries keep their bookings
+(a real RouterServicer over gRPC on loopback; the router's state in process)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+from kvmesh.v1 import router_pb2
+from kvmesh_router.engines import EngineInfo
+from kvmesh_router.metrics import RouterMetrics
+from kvmesh_router.service import RouterServicer, add_to_server
+from kvmesh_router.state import RouterState
+from kvmesh_router.translate import MAX_QUERY_BLOCKS
+
+from tests.router.test_router_e2e_harness import ROUTED, prompt, seq_hashes
+
+INVALID = router_pb2.DECISION_OUTCOME_INVALID
+#: A SessionRequest whose route.request_id (field 1 of field 1) is not UTF-8, as a C++ or Go client can send.
+NOT_UTF8 = b"\x0a\x04\x0a\x02\xff\xfe"
+
+
+def query(rid: str, letters: str, **overrides: float) -> bytes:
+    tokens = prompt(*letters)
+    route = router_pb2.RouteQuery(request_id=rid, model="m", block_hashes=seq_hashes(tokens), num_tokens=len(tokens))
+    if overrides:
+        route.overrides.CopyFrom(router_pb2.RouterConfigOverride(**overrides))
+    return router_pb2.SessionRequest(route=route).SerializeToString()
+
+
+async def decide(state: RouterState, messages: list[bytes]) -> tuple[list[router_pb2.RouteDecision], int]:
+    """Each message's decision, in order, and the bookings held before the session ends."""
+    server = grpc.aio.server()
+    add_to_server(RouterServicer(state), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            session = channel.stream_stream(
+                "/kvmesh.v1.RouterService/Session", lambda b: b, router_pb2.SessionResponse.FromString
+            )
+            call = session()
+            decisions = []
+            for message in messages:
+                await call.write(message)
+                decisions.append((await asyncio.wait_for(call.read(), 10)).decision)
+            booked = sum(n for *_, n in state.active_load())
+            await call.done_writing()
+            assert await call.code() is grpc.StatusCode.OK
+    finally:
+        await server.stop(None)
+    return decisions, booked
+
+
+def router() -> RouterState:
+    state = RouterState(metrics=RouterMetrics())
+    for e in (11, 22):
+        state.add_engine(EngineInfo(e, "m", f"w{e}", 16, 1000))
+    return state
+
+
+async def test_a_message_that_does_not_parse_is_refused_in_band_and_the_session_goes_on() -> None:
+    decisions, booked = await decide(router(), [query("r1", "AB"), NOT_UTF8, b"\xff\xff", query("r2", "CD")])
+    assert [d.outcome for d in decisions] == [ROUTED, INVALID, INVALID, ROUTED]
+    assert decisions[1].request_id == ""
+    assert decisions[1].message == (
+        "the message is not a valid kvmesh.v1.SessionRequest (it does not parse, or a string field is not UTF-8)"
+    )
+    assert booked == 2  # r1's booking survived the bad messages
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        ({"overlap_weight": 1e308}, "overlap_score_weight must be in [0, 1e+06]"),
+        ({"temperature": float("nan")}, "temperature must be finite"),
+    ],
+)
+async def test_an_override_out_of_range_is_invalid_naming_the_bound(overrides, why) -> None:
+    decisions, booked = await decide(router(), [query("r1", "AB", **overrides), query("r2", "AB")])
+    assert decisions[0].outcome == INVALID and why in decisions[0].message
+    assert decisions[1].outcome == ROUTED and booked == 1
+
+
+async def test_a_vanishing_temperature_routes_to_the_cheapest_engine() -> None:
+    """5e-324 x the costs' spread underflowed to 0: a ZeroDivisionError inside the decision."""
+    state = router()
+    decisions, _ = await decide(state, [query("big", "ABCDEFGH"), query("r", "XY", temperature=5e-324)])
+    assert [d.outcome for d in decisions] == [ROUTED, ROUTED]
+    assert decisions[1].engine_id != decisions[0].engine_id  # the idle engine is the cheaper one
+
+
+async def test_a_bug_inside_a_decision_is_one_invalid_answer_that_names_no_exception(monkeypatch, caplog) -> None:
+    state = router()
+    real = state.route
+
+    def route(key, query, out):
+        if query.request_id == "boom":
+            raise ZeroDivisionError("float division by zero")
+        return real(key, query, out)
+
+    monkeypatch.setattr(state, "route", route)
+    decisions, booked = await decide(state, [query("boom", "AB"), query("r2", "AB")])
+    assert decisions[0].outcome == INVALID and decisions[0].request_id == "boom"
+    assert "ZeroDivision" not in decisions[0].message and "division" not in decisions[0].message
+    assert decisions[0].message == "internal router error (logged by the router); the query was not routed"
+    assert decisions[1].outcome == ROUTED and booked == 1
+    assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records)  # the operator sees it
+
+
+async def test_a_query_with_more_block_hashes_than_any_prompt_needs_is_invalid() -> None:
+    """Deciding is O(blocks) and serialized across sessions: 6.5M hashes held every other session for seconds."""
+    huge = router_pb2.RouteQuery(request_id="huge", model="m", block_hashes=range(MAX_QUERY_BLOCKS + 1), num_tokens=5)
+    decisions, booked = await decide(router(), [router_pb2.SessionRequest(route=huge).SerializeToString()])
+    assert decisions[0].outcome == INVALID and f"at most {MAX_QUERY_BLOCKS} are accepted" in decisions[0].message
+    assert booked == 0
