@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from kvmesh.kv_events import CacheDump, KvEvent
 from kvmesh.kv_publisher import KvSubscription
-from kvmesh_worker.engine import EngineConfig, EngineCore, EngineRequest
+from kvmesh_worker import service as worker_service
+from kvmesh_worker.engine import DuplicateRequest, EngineConfig, EngineCore, EngineRequest, ForwardPassMetrics
 from kvmesh_worker.engine_runner import DeadlineTimer, EngineRunner
 from kvmesh_worker.engines import OutputStream
 
@@ -86,6 +88,42 @@ async def test_abort_frees_the_blocks_at_once_and_the_runner_goes_idle():
         await asyncio.sleep(0.05)
         assert runner.passes <= passes + 1  # at most the pass already in flight completes
         assert queue.empty()
+    finally:
+        await runner.stop()
+
+
+async def test_an_id_reused_while_its_cancelled_pass_is_in_flight_gets_only_its_own_outputs():
+    """The pass computed for the cancelled request is delivered after the id is reused: it reaches no one."""
+    core = EngineCore(CONFIG)
+    runner = EngineRunner(9, core, speedup_ratio=0.1)  # a prefill pass sleeps ~170 ms before delivery
+    runner.start()
+    try:
+        old = _submit(runner, EngineRequest("y", list(range(10, 30)), max_tokens=1, ignore_eos=True))
+        while core.next_event_id == 0:  # its only pass has stepped and is not delivered yet
+            await asyncio.sleep(0.001)
+        runner.abort("y")
+        new = _submit(runner, EngineRequest("y", list(range(40, 43)), max_tokens=5, ignore_eos=True))
+        tokens = await _finish(new)
+        assert len(tokens) == 5
+        assert old.empty()
+    finally:
+        await runner.stop()
+
+
+async def test_an_id_whose_last_output_is_not_delivered_yet_is_refused():
+    """Finished in the engine, but its last pass in flight: another stream taking the id would get its tokens."""
+    core = EngineCore(CONFIG)
+    runner = EngineRunner(10, core, speedup_ratio=0.1)
+    runner.start()
+    try:
+        first = _submit(runner, EngineRequest("r", list(range(10, 30)), max_tokens=1, ignore_eos=True))
+        while core.next_event_id == 0:
+            await asyncio.sleep(0.001)
+        assert not core.has_unfinished()  # the engine is done with it ...
+        with pytest.raises(DuplicateRequest, match="already in the engine"):  # ... its stream is not
+            _submit(runner, EngineRequest("r", list(range(40, 43)), max_tokens=5))
+        assert len(await _finish(first)) == 1
+        assert len(await _finish(_submit(runner, EngineRequest("r", [40, 41, 42], max_tokens=2, ignore_eos=True)))) == 2
     finally:
         await runner.stop()
 
@@ -170,3 +208,16 @@ async def test_runners_share_one_timer_per_loop_and_release_it_on_stop():
     for runner in runners:
         await runner.stop()
     assert loop not in DeadlineTimer._by_loop
+
+
+def test_a_load_watcher_that_stops_reading_keeps_a_bounded_backlog_and_is_marked_too_slow(monkeypatch):
+    """Every pass was queued for every forward-pass watcher: one that never read grew the worker to gigabytes."""
+    monkeypatch.setattr(worker_service, "MAX_UNSENT_PASSES", 100)
+    watcher = worker_service._LoadWatcher(None, want_passes=True)
+    metrics = ForwardPassMetrics(0, 1, 0, 1, 0, 4, 1.5)
+    for _ in range(99):
+        watcher.on_pass(3, metrics, 0.002)
+    assert len(watcher.passes) == 99 and not watcher.too_slow
+    for _ in range(1000):
+        watcher.on_pass(3, metrics, 0.002)
+    assert watcher.too_slow and watcher.passes == [] and watcher.changed.is_set()

@@ -44,6 +44,7 @@ from kvmesh.v1.kv_transfer_pb2 import KvTransferParams, KvTransferReport
 from kvmesh.wakeup import Wakeup
 
 from kvmesh_worker.engine import (
+    DuplicateRequest,
     EngineCore,
     EngineLoad,
     EngineRequest,
@@ -222,6 +223,10 @@ class EngineRunner:
         self.publisher = KvEventPublisher(core.journal, core.dump_cache)
         self._wakeup = Wakeup()
         self._streams: dict[str, OutputSink] = {}
+        # A paced pass is computed, then delivered at its deadline: ids aborted in between may be reused by
+        # then, so their outputs in that pass are stale and must reach no one (see ``_complete``).
+        self._pass_in_flight = False
+        self._stale: set[str] = set()
         self._observers: list[PassObserver] = []
         self._task: asyncio.Task[None] | None = None
         self._timer: DeadlineTimer | None = None
@@ -255,6 +260,8 @@ class EngineRunner:
         kv = self.kv
         if request.hold_kv and kv is None:
             raise InvalidRequest(f"engine {self.engine_id:x} is aggregated: it cannot hold KV for a transfer")
+        if request.request_id in self._streams:  # running, or finished with its last output not delivered yet
+            raise DuplicateRequest(f"request id {request.request_id!r} is already in the engine")
         try:
             self.core.add_request(request)
         except BaseException:
@@ -278,6 +285,8 @@ class EngineRunner:
             self._hold_requests.pop(request_id, None)
         if self._streams.pop(request_id, None) is not None:
             self.core.abort_request(request_id)
+            if self._pass_in_flight:
+                self._stale.add(request_id)
             self._wakeup.set()
 
     def release_kv(self, transfer_id: str) -> bool:
@@ -327,6 +336,7 @@ class EngineRunner:
             while self.core.has_unfinished():
                 started = clock()
                 out = self.core.step()
+                self._pass_in_flight = True
                 if started - deadline > MAX_CATCH_UP_S:
                     deadline = started  # stalled: restart the schedule rather than rush the next passes
                 deadline += out.metrics.duration_ms / scale
@@ -334,7 +344,12 @@ class EngineRunner:
 
     def _complete(self, out: StepOutput, started: float) -> None:
         """The pass is over: deliver its tokens and KV events, then account for it."""
-        self._deliver(out.outputs, out.kv_events)
+        self._pass_in_flight = False
+        outputs = out.outputs
+        if self._stale:  # aborted while the pass ran: their ids may belong to new requests by now
+            stale, self._stale = self._stale, set()
+            outputs = [o for o in outputs if o.request_id not in stale]
+        self._deliver(outputs, out.kv_events)
         self._account(out.metrics, time.monotonic() - started)
 
     async def _run_unpaced(self, clock: Callable[[], float]) -> None:
