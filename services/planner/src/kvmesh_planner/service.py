@@ -42,12 +42,19 @@ def decision_message(d: Decision, planner_id: int, applied: bool, unix_ms: int) 
     return msg
 
 
+#: Decisions a watcher may have unread before its stream is cut (RESOURCE_EXHAUSTED; it watches again).
+WATCH_QUEUE_SIZE = 1024
+#: Queued for a watcher that fell behind (never published: an identity, not a decision).
+_TOO_SLOW = planner_pb2.ScalingDecision()
+_Queue = asyncio.Queue[planner_pb2.ScalingDecision | None]
+
+
 class PlannerServicer(planner_pb2_grpc.PlannerServiceServicer):
     """Fan-out of decisions to watchers (bounded queues: a slow watcher loses its stream, not the planner)."""
 
     def __init__(self, status: Callable[[], planner_pb2.GetStatusResponse]) -> None:
         self._status = status
-        self._watchers: set[tuple[asyncio.Queue[planner_pb2.ScalingDecision | None], bool]] = set()
+        self._watchers: set[tuple[_Queue, bool]] = set()
         self.latest: planner_pb2.ScalingDecision | None = None
 
     def publish(self, msg: planner_pb2.ScalingDecision) -> None:
@@ -57,7 +64,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServiceServicer):
                 try:
                     queue.put_nowait(msg)
                 except asyncio.QueueFull:  # end the slow watcher's stream; it re-subscribes
-                    _end(queue)
+                    _end(queue, _TOO_SLOW)
                     self._watchers.discard((queue, all_decisions))
 
     def close(self) -> None:
@@ -77,7 +84,7 @@ class PlannerServicer(planner_pb2_grpc.PlannerServiceServicer):
         request: planner_pb2.WatchDecisionsRequest,
         context: grpc.aio.ServicerContext[planner_pb2.WatchDecisionsRequest, planner_pb2.WatchDecisionsResponse],
     ) -> AsyncIterator[planner_pb2.WatchDecisionsResponse]:
-        queue: asyncio.Queue[planner_pb2.ScalingDecision | None] = asyncio.Queue(maxsize=1024)
+        queue: _Queue = asyncio.Queue(maxsize=WATCH_QUEUE_SIZE)
         entry = (queue, request.include_unchanged)
         self._watchers.add(entry)
         try:
@@ -85,12 +92,20 @@ class PlannerServicer(planner_pb2_grpc.PlannerServiceServicer):
                 msg = await queue.get()
                 if msg is None:
                     return
+                if msg is _TOO_SLOW:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"this watcher fell {WATCH_QUEUE_SIZE} decisions behind; watch again (GetStatus has the last)",
+                    )
                 yield planner_pb2.WatchDecisionsResponse(decision=msg)
         finally:
             self._watchers.discard(entry)
 
 
-def _end(queue: asyncio.Queue[planner_pb2.ScalingDecision | None]) -> None:
-    while not queue.empty():
-        queue.get_nowait()
-    queue.put_nowait(None)
+def _end(queue: _Queue, why: planner_pb2.ScalingDecision | None = None) -> None:
+    """Make ``queue``'s watcher end: None at shutdown (status OK, after what it has queued if that leaves room),
+    :data:`_TOO_SLOW` when it fell behind (at once)."""
+    if why is not None or queue.full():
+        while not queue.empty():
+            queue.get_nowait()
+    queue.put_nowait(why)
