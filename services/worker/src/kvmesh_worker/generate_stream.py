@@ -11,9 +11,10 @@ Invariants:
   output lands in ``_pending`` and wakes the writer, which sends whatever piled up as one message,
   so a request whose engine ran several passes meanwhile gets one merged entry;
 - a request ends with exactly one final entry (a finish reason, or an in-band error) and is then
-  forgotten; a cancelled request gets nothing more; an engine that fails a request itself says so with
-  an output carrying an error code (``RequestOutput.error_code``): the tokens it produced before still
-  go out, then the in-band error;
+  forgotten (an id sent again while active ends the active request too, with that one error: the
+  caller could not tell their outputs apart); a cancelled request gets nothing more; an engine that
+  fails a request itself says so with an output carrying an error code (``RequestOutput.error_code``):
+  the tokens it produced before still go out, then the in-band error;
 - a request's stream interval (the larger of its ``SamplingOptions.stream_interval`` and the worker's
   ``--stream-interval``) holds its outputs back after its first token until at least that many tokens
   are new; its final output (or in-band error) releases everything held, and nothing held outlives the
@@ -384,8 +385,13 @@ class GenerateStreamSession:
         if not request_id:
             self._fail("", grpc.StatusCode.INVALID_ARGUMENT, "request_id is required on a GenerateStream")
             return
-        if request_id in self._active:
-            self._fail(request_id, grpc.StatusCode.INVALID_ARGUMENT, f"request id {request_id!r} is already active")
+        if request_id in self._active:  # its outputs could no longer be told apart: both end, with one error
+            self._cancel(request_id)
+            self._fail(
+                request_id,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request id {request_id!r} was sent again while active; both requests are ended",
+            )
             return
         refusal = self._refusal()
         if refusal is not None:
