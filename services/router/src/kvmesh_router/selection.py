@@ -72,7 +72,8 @@ class UnknownEngineError(RoutingError, LookupError):
 
     def __init__(self, engine_id: int | None, reason: str = "is not a known engine") -> None:
         self.engine_id = engine_id
-        super().__init__(f"pinned engine {engine_id} {reason}")
+        shown = "(none)" if engine_id is None else f"{engine_id:x}"  # hex, as discovery and kvmesh status show ids
+        super().__init__(f"pinned engine {shown} {reason}")
 
 
 class Choice(NamedTuple):
