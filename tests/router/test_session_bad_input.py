@@ -9,7 +9,7 @@ import logging
 
 import grpc
 import pytest
-from kvmesh.v1 import router_pb2
+from kvmesh.v1 import discovery_pb2, router_pb2
 from kvmesh_router.engines import EngineInfo
 from kvmesh_router.metrics import RouterMetrics
 from kvmesh_router.service import RouterServicer, add_to_server
@@ -117,3 +117,27 @@ async def test_a_query_with_more_block_hashes_than_any_prompt_needs_is_invalid()
     decisions, booked = await decide(router(), [router_pb2.SessionRequest(route=huge).SerializeToString()])
     assert decisions[0].outcome == INVALID and f"at most {MAX_QUERY_BLOCKS} are accepted" in decisions[0].message
     assert booked == 0
+
+
+async def test_a_prefill_whose_id_the_session_already_uses_is_local_and_says_why_without_internal_keys() -> None:
+    """The remote prefill of "b" is booked as "b/prefill": a request of that very id made it fall back with
+    the reason "request 's659/b/prefill' is already booked", the router's internal booking key."""
+    state = RouterState(metrics=RouterMetrics())
+    state.add_engine(EngineInfo(11, "m", "w11", 16, 1000, role="decode"))
+    state.add_engine(EngineInfo(22, "m", "w22", 16, 1000, role="prefill"))
+    decode = router_pb2.RouterConfigOverride(role=discovery_pb2.WORKER_ROLE_DECODE)
+    tokens = prompt(*"ABCDEFGH")
+
+    def disagg(rid: str) -> bytes:
+        route = router_pb2.RouteQuery(
+            request_id=rid, model="m", block_hashes=seq_hashes(tokens), num_tokens=len(tokens), overrides=decode
+        )
+        route.disagg.SetInParent()
+        return router_pb2.SessionRequest(route=route).SerializeToString()
+
+    decisions, _ = await decide(state, [disagg("a"), disagg("b/prefill"), disagg("b")])
+    assert decisions[0].prefill.place == router_pb2.PREFILL_PLACE_REMOTE  # the normal case
+    assert decisions[2].outcome == ROUTED and decisions[2].prefill.place == router_pb2.PREFILL_PLACE_LOCAL_NO_ENGINE
+    assert decisions[2].prefill.reason == (
+        "local: request 'b/prefill' is active, and a remote prefill of this one needs that id"
+    )

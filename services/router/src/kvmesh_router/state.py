@@ -33,6 +33,7 @@ from kvmesh.v1 import router_pb2
 from kvmesh_router.admission import (
     Admission,
     Decision,
+    DuplicateRequestError,
     EngineSpec,
     Rejection,
     RejectReason,
@@ -254,7 +255,12 @@ class RouterState:
             plan = plan_prefill(
                 self.admission, request, decode, block_size, self.settings.disagg_min_tokens, excluded, self.clock()
             )
-        except RoutingError as exc:  # e.g. "<id>/prefill" booked already: prefill on the decode engine
+        except DuplicateRequestError:  # the session's own request "<id>/prefill" holds the prefill's booking key
+            out.place = router_pb2.PREFILL_PLACE_LOCAL_NO_ENGINE
+            taken = query.request_id + PREFILL_SUFFIX
+            out.reason = f"local: request {taken!r} is active, and a remote prefill of this one needs that id"
+            return
+        except RoutingError as exc:
             out.place = router_pb2.PREFILL_PLACE_LOCAL_NO_ENGINE
             out.reason = f"local: {exc}"
             return
