@@ -1,6 +1,7 @@
 """A Session stream outlives any one bad message: bytes that do not parse, overrides out of range, and a
 bug inside a decision each get one INVALID decision, and the stream's other queries keep their bookings
-(a real RouterServicer over gRPC on loopback; the router's state in process)."""
+(a real RouterServicer over gRPC on loopback; the router's state in process). Also the router's other bad
+input: a prefill id the session already uses, an engine it does not know in DumpIndex."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 
 import grpc
 import pytest
-from kvmesh.v1 import discovery_pb2, router_pb2
+from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc
 from kvmesh_router.engines import EngineInfo
 from kvmesh_router.metrics import RouterMetrics
 from kvmesh_router.service import RouterServicer, add_to_server
@@ -141,3 +142,22 @@ async def test_a_prefill_whose_id_the_session_already_uses_is_local_and_says_why
     assert decisions[2].prefill.reason == (
         "local: request 'b/prefill' is active, and a remote prefill of this one needs that id"
     )
+
+
+async def test_dumping_an_engine_the_router_does_not_know_is_not_found() -> None:
+    """It was left out of the answer silently, so a typo read as "this engine caches nothing"."""
+    server = grpc.aio.server()
+    add_to_server(RouterServicer(router()), server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            known = await stub.DumpIndex(router_pb2.DumpIndexRequest(engine_ids=[11]))
+            assert [e.engine_id for e in known.engines] == [11]
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.DumpIndex(router_pb2.DumpIndexRequest(engine_ids=[11, 0x3039]))
+            assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+            assert caught.value.details() == "engines not known to this router: 3039"
+    finally:
+        await server.stop(None)

@@ -54,7 +54,13 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
 
     async def DumpIndex(self, request: router_pb2.DumpIndexRequest, context: Context) -> router_pb2.DumpIndexResponse:
         response = router_pb2.DumpIndexResponse()
-        for engine_id, hashes in self.state.dump_index(request.engine_ids).items():
+        dumps = self.state.dump_index(request.engine_ids)
+        unknown = sorted(set(request.engine_ids) - dumps.keys())
+        if unknown:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"engines not known to this router: {', '.join(f'{e:x}' for e in unknown)}"
+            )
+        for engine_id, hashes in dumps.items():
             entry = response.engines.add(engine_id=engine_id, block_hashes=hashes)
             nxt = self.next_event_id(engine_id)
             if nxt is not None:
