@@ -13,6 +13,11 @@ registers the same servicer with a parser that returns a per-type sentinel inste
 
 Invariant: a servicer registered here never sees bytes that failed to parse unless it asked to; a
 method's handler style (coroutine or async generator) is kept, so grpc.aio drives it as before.
+
+Cost (measured 2026-11-28): parsing an 8 KB GenerateStreamRequest took 0.95 µs against FromString's 1.06
+(100k each); a guarded server stream of 20k messages cost 90-132 µs of CPU per message against 102-119
+µs unguarded, client and server in one process, three rounds each: within the noise. The hot multiplexed
+streams are in band and not wrapped at all.
 """
 
 from __future__ import annotations
