@@ -39,7 +39,7 @@ async def test_a_watcher_that_stops_reading_is_cut_with_resource_exhausted() -> 
         async with grpc.aio.insecure_channel(address) as channel:
             call = planner_pb2_grpc.PlannerServiceStub(channel).WatchDecisions(planner_pb2.WatchDecisionsRequest())
             await until_watched(servicer, 1)
-            for i in range(WATCH_QUEUE_SIZE * 4):  # ~1 MB: more than flow control lets through unread
+            for i in range(WATCH_QUEUE_SIZE * 16):  # ~4 MB: far more than flow control lets through unread
                 servicer.publish(decision(i))
                 if i % 64 == 0:
                     await asyncio.sleep(0)
