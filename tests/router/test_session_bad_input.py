@@ -6,7 +6,9 @@ input: a prefill id the session already uses, an engine it does not know in Dump
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -32,27 +34,34 @@ def query(rid: str, letters: str, **overrides: float) -> bytes:
     return router_pb2.SessionRequest(route=route).SerializeToString()
 
 
-async def decide(state: RouterState, messages: list[bytes]) -> tuple[list[router_pb2.RouteDecision], int]:
-    """Each message's decision, in order, and the bookings held before the session ends."""
+@contextlib.asynccontextmanager
+async def serving(state: RouterState) -> AsyncIterator[grpc.aio.Channel]:
+    """A channel to ``state``'s RouterService, served on loopback as the daemon serves it."""
     server = grpc.aio.server()
     add_to_server(RouterServicer(state), server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            session = channel.stream_stream(
-                "/kvmesh.v1.RouterService/Session", lambda b: b, router_pb2.SessionResponse.FromString
-            )
-            call = session()
-            decisions = []
-            for message in messages:
-                await call.write(message)
-                decisions.append((await asyncio.wait_for(call.read(), 10)).decision)
-            booked = sum(n for *_, n in state.active_load())
-            await call.done_writing()
-            assert await call.code() is grpc.StatusCode.OK
+            yield channel
     finally:
         await server.stop(None)
+
+
+async def decide(state: RouterState, messages: list[bytes]) -> tuple[list[router_pb2.RouteDecision], int]:
+    """Each message's decision, in order, and the bookings held before the session ends."""
+    async with serving(state) as channel:
+        session = channel.stream_stream(
+            "/kvmesh.v1.RouterService/Session", lambda b: b, router_pb2.SessionResponse.FromString
+        )
+        call = session()
+        decisions = []
+        for message in messages:
+            await call.write(message)
+            decisions.append((await asyncio.wait_for(call.read(), 10)).decision)
+        booked = sum(n for *_, n in state.active_load())
+        await call.done_writing()
+        assert await call.code() is grpc.StatusCode.OK
     return decisions, booked
 
 
@@ -146,18 +155,11 @@ async def test_a_prefill_whose_id_the_session_already_uses_is_local_and_says_why
 
 async def test_dumping_an_engine_the_router_does_not_know_is_not_found() -> None:
     """It was left out of the answer silently, so a typo read as "this engine caches nothing"."""
-    server = grpc.aio.server()
-    add_to_server(RouterServicer(router()), server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = router_pb2_grpc.RouterServiceStub(channel)
-            known = await stub.DumpIndex(router_pb2.DumpIndexRequest(engine_ids=[11]))
-            assert [e.engine_id for e in known.engines] == [11]
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await stub.DumpIndex(router_pb2.DumpIndexRequest(engine_ids=[11, 0x3039]))
-            assert caught.value.code() is grpc.StatusCode.NOT_FOUND
-            assert caught.value.details() == "engines not known to this router: 3039"
-    finally:
-        await server.stop(None)
+    async with serving(router()) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        known = await stub.DumpIndex(router_pb2.DumpIndexRequest(engine_ids=[11]))
+        assert [e.engine_id for e in known.engines] == [11]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.DumpIndex(router_pb2.DumpIndexRequest(engine_ids=[11, 0x3039]))
+        assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+        assert caught.value.details() == "engines not known to this router: 3039"

@@ -9,7 +9,9 @@ runs every due delivery before any woken sleeper steps again, and leaves nothing
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 from kvmesh.kv_events import CacheDump, KvEvent
@@ -35,6 +37,24 @@ def _submit(runner: EngineRunner, request: EngineRequest) -> OutputStream:
     return stream
 
 
+@contextlib.asynccontextmanager
+async def _running(engine_id: int, speedup_ratio: float) -> AsyncIterator[tuple[EngineCore, EngineRunner]]:
+    """A started runner around a fresh core (at speedup 0.1 a prefill pass sleeps ~170 ms before delivery)."""
+    core = EngineCore(CONFIG)
+    runner = EngineRunner(engine_id, core, speedup_ratio=speedup_ratio)
+    runner.start()
+    try:
+        yield core, runner
+    finally:
+        await runner.stop()
+
+
+async def _until_the_first_pass_is_in_flight(core: EngineCore) -> None:
+    """Until the core has stepped its first pass (its events are journaled): delivery comes at its deadline."""
+    while core.next_event_id == 0:
+        await asyncio.sleep(0.001)
+
+
 async def _finish(queue: OutputStream) -> list[int]:
     tokens: list[int] = []
     while True:
@@ -45,15 +65,10 @@ async def _finish(queue: OutputStream) -> list[int]:
 
 
 async def test_subscribing_while_a_pass_is_in_flight_gives_each_event_once():
-    core = EngineCore(CONFIG)
-    # speedup 0.1: the prefill pass sleeps ~170 ms between step() (events journaled) and delivery
-    runner = EngineRunner(7, core, speedup_ratio=0.1)
-    runner.start()
-    try:
+    async with _running(7, 0.1) as (core, runner):
         queue = _submit(runner, EngineRequest("a", list(range(10, 30)), max_tokens=6, ignore_eos=True))
-        while core.next_event_id == 0:  # the first pass has stepped ...
-            await asyncio.sleep(0.001)
-        assert runner.passes == 0  # ... and is not delivered yet
+        await _until_the_first_pass_is_in_flight(core)
+        assert runner.passes == 0  # stepped, not delivered yet
         in_flight = core.next_event_id
 
         replay, from_zero = runner.subscribe(0)
@@ -70,15 +85,10 @@ async def test_subscribing_while_a_pass_is_in_flight_gives_each_event_once():
         assert [e.event_id for e in replay + live] == list(range(end))
         assert [e.event_id for e in await _drain(from_snapshot, end)] == list(range(in_flight, end))
         assert [e.event_id for e in await _drain(from_mid, end)] == list(range(in_flight, end))
-    finally:
-        await runner.stop()
 
 
 async def test_abort_frees_the_blocks_at_once_and_the_runner_goes_idle():
-    core = EngineCore(CONFIG)
-    runner = EngineRunner(8, core, speedup_ratio=0.5)
-    runner.start()
-    try:
+    async with _running(8, 0.5) as (core, runner):
         queue = _submit(runner, EngineRequest("long", list(range(10, 30)), max_tokens=200, ignore_eos=True))
         first = await asyncio.wait_for(queue.get(), 10)
         assert first.token_ids and core.load().active_blocks > 0
@@ -88,44 +98,29 @@ async def test_abort_frees_the_blocks_at_once_and_the_runner_goes_idle():
         await asyncio.sleep(0.05)
         assert runner.passes <= passes + 1  # at most the pass already in flight completes
         assert queue.empty()
-    finally:
-        await runner.stop()
 
 
 async def test_an_id_reused_while_its_cancelled_pass_is_in_flight_gets_only_its_own_outputs():
     """The pass computed for the cancelled request is delivered after the id is reused: it reaches no one."""
-    core = EngineCore(CONFIG)
-    runner = EngineRunner(9, core, speedup_ratio=0.1)  # a prefill pass sleeps ~170 ms before delivery
-    runner.start()
-    try:
+    async with _running(9, 0.1) as (core, runner):
         old = _submit(runner, EngineRequest("y", list(range(10, 30)), max_tokens=1, ignore_eos=True))
-        while core.next_event_id == 0:  # its only pass has stepped and is not delivered yet
-            await asyncio.sleep(0.001)
+        await _until_the_first_pass_is_in_flight(core)  # its only pass
         runner.abort("y")
         new = _submit(runner, EngineRequest("y", list(range(40, 43)), max_tokens=5, ignore_eos=True))
-        tokens = await _finish(new)
-        assert len(tokens) == 5
+        assert len(await _finish(new)) == 5
         assert old.empty()
-    finally:
-        await runner.stop()
 
 
 async def test_an_id_whose_last_output_is_not_delivered_yet_is_refused():
     """Finished in the engine, but its last pass in flight: another stream taking the id would get its tokens."""
-    core = EngineCore(CONFIG)
-    runner = EngineRunner(10, core, speedup_ratio=0.1)
-    runner.start()
-    try:
+    async with _running(10, 0.1) as (core, runner):
         first = _submit(runner, EngineRequest("r", list(range(10, 30)), max_tokens=1, ignore_eos=True))
-        while core.next_event_id == 0:
-            await asyncio.sleep(0.001)
+        await _until_the_first_pass_is_in_flight(core)
         assert not core.has_unfinished()  # the engine is done with it ...
         with pytest.raises(DuplicateRequest, match="already in the engine"):  # ... its stream is not
             _submit(runner, EngineRequest("r", list(range(40, 43)), max_tokens=5))
         assert len(await _finish(first)) == 1
         assert len(await _finish(_submit(runner, EngineRequest("r", [40, 41, 42], max_tokens=2, ignore_eos=True)))) == 2
-    finally:
-        await runner.stop()
 
 
 async def test_deadline_timer_wakes_in_deadline_order_never_early_and_cleans_up():
