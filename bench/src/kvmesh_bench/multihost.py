@@ -324,10 +324,6 @@ class Network:
                     _run(*host.argv([NFT, "flush", "chain", "inet", _TABLE, chain]))
         self._cuts.clear()
 
-    @property
-    def partitions(self) -> list[tuple[str, str]]:
-        return sorted(self._cuts)
-
 
 class Daemon:
     """A kvmesh daemon (or etcd member) inside one host; ``address`` is what others dial."""

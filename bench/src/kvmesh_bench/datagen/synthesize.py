@@ -138,8 +138,6 @@ class Synthesizer:
             residual = min(max(request.input_length - (blocks - 1) * block_size, 1), block_size) if blocks else 0
             self._profiles.setdefault((nodes[-1], kind), []).append((leaf, residual, request.output_length))
             self._profile_times.setdefault((nodes[-1], kind), []).append(t)
-        self.leaf_lengths = [leaf for profiles in self._profiles.values() for leaf, _, _ in profiles if leaf]
-        self.output_lengths = [request.output_length for request in source]
         timestamps = sorted(request.timestamp_ms for request in source)
         per_timestamp = Counter(timestamps)
         self.requests_per_timestamp = list(per_timestamp.values())

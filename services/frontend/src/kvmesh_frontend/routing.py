@@ -247,10 +247,6 @@ class RouterClient:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    @property
-    def replicas(self) -> dict[int, str]:
-        return dict(self._replicas)
-
     # -- sessions -------------------------------------------------------------------------------
     def _on_closed(self, session: RouterSession, reason: str) -> None:
         if self._sessions.get(session.replica_id) is session:
