@@ -148,6 +148,38 @@ async def test_lease_revoked_behind_the_keepers_back_is_regranted(discovery_url:
         await admin.close()
 
 
+async def test_records_deleted_behind_a_live_lease_are_published_again(discovery_url: str, ns: str):
+    """Someone deletes a serving daemon's records (etcdctl del, a wiped record directory) while its lease
+    lives: the keeper puts them back within T, under the same lease. Else the daemon serves on, invisible."""
+    d = await open_discovery(discovery_url, ttl=TTL)
+    admin = await open_discovery(discovery_url, ttl=TTL)
+    try:
+        lease = await d.grant_lease()
+        first_id = lease.id
+        records = {
+            instance_key(ns, "worker", "generate", first_id): b"instance",
+            model_key(ns, "m", 1): b"card 1",  # two keys under one prefix: checked with one read
+            model_key(ns, "m", 2): b"card 2",
+        }
+        for key, value in records.items():
+            await lease.put(key, value)
+        for key in records:
+            await admin._delete(key)
+
+        async def published() -> dict[str, bytes]:
+            return {**await admin.get_prefix(instance_prefix(ns)), **await admin.get_prefix(model_prefix(ns))}
+
+        assert await published() == {}
+        deadline = time.monotonic() + TTL + 2.0
+        while await published() != records:
+            assert time.monotonic() < deadline, f"not published again within T + 2 s: {await published()}"
+            await asyncio.sleep(0.1)
+        assert lease.alive and lease.id == first_id and lease.losses == 0
+    finally:
+        await d.close()
+        await admin.close()
+
+
 async def test_a_blocked_event_loop_does_not_lose_the_lease(discovery_url: str, ns: str, tracker):
     """Issue 14 item 10: beats come from the keeper's own thread, so a loop blocked for 3xTTL (a daemon
     busy with CPU work on a loaded machine) keeps its lease, its id and its record; no churn."""

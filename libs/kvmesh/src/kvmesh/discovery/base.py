@@ -485,6 +485,27 @@ class Discovery(abc.ABC):
         """Delete ``key`` (missing is fine)."""
 
     @abc.abstractmethod
+    async def _get(self, key: str) -> bytes | None:
+        """The live value of ``key``, None if there is none."""
+
+    async def _get_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
+        """The live values of ``keys`` (None: absent), for the keeper's check of its own records.
+
+        One read per key, or one per key prefix holding several keys (a worker's model cards).
+        """
+        by_prefix: dict[str, list[str]] = {}
+        for key in keys:
+            by_prefix.setdefault(key.rpartition("/")[0] + "/", []).append(key)
+        out: dict[str, bytes | None] = {}
+        for prefix, group in by_prefix.items():
+            if len(group) == 1:
+                out[group[0]] = await self._get(group[0])
+            else:
+                live = await self.get_prefix(prefix)
+                out.update((key, live.get(key)) for key in group)
+        return out
+
+    @abc.abstractmethod
     async def _close_backend(self) -> None:
         """Release connections and background tasks."""
 

@@ -468,3 +468,7 @@ class EtcdDiscovery(Discovery):
 
     async def _delete(self, key: str) -> None:
         await self._call("delete", lambda c: c.delete(key.encode()))
+
+    async def _get(self, key: str) -> bytes | None:
+        found = await self._call("get", lambda c: c.get(key.encode()))
+        return None if found is None else bytes(found.value)

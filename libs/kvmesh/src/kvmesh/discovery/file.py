@@ -50,7 +50,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, quote, urlsplit
 
@@ -147,6 +147,9 @@ class _Store:
         self.kv = root / "kv"
         self._gc_ttls: dict[tuple[int, int], float] = {}
         self._gc_scanner: _Scanner | None = None  # every record's lease, kept up to date cheaply
+        # key -> (inode, size, mtime_ns) of the record file this process last wrote, and its lease and value:
+        # a lease's check of its own records stats them instead of reading them back
+        self.written: dict[str, tuple[tuple[int, int, int], int, bytes]] = {}
 
     # -- paths ---------------------------------------------------------------------------------
     def lease_path(self, lease_id: int) -> Path:
@@ -249,13 +252,32 @@ class _Store:
                 tmp = path.parent / _tmp_name(path.name)
                 _write_private(tmp, header + value)
                 os.replace(tmp, path)
+                st = path.stat()
+                self.written[key] = ((st.st_ino, st.st_size, st.st_mtime_ns), lease_id, value)
                 return
             except FileNotFoundError:  # directory removed under us: recreate once
                 if attempt:
                     raise
 
     def delete(self, key: str) -> None:
+        self.written.pop(key, None)
         self.record_path(key).unlink(missing_ok=True)
+
+    def get(self, key: str) -> bytes | None:
+        """The live value of ``key``: a stat if it is still the file this process wrote, else a read."""
+        path = self.record_path(key)
+        try:
+            st = path.stat()
+            mine = self.written.get(key)
+            if mine is not None and mine[0] == (st.st_ino, st.st_size, st.st_mtime_ns):
+                _, lease_id, value = mine
+            else:
+                _, lease_id, value = self.read_record(path)
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError):
+            return None  # torn or corrupt: as good as absent
+        return value if self.lease_path(lease_id).exists() else None
 
     @staticmethod
     def read_record(path: str | Path) -> tuple[str, int, bytes]:
@@ -637,3 +659,14 @@ class FileDiscovery(Discovery):
             self._store.delete(key)
         except OSError as exc:
             raise self._io(f"delete {key!r}", exc) from exc
+
+    async def _get(self, key: str) -> bytes | None:
+        self._check_open()
+        try:
+            return self._store.get(key)
+        except OSError as exc:
+            raise self._io(f"get {key!r}", exc) from exc
+
+    async def _get_many(self, keys: Iterable[str]) -> dict[str, bytes | None]:
+        """A stat or two per key (see ``_Store.get``): cheaper than a scan of the keys' directories."""
+        return {key: await self._get(key) for key in keys}

@@ -33,6 +33,10 @@ Let ``T`` be the lease TTL (default 10 s), ``K`` the keepalive interval (default
 * **Records.** ``put``/``delete`` are remembered (the desired state) and written at once while
   alive. A write that fails raises DiscoveryUnavailable, stays remembered and is retried after the
   next successful beat. While lost, writes are only remembered (published by the re-grant).
+* **Records are checked.** Every ``T`` while the lease is proven, the keeper reads its remembered
+  records back and puts any the backend no longer holds (or holds with another value): a record
+  deleted behind a live lease (``etcdctl del``, a wiped record directory) would otherwise leave a
+  serving daemon invisible for as long as its lease lives, which is for ever (``Discovery._get_many``).
 * **Revoke** (graceful exit) stops the keeper and the heartbeat and revokes the lease: every record
   disappears at once. ``on_lost`` is not called. If the backend is down it only logs: records
   expire within T.
@@ -50,7 +54,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Protocol
 
 from kvmesh.backoff import Backoff
@@ -77,6 +81,7 @@ class LeaseStore(Protocol):
     async def _lease_revoke(self, lease_id: int) -> None: ...
     async def _put(self, key: str, value: bytes, lease_id: int) -> None: ...
     async def _delete(self, key: str) -> None: ...
+    async def _get_many(self, keys: Iterable[str]) -> dict[str, bytes | None]: ...
     def _forget_lease(self, lease: Lease) -> None: ...
     def _note_unreachable(self) -> None: ...
 
@@ -143,6 +148,7 @@ class Lease:
         # atomic under the GIL, and every reader tolerates a value one beat old.
         self._last_proof = 0.0  # monotonic send time of the last successful grant/keepalive
         self._next_beat = 0.0
+        self._next_check = 0.0  # monotonic time of the next check of the records (see the module docstring)
         self._gone = 0  # a lease id the backend reported gone
         self._unproven_logged = False
         self._records: dict[str, bytes] = {}
@@ -276,6 +282,7 @@ class Lease:
         self._effective_ttl = min(self.policy.ttl, granted) if granted > 0 else self.policy.ttl
         self._last_proof = sent
         self._next_beat = sent + self.policy.keepalive_interval
+        self._next_check = sent + self.policy.ttl
         self._gone = 0
         self._unproven_logged = False
         self._id = lease_id
@@ -368,13 +375,15 @@ class Lease:
             if self._heart is None and now >= self._next_beat:
                 await self._beat_in_loop()
                 continue
-            if (self._dirty_puts or self._dirty_deletes) and now < deadline and self._flush_task is None:
+            if now < deadline and self._flush_task is None:
                 # in its own task: a write stuck on the lock must never delay noticing a loss
-                self._flush_task = asyncio.get_running_loop().create_task(self._flush_dirty())
-                self._side_tasks.add(self._flush_task)
-                self._flush_task.add_done_callback(self._flush_done)
+                if self._dirty_puts or self._dirty_deletes:
+                    self._start_flush(self._flush_dirty())
+                elif now >= self._next_check:
+                    self._next_check = now + self.policy.ttl
+                    self._start_flush(self._check_records())
             beat_at = self._next_beat if self._heart is None else math.inf
-            wake_at = min(beat_at, deadline if now < deadline else math.inf)
+            wake_at = min(beat_at, deadline if now < deadline else math.inf, self._next_check)
             self._wakeup.clear()
             timeout = min(max(0.0, wake_at - time.monotonic()), self.policy.keepalive_interval)
             with contextlib.suppress(TimeoutError):
@@ -451,6 +460,11 @@ class Lease:
         with contextlib.suppress(Exception):
             await bounded(self._disc._lease_revoke(lease_id), min(self._op_timeout, 1.0))
 
+    def _start_flush(self, work: Coroutine[object, object, None]) -> None:
+        self._flush_task = asyncio.get_running_loop().create_task(work)
+        self._side_tasks.add(self._flush_task)
+        self._flush_task.add_done_callback(self._flush_done)
+
     def _flush_done(self, task: asyncio.Task[None]) -> None:
         self._side_tasks.discard(task)
         self._flush_task = None
@@ -469,6 +483,25 @@ class Lease:
                     self._dirty_puts.discard(key)
             except Exception as exc:
                 log.debug("retrying failed record writes later: %s", exc)
+
+    async def _check_records(self) -> None:
+        """Put back every remembered record the backend lost while the lease held (see the module docstring)."""
+        async with self._lock:
+            if not self._alive or not self._records:
+                return
+            try:
+                live = await bounded(self._disc._get_many(list(self._records)), self._op_timeout)
+                for key, value in self._records.items():
+                    if live.get(key) != value:
+                        await bounded(self._disc._put(key, value, self._id), self._op_timeout)
+                        log.warning(
+                            "discovery record %r was gone while lease %x held (deleted behind its back?); "
+                            "published it again",
+                            key,
+                            self._id,
+                        )
+            except Exception as exc:  # a lost lease is the keeper's business; anything else waits for the next check
+                log.debug("checking the records of lease %x failed: %s", self._id, exc)
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_usable(self) -> None:
