@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -72,6 +74,41 @@ def test_serves_health_reflection_status_metrics_and_exits_0_on_sigterm(tmp_path
         d.wait_log(r"decision 1 mode=load aggregated=0->1 reason='aggregated: below its minimum 1'")
         d.signal(signal.SIGTERM)
         assert d.wait(20) == 0
+
+
+def _running_pid(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a reparented exited child stays a zombie a while)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return False
+    return fields[0] != "Z"
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_planner_takes_the_workers_it_started_with_it(tmp_path):
+    """kill -9 of a planner with the local connector: its workers drain and exit, not serve on as orphans a
+    restarted planner would neither adopt nor stop (it would start more)."""
+    port = free_port()
+    args = [
+        "--discovery", f"file://{tmp_path / 'disc'}", "--grpc-port", str(port), "--interval", "0.2",
+        "--connector", "local", "--min-engines", "1", "--max-engines", "1",
+    ]  # fmt: skip
+    with running(Daemon("kvmesh-planner", args, tmp_path, port)) as (planner,):
+        planner.wait_serving()
+        worker_pid = int(planner.wait_log(r"started aggregated worker 1 \(pid (\d+)\)", timeout=30).group(1))
+        deadline = time.monotonic() + 30
+        while "kvmesh-worker" not in Path(f"/proc/{worker_pid}/cmdline").read_text():
+            assert time.monotonic() < deadline, "the worker never exec'd"
+            time.sleep(0.05)
+        planner.signal(signal.SIGKILL)
+        planner.wait(10)
+        deadline = time.monotonic() + 30
+        while _running_pid(worker_pid):
+            if time.monotonic() > deadline:
+                os.kill(worker_pid, signal.SIGKILL)
+                raise AssertionError("the planner's worker outlived it by 30 s")
+            time.sleep(0.1)
 
 
 def test_the_planner_applies_the_tuned_grpc_experiments():

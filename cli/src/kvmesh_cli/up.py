@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -23,6 +22,7 @@ import typing
 from pathlib import Path
 
 import grpc
+from kvmesh.children import die_with_parent
 from kvmesh.settings import DaemonSettings, default_discovery_url, is_setting_variable
 from kvmesh_bench.argtypes import non_negative_int, positive_float, positive_int, tcp_port
 from kvmesh_frontend.settings import Settings as FrontendSettings
@@ -151,18 +151,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-_PR_SET_PDEATHSIG = 1
-
-
 def _cores(cores: frozenset[int]) -> str:
     return ",".join(str(c) for c in sorted(cores))
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when ``kvmesh up`` dies, however it dies (even kill -9)."""
-    # not Linux (no prctl): up's SIGHUP/SIGTERM handling still stops the children
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _port_taken(port: int) -> bool:
@@ -228,7 +218,7 @@ def _spawn(
         # worker in a session of its own held its tokens back until requests finished (docs/benchmarks.md,
         # "Overhead of the mesh").
         process_group=0,
-        preexec_fn=_die_with_parent,  # only prctl before exec: safe in a forked child
+        preexec_fn=die_with_parent(),  # only prctl before exec: safe in a forked child
         env={
             **{var: value for var, value in os.environ.items() if not is_setting_variable(var) or var in own},
             "PYTHONUNBUFFERED": "1",

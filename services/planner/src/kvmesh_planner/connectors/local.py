@@ -4,9 +4,11 @@ One process per engine (``--num-engines 1``), so an engine is stopped by stoppin
 sends SIGTERM to the least-loaded engine's process: the worker deregisters at once (no new request is
 routed to it) and finishes its in-flight requests before it exits (``--drain-timeout``). The processes
 are the planner's children: closing the connector drains them too (``kvmesh up`` stops everything on
-Ctrl-C). Each worker has one role (its pool): a prefill or decode worker is started with ``--role prefill``
-/ ``--role decode``, an aggregated one with no role flag (the worker's default). Pools are sized apart: a
-scale-down of one pool drains only that pool's least-loaded workers.
+Ctrl-C), and a planner that dies any other way (kill -9) takes them with it (``kvmesh.children``): a
+restarted planner would neither adopt nor stop them. Each worker has one role (its pool): a prefill or
+decode worker is started with ``--role prefill`` / ``--role decode``, an aggregated one with no role flag
+(the worker's default). Pools are sized apart: a scale-down of one pool drains only that pool's
+least-loaded workers.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvmesh.children import die_with_parent
 
 from kvmesh_planner.connectors.base import EngineRef
 from kvmesh_planner.core.model import Pool
@@ -129,7 +133,9 @@ class LocalConnector:
             name = f"worker-{number}.log" if pool == "aggregated" else f"worker-{pool}-{number}.log"
             out = os.open(os.path.join(self._log_dir, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         try:
-            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out)
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, preexec_fn=die_with_parent()
+            )
         finally:
             if out is not None:
                 os.close(out)
