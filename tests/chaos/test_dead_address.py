@@ -1,4 +1,5 @@
-"""Issue 14 item 6, the router's half: a refused KV-event stream excludes every engine at that address.
+"""Issue 14 item 6, the router's half: a refused KV-event stream excludes every engine at that address,
+and a worker's NOT_FOUND for an engine's stream excludes that engine.
 
 Real daemons, a 30 s lease TTL so that discovery cannot be what excludes them: two workers with 4
 engines each and a router; one worker is killed with SIGKILL. Within a second or so (bounded here
@@ -14,7 +15,8 @@ import time
 import pytest
 from kvmesh.v1 import router_pb2
 
-from tests.router.test_router_e2e_harness import Mesh, prompt
+from tests.router.test_router_e2e_harness import Mesh, Worker, prompt, seq_hashes, wait_until
+from tests.support.daemons import Daemon
 
 pytestmark = pytest.mark.e2e
 
@@ -52,5 +54,49 @@ def test_router_stops_routing_to_a_killed_worker_long_before_its_lease_expires(t
         assert excluded_after < 5.0  # the TTL is 30 s: this can only be the refused KV-event stream
         assert "unreachable" in router.daemon.log_text()
         session.close()
+    finally:
+        mesh.close()
+
+
+def test_a_worker_restarted_on_its_address_leaves_its_old_engines_out_long_before_their_lease_expires(tmp_path):
+    """What ``Restart=on-failure`` with a fixed port does: the new process answers on the old address, so
+    the address is reachable again, but it hosts new engines. The old ones' records outlive them (TTL 30 s)
+    and the index still holds their blocks; the worker's NOT_FOUND for their KV streams takes them out of
+    routing, so a prompt they cached goes to a live engine, not to a ghost."""
+    mesh = Mesh(tmp_path)
+    try:
+        crashed = mesh.worker(*TTL, engines=4)
+        alive = mesh.worker(*TTL, engines=4)
+        router = mesh.router(*TTL)
+        cached = {e: prompt(*(chr(65 + 4 * i + k) for k in range(4))) for i, e in enumerate(crashed.engine_ids)}
+        for engine_id, tokens in cached.items():
+            crashed.generate(engine_id, tokens)
+        wait_until(
+            lambda: all(set(seq_hashes(t)) <= router.index().get(e, set()) for e, t in cached.items()),
+            10,
+            "the crashed worker's blocks in the router's index",
+        )
+        crashed.daemon.signal(signal.SIGKILL)
+        crashed.daemon.wait(10)
+        restarted = Worker(Daemon("kvmesh-worker", crashed.daemon.args, tmp_path, crashed.daemon.port).wait_serving())
+        try:
+            serving = {*alive.engine_ids, *restarted.engine_ids}
+            assert not set(cached) & serving
+            session = router.session()
+            fresh = wait_until(  # the restarted worker is routed: its address answers again
+                lambda: session.route(f"fresh{time.monotonic_ns()}", prompt("Z")).engine_id in restarted.engine_ids,
+                15,
+                "a decision for an engine of the restarted worker",
+                interval=0.2,
+            )
+            assert fresh
+            for n in range(40):
+                tokens = list(cached.values())[n % len(cached)]
+                decision = session.route(f"after{n}", tokens)
+                session.lifecycle(f"after{n}", router_pb2.LIFECYCLE_STAGE_FINISHED)
+                assert decision.engine_id in serving, f"decision {n} went to an engine of the crashed process"
+            session.close()
+        finally:
+            restarted.close()
     finally:
         mesh.close()

@@ -8,16 +8,16 @@ Invariants: an engine serves exactly one model; :meth:`EngineRegistry.for_model`
 are replaced, never mutated (a decision in flight holds its model's set as ``allowed_engines``); a model
 with no engine has no entry.
 
-**Unreachable addresses.** Discovery is the slow, authoritative signal of a dead worker (its lease
-expires after up to a TTL). The fast one is the KV-event ingest: when its stream to an address is
-refused or breaks, every engine at that address leaves ``for_model`` at once (a worker hosts several
-engines; they die together), until a stream to the address works again or discovery removes them.
-If that would leave a model with no engine, ``for_model`` returns them all (a maybe-dead engine beats
-a certain NO_ENGINE; the frontend migrates on its failure).
+**Unroutable engines.** Discovery is the slow, authoritative signal of a dead worker (its lease
+expires after up to a TTL). The fast one is the KV-event ingest (:mod:`kvmesh_router.ingest`): the
+engines it finds dead leave ``for_model`` at once, until their own KV-event stream works again or
+discovery removes them. If that would leave a model with no engine, ``for_model`` returns them all (a
+maybe-dead engine beats a certain NO_ENGINE; the frontend migrates on its failure).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = ["EngineInfo", "EngineRegistry"]
@@ -41,20 +41,20 @@ class EngineInfo:
 class EngineRegistry(dict[int, EngineInfo]):
     """``{engine id: EngineInfo}`` plus the engines of each model."""
 
-    __slots__ = ("_by_model", "_routable", "unreachable")
+    __slots__ = ("_by_model", "_routable", "unroutable")
 
     def __init__(self) -> None:
         super().__init__()
         self._by_model: dict[str, frozenset[int]] = {}
-        self._routable: dict[str, frozenset[int]] = {}  # for_model's answers while an address is unreachable
-        self.unreachable: set[str] = set()
+        self._routable: dict[str, frozenset[int]] = {}  # for_model's answers while an engine is unroutable
+        self.unroutable: set[int] = set()
 
-    def set_reachable(self, address: str, reachable: bool) -> None:
-        """The KV-event ingest's verdict on ``address`` (see the module docstring)."""
-        if reachable:
-            self.unreachable.discard(address)
+    def set_routable(self, engine_ids: Iterable[int], routable: bool) -> None:
+        """The KV-event ingest's verdict on these engines (see the module docstring)."""
+        if routable:
+            self.unroutable.difference_update(engine_ids)
         else:
-            self.unreachable.add(address)
+            self.unroutable.update(engine_ids)
         self._routable.clear()
 
     def put(self, info: EngineInfo) -> EngineInfo | None:
@@ -70,18 +70,18 @@ class EngineRegistry(dict[int, EngineInfo]):
         info = super().pop(engine_id, None)
         if info is not None:
             self._set_model(engine_id, info.model, None)
+            self.unroutable.discard(engine_id)
             self._routable.clear()
         return info
 
     def for_model(self, model: str) -> frozenset[int] | None:
         """The routable engines serving ``model`` (None if none does); see the module docstring."""
         engines = self._by_model.get(model)
-        if not self.unreachable or engines is None:
+        if not self.unroutable or engines is None:
             return engines
         routable = self._routable.get(model)
         if routable is None:
-            reachable = frozenset(e for e in engines if self[e].address not in self.unreachable)
-            routable = self._routable[model] = reachable or engines
+            routable = self._routable[model] = (engines - self.unroutable) or engines
         return routable
 
     def _set_model(self, engine_id: int, old: str | None, new: str | None) -> None:

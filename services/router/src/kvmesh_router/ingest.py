@@ -9,12 +9,14 @@ with jittered exponential backoff (:class:`~kvmesh.backoff.Backoff`) from the cu
 or snapshots); a recovery in flight is abandoned and the resume covers it. ``OUT_OF_RANGE`` (the
 worker's journal is behind our cursor: not the engine we followed) forces a full restore.
 
-**Dead addresses.** A main stream refused or broken with UNAVAILABLE (the worker process is gone,
-or its host unreachable), or ended by the worker, marks its *address* unreachable at once
-(``on_reachable(address, False)``: every engine there is excluded from routing, see
-:mod:`kvmesh_router.engines`); the first message on any stream to that address marks it reachable
-again, and so does the last feed there being removed. A slow-subscriber cut (RESOURCE_EXHAUSTED) or
-OUT_OF_RANGE says nothing about the address.
+**Dead engines.** A main stream refused or broken with UNAVAILABLE (the worker process is gone, or
+its host unreachable), or ended by the worker, takes every engine at its *address* out of routing at
+once (``on_routable(engine_ids, False)``, see :mod:`kvmesh_router.engines`: a worker hosts several
+engines and they die together). NOT_FOUND (the worker there does not host the engine: it was
+restarted on the same address, with new engines, before the old one's record expired) takes out that
+engine. An engine is routable again when a message comes on *its own* stream, or when its feed is
+removed; the first one at an address wakes the others' retries there. A slow-subscriber cut
+(RESOURCE_EXHAUSTED) or OUT_OF_RANGE says nothing about the engine.
 
 Everything runs on the router's event loop thread, so applying an event never races a decision.
 """
@@ -53,11 +55,14 @@ class EngineFeed:
         cursor: EngineCursor,
         *,
         max_backoff_s: float = MAX_BACKOFF_S,
-        on_link: Callable[[EngineFeed, bool], None] = lambda _feed, _up: None,
+        on_link: Callable[[EngineFeed, bool | None], None] = lambda _feed, _up: None,
     ) -> None:
+        """``on_link(feed, up)``: a message came (True), the worker is gone (False), or it does not host
+        this engine (None)."""
         self.engine_id = engine_id
         self.address = address
         self.on_link = on_link
+        self._retry_now = asyncio.Event()
         self.cursor = cursor
         self.stub = worker_pb2_grpc.WorkerServiceStub(channel)
         self.max_backoff_s = max_backoff_s
@@ -73,6 +78,10 @@ class EngineFeed:
         for task in (self._task, self._recovery):
             if task is not None and not task.done():
                 task.cancel()
+
+    def retry_now(self) -> None:
+        """End the current backoff wait (its worker answers again)."""
+        self._retry_now.set()
 
     async def wait_stopped(self) -> None:
         tasks = [t for t in (self._task, self._recovery) if t is not None]
@@ -121,7 +130,9 @@ class EngineFeed:
                 code = exc.code()
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     self.on_link(self, False)
-                if code == grpc.StatusCode.OUT_OF_RANGE:
+                if code == grpc.StatusCode.NOT_FOUND:
+                    self.on_link(self, None)
+                elif code == grpc.StatusCode.OUT_OF_RANGE:
                     log.warning("engine %x: %s; restoring from a snapshot", self.engine_id, exc.details())
                     cursor.reset()
                 elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -136,7 +147,9 @@ class EngineFeed:
                     )
             finally:
                 call.cancel()
-            await backoff.sleep()
+            self._retry_now.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._retry_now.wait(), backoff.next_delay())
 
     # ------------------------------------------------------------------ recovery stream
 
@@ -200,12 +213,12 @@ class Ingest:
         max_buffer: int = DEFAULT_MAX_BUFFER,
         max_backoff_s: float = MAX_BACKOFF_S,
         on_recovered: Callable[[float, str], None] | None = None,
-        on_reachable: Callable[[str, bool], None] = lambda _address, _reachable: None,
+        on_routable: Callable[[Iterable[int], bool], None] = lambda _engine_ids, _routable: None,
     ) -> None:
         self.index = index
         self.channel_for = channel_for
-        self.on_reachable = on_reachable
-        self.unreachable: set[str] = set()
+        self.on_routable = on_routable
+        self.down: dict[str, set[int]] = {}  # address -> the engines there this ingest took out of routing
         self.max_buffer = max_buffer
         self.max_backoff_s = max_backoff_s
         self.on_recovered = on_recovered
@@ -238,21 +251,50 @@ class Ingest:
         feed = self.feeds.pop(engine_id, None)
         if feed is not None:
             feed.stop()
-            if feed.address in self.unreachable and not any(f.address == feed.address for f in self.feeds.values()):
-                self._set(feed.address, True)  # nothing left there to judge: forget the verdict
+            down = self.down.get(feed.address)
+            if down is not None and engine_id in down:  # nothing left to judge: forget the verdict
+                self._up(feed.address, down, engine_id)
 
-    def _link(self, feed: EngineFeed, up: bool) -> None:
-        if self.feeds.get(feed.engine_id) is feed and (feed.address in self.unreachable) == up:
-            self._set(feed.address, up)
-
-    def _set(self, address: str, reachable: bool) -> None:
-        if reachable:
-            self.unreachable.discard(address)
-            log.info("worker %s is reachable again: its engines are routable", address)
+    def _link(self, feed: EngineFeed, up: bool | None) -> None:
+        """A feed's news (see :class:`EngineFeed`): runs for every message, so the usual case returns at once."""
+        address, engine_id = feed.address, feed.engine_id
+        down = self.down.get(address)
+        if up and (down is None or engine_id not in down):
+            return
+        if self.feeds.get(engine_id) is not feed:
+            return
+        if up:
+            assert down is not None
+            self._up(address, down, engine_id)
+            for other in down:  # the worker answers again: the others there need not wait out their backoff
+                self.feeds[other].retry_now()
+        elif up is None:
+            if down is None or engine_id not in down:
+                self.down.setdefault(address, set()).add(engine_id)
+                log.warning(
+                    "engine %x: the worker at %s does not host it (restarted with new engines?): not routing to it",
+                    engine_id,
+                    address,
+                )
+                self.on_routable((engine_id,), False)
         else:
-            self.unreachable.add(address)
-            log.warning("worker %s is unreachable (KV event stream refused or broken): not routing to it", address)
-        self.on_reachable(address, reachable)
+            there = {f.engine_id for f in self.feeds.values() if f.address == address}
+            fresh = there - down if down is not None else there
+            if fresh:
+                self.down.setdefault(address, set()).update(fresh)
+                log.warning(
+                    "worker %s is unreachable (KV event stream refused or broken): not routing to its %d engine(s)",
+                    address,
+                    len(fresh),
+                )
+                self.on_routable(fresh, False)
+
+    def _up(self, address: str, down: set[int], engine_id: int) -> None:
+        down.discard(engine_id)
+        if not down:
+            del self.down[address]
+            log.info("worker %s is reachable again: its engines are routable", address)
+        self.on_routable((engine_id,), True)
 
     def next_event_id(self, engine_id: int) -> int | None:
         feed = self.feeds.get(engine_id)

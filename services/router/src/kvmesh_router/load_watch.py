@@ -53,16 +53,21 @@ class LoadWatch:
         stub = worker_pb2_grpc.WorkerServiceStub(self.channel_for(address))
         report = self.state.admission.report_kv_usage
         backoff = Backoff(0.1, 2.0)
+        every_engine = False  # ask for what the worker hosts, not for ``engine_ids``
         while True:
-            call = stub.WatchLoad(worker_pb2.WatchLoadRequest(engine_ids=sorted(engine_ids)))
+            call = stub.WatchLoad(worker_pb2.WatchLoadRequest(engine_ids=[] if every_engine else sorted(engine_ids)))
             try:
                 async for message in call:
                     if backoff.attempts:
                         backoff.reset()
                     for load in message.loads:
-                        if load.engine_id in self.state.engines:
+                        if load.engine_id in engine_ids and load.engine_id in self.state.engines:
                             report(load.engine_id, load.active_blocks)
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND and not every_engine:
+                    # Some of them are gone from there (a worker restarted on its address with new engines,
+                    # before the old records expired): the others' load must not wait for that expiry.
+                    every_engine = True
                 log.info("load watch of %s broke (%s); retrying", address, exc.code().name)
             finally:
                 call.cancel()

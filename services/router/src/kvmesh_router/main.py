@@ -87,7 +87,7 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
             state.kv_index,
             channel_for,
             on_recovered=lambda s, _m: metrics.recovery_seconds.observe(s),
-            on_reachable=state.engines.set_reachable,
+            on_routable=state.engines.set_routable,
         )
         metrics.add_source("ingest", ingest.stats_dict)
         runtime.resources.push_async_callback(ingest.close)
