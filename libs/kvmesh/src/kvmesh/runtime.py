@@ -15,7 +15,8 @@ Invariants (the reasons this module exists):
   and the process exits 0. The handlers are installed before the lease is taken: a signal during
   start-up (``kvmesh up`` stopping a daemon whose sibling failed) lets the lease grant finish, then
   cancels the start-up, so leaving the block revokes the lease; it is never left to expire.
-- **Bad config or unreachable discovery** exits 2 with one line (``kvmesh.settings.fail``).
+- **Bad config** exits 2 with one line (``kvmesh.settings.fail``); **unreachable discovery** at start-up
+  exits 69 (``EXIT_UNAVAILABLE``) with one line: a restart can fix that, not a bad setting.
 - **Ownership.** ``async with DaemonRuntime(...)`` is the process's lifetime, as with Temporal's
   ``Worker``. Leaving the block (stop signal, error or ``fail``) always runs the same sequence:
   draining starts (new calls refused, ``on_draining`` hooks), the lease is revoked, in-flight calls
@@ -51,7 +52,7 @@ from kvmesh import reflection as kvmesh_reflection
 from kvmesh.discovery import Discovery, DiscoveryUnavailable, Lease, instance_key, open_discovery
 from kvmesh.grpc_options import SERVER_OPTIONS
 from kvmesh.identity import RoleGate
-from kvmesh.settings import DaemonSettings, fail
+from kvmesh.settings import EXIT_UNAVAILABLE, DaemonSettings, fail
 from kvmesh.v1 import admin_pb2, admin_pb2_grpc, discovery_pb2
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,7 @@ class DaemonRuntime:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> Self:
-        """Open discovery and take the lease; unreachable discovery exits 2 with one line."""
+        """Open discovery and take the lease; unreachable discovery exits 69 with one line."""
         settings = self.settings
         async with AsyncExitStack() as stack:  # unwinds what was opened if anything here fails
             stack.callback(telemetry.shutdown_tracing)
@@ -259,7 +260,7 @@ class DaemonRuntime:
                     on_lost=self._on_lease_lost, on_renewed=self._on_lease_renewed
                 )
             except DiscoveryUnavailable as exc:
-                fail(self.name, f"--discovery {settings.discovery}: {exc}")
+                fail(self.name, f"--discovery {settings.discovery}: {exc}", EXIT_UNAVAILABLE)
             self.instance_id = self._lease.id
             port = telemetry.start_metrics_server(settings.metrics_port, settings.bind_host)
             if port is not None:

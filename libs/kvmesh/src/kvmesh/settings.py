@@ -32,6 +32,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic.fields import FieldInfo
 
 EXIT_BAD_CONFIG = 2
+#: sysexits' EX_UNAVAILABLE: something the daemon needs did not answer at start-up (discovery). Unlike a
+#: bad setting, retrying can fix it: the systemd units restart on it and prevent restarts only on 2.
+EXIT_UNAVAILABLE = 69
 ENV_PREFIX = "KVMESH_"
 _NOT_SETTINGS = ("KVMESH_CONFIG",)
 _NOT_SETTINGS_PREFIX = "KVMESH_TEST_"
@@ -39,10 +42,10 @@ _NOT_SETTINGS_PREFIX = "KVMESH_TEST_"
 TABLES = ("common", "frontend", "router", "worker", "planner")
 
 
-def fail(prog: str, message: str) -> NoReturn:
-    """The one way a daemon reports a problem the user must fix: one line, exit 2."""
+def fail(prog: str, message: str, code: int = EXIT_BAD_CONFIG) -> NoReturn:
+    """The one way a daemon reports a problem the user must fix: one line, exit 2 (or ``code``)."""
     print(f"{prog}: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_BAD_CONFIG)
+    sys.exit(code)
 
 
 def default_discovery_url() -> str:
