@@ -188,7 +188,9 @@ async def _drain(args: argparse.Namespace) -> int:
         try:
             engine_id = int(target, 16)
         except ValueError:
-            raise _Problem(f"{target}: no daemon at that address and not an engine id") from None
+            raise _Problem(
+                f"{target}: no daemon registered at that address (gone, or draining already?) and not an engine id"
+            ) from None
         matches = [r for r in fleet.records if r.instance_id == engine_id]
         if not matches:
             raise _Problem(f"{target}: no such engine or address in namespace {args.namespace!r}")

@@ -9,12 +9,14 @@ Invariants (the reasons this module exists):
   frozen, cut off, or etcd expired it), the keeper re-registers every record under its old key
   (same instance id) within about a second of discovery answering, without a restart. Instance
   ids are minted from the first lease and never change, so caches and streams keyed by them survive.
-- **Graceful exit.** SIGTERM/SIGINT: new calls are refused and the lease is revoked first (every
-  record vanishes at once, so nobody routes new work here) while ``on_draining`` hooks end endless
-  streams; then health goes NOT_SERVING, in-flight calls get ``--drain-timeout`` seconds to finish,
-  and the process exits 0. The handlers are installed before the lease is taken: a signal during
-  start-up (``kvmesh up`` stopping a daemon whose sibling failed) lets the lease grant finish, then
-  cancels the start-up, so leaving the block revokes the lease; it is never left to expire.
+- **Graceful exit.** SIGTERM/SIGINT: new calls are refused and health goes NOT_SERVING, then the lease
+  is revoked (every record vanishes at once, so nobody routes new work here) while ``on_draining``
+  hooks end endless streams; then the port closes (gRPC's graceful stop: GOAWAY, new connections
+  refused, so a health probe from then on sees no server, and only a Watch opened before saw
+  NOT_SERVING), in-flight calls get ``--drain-timeout`` seconds to finish, and the process exits 0.
+  The handlers are installed before the lease is taken: a signal during start-up (``kvmesh up``
+  stopping a daemon whose sibling failed) lets the lease grant finish, then cancels the start-up, so
+  leaving the block revokes the lease; it is never left to expire.
 - **Bad config** exits 2 with one line (``kvmesh.settings.fail``); **unreachable discovery** at start-up
   exits 69 (``EXIT_UNAVAILABLE``) with one line: a restart can fix that, not a bad setting.
 - **Ownership.** ``async with DaemonRuntime(...)`` is the process's lifetime, as with Temporal's
@@ -49,7 +51,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh import grpc_services, sd_notify, telemetry, tls
 from kvmesh import reflection as kvmesh_reflection
-from kvmesh.discovery import Discovery, DiscoveryUnavailable, Lease, instance_key, open_discovery
+from kvmesh.discovery import Discovery, DiscoveryRefused, DiscoveryUnavailable, Lease, instance_key, open_discovery
 from kvmesh.grpc_options import SERVER_OPTIONS
 from kvmesh.identity import RoleGate
 from kvmesh.settings import EXIT_UNAVAILABLE, DaemonSettings, fail
@@ -259,6 +261,8 @@ class DaemonRuntime:
                 self._lease = await self._discovery.grant_lease(
                     on_lost=self._on_lease_lost, on_renewed=self._on_lease_renewed
                 )
+            except DiscoveryRefused as exc:
+                fail(self.name, f"--discovery {settings.discovery}: {exc}")
             except DiscoveryUnavailable as exc:
                 fail(self.name, f"--discovery {settings.discovery}: {exc}", EXIT_UNAVAILABLE)
             self.instance_id = self._lease.id
@@ -322,11 +326,13 @@ class DaemonRuntime:
         """Deregister at once (while ``on_draining`` hooks end endless streams), then drain in-flight calls."""
         self._draining = True  # before the first await: from here on new calls are refused
         sd_notify.notify("STOPPING=1\nSTATUS=draining")
+        await self._set_health(False)  # first: a revoke stuck on a hung etcd must not keep probes on SERVING
         started = [result for hook in self._drain_hooks if inspect.isawaitable(result := hook())]
         for error in await asyncio.gather(self._revoke(), *started, return_exceptions=True):
             if isinstance(error, BaseException):
                 log.error("a drain hook failed", exc_info=error)
-        await self._set_health(False)
+        # gRPC's graceful stop: the port closes (GOAWAY on open connections, new ones refused) and the
+        # calls in flight get the drain timeout. Probes and a second Drain are answered until then.
         await self.server.stop(grace=self.settings.drain_timeout)
 
     async def _revoke(self) -> None:

@@ -43,7 +43,7 @@ from kvmesh.discovery.base import (
     parse_instance_key,
     parse_model_key,
 )
-from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, bounded
+from kvmesh.discovery.errors import DiscoveryError, DiscoveryRefused, DiscoveryUnavailable, bounded
 from kvmesh.discovery.file import default_file_root
 from kvmesh.discovery.lease import Lease, LeasePolicy
 
@@ -53,6 +53,7 @@ __all__ = [
     "Added",
     "Discovery",
     "DiscoveryError",
+    "DiscoveryRefused",
     "DiscoveryUnavailable",
     "InstanceKey",
     "Lease",

@@ -55,6 +55,11 @@ class DiscoveryUnavailable(DiscoveryError):
     """
 
 
+class DiscoveryRefused(DiscoveryUnavailable):
+    """The backend is there but this use of it is refused for good (an unsafe or unusable discovery
+    directory): a daemon exits 2 on it, as on a bad setting, where a backend that does not answer is 69."""
+
+
 class LeaseNotFound(DiscoveryError):
     """The backend refused a write because the lease it names is gone (expired or revoked).
 

@@ -61,7 +61,7 @@ from kvmesh.discovery.base import (
     Snapshot,
     WatchEvent,
 )
-from kvmesh.discovery.errors import DiscoveryError, DiscoveryUnavailable, raise_if_cancelling
+from kvmesh.discovery.errors import DiscoveryError, DiscoveryRefused, DiscoveryUnavailable, raise_if_cancelling
 
 __all__ = ["FileDiscovery", "default_file_root"]
 
@@ -114,21 +114,21 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def check_root_safe(root: Path) -> None:
-    """Refuse a root another local user could write to (see the module docstring); raises DiscoveryUnavailable."""
+    """Refuse a root another local user could write to (see the module docstring); raises DiscoveryRefused."""
     uid = os.geteuid()
     st = os.lstat(root)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise DiscoveryUnavailable(f"discovery directory {root} is not a directory (symlinks are refused)")
+        raise DiscoveryRefused(f"discovery directory {root} is not a directory (symlinks are refused)")
     if st.st_uid != uid:
-        raise DiscoveryUnavailable(f"discovery directory {root} is owned by uid {st.st_uid}, not by this user ({uid})")
+        raise DiscoveryRefused(f"discovery directory {root} is owned by uid {st.st_uid}, not by this user ({uid})")
     if st.st_mode & 0o022:
-        raise DiscoveryUnavailable(
+        raise DiscoveryRefused(
             f"discovery directory {root} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}); chmod 700 it"
         )
     for parent in root.parents:
         pst = os.stat(parent)
         if pst.st_uid not in (0, uid) or (pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX):
-            raise DiscoveryUnavailable(
+            raise DiscoveryRefused(
                 f"discovery directory {root}: its ancestor {parent} can be changed by another user "
                 f"(owner uid {pst.st_uid}, mode {stat.S_IMODE(pst.st_mode):o})"
             )
@@ -557,7 +557,7 @@ class FileDiscovery(Discovery):
         try:
             self._store.prepare()
         except OSError as exc:
-            raise DiscoveryUnavailable(
+            raise DiscoveryRefused(
                 f"discovery directory {root} is not usable ({exc.strerror or exc}); "
                 "pass a writable directory, e.g. --discovery file:///tmp/kvmesh"
             ) from None
