@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvmesh.discovery import DiscoveryUnavailable, default_file_root, instance_key, instance_prefix, open_discovery
-from kvmesh.discovery.base import Added, Snapshot
+from kvmesh.discovery.base import Added, Removed, Snapshot
 from kvmesh.discovery.file import FileDiscovery, _Scanner, _Store
 
 
@@ -103,6 +103,61 @@ async def test_stale_heartbeat_is_lost_and_never_resurrected(tmp_path: Path, ns:
         assert renewed == [lease.id] and lease.id != old and lease.alive
         assert not path.exists(), "the old lease is revoked after the re-grant"
         assert await d.get_prefix(instance_prefix(ns)) == {key: b"v"}
+    finally:
+        await d.close()
+
+
+async def test_a_dead_lease_whose_mtime_is_in_the_future_still_dies_within_its_ttl(tmp_path: Path, ns: str):
+    """A wall clock stepped back (NTP) leaves a killed owner's lease file with an mtime in the future.
+    Watchers and the GC age a lease on their monotonic clocks from the last change of its mtime, so it
+    dies a TTL later, not when the wall clock catches up with the mtime (an hour here)."""
+    d = await open_discovery(f"file://{tmp_path}", ttl=1)
+    store: _Store = d._store
+    dead = store.grant(1.0)  # nobody beats it: its owner was killed right after the put
+    key = instance_key(ns, "worker", "generate", 9)
+    store.put(key, b"v", dead)
+    future = time.time() + 3600
+    os.utime(store.lease_path(dead), (future, future))
+    events: asyncio.Queue[object] = asyncio.Queue()
+
+    async def consume() -> None:
+        async with contextlib.aclosing(d.list_and_watch(instance_prefix(ns))) as stream:
+            async for event in stream:
+                events.put_nowait(event)
+
+    consumer = asyncio.create_task(consume())
+    try:
+        assert await asyncio.wait_for(events.get(), 5) == Snapshot({key: b"v"})
+        started = time.monotonic()
+        assert await asyncio.wait_for(events.get(), 5) == Removed(key)
+        assert time.monotonic() - started < 3
+        deadline = time.monotonic() + 6  # the GC: TTL + 1 s grace, swept every second
+        while store.lease_path(dead).exists():
+            assert time.monotonic() < deadline, "the GC kept a dead lease with a future mtime"
+            await asyncio.sleep(0.1)
+    finally:
+        consumer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await consumer
+        await d.close()
+
+
+async def test_lease_files_that_do_not_parse_are_collected(tmp_path: Path):
+    d = await open_discovery(f"file://{tmp_path}", ttl=1)
+    try:
+        junk = [tmp_path / "leases" / "notalease.lease", tmp_path / "leases" / f"{0xFF:016x}.lease"]
+        for path in junk:
+            path.write_text("xx")
+        fresh = tmp_path / "leases" / f"{0xFE:016x}.lease"  # as torn as the others, but maybe being written
+        fresh.write_text("{")
+        old = time.time() - 120
+        for path in junk:
+            os.utime(path, (old, old))
+        deadline = time.monotonic() + 5
+        while any(path.exists() for path in junk):
+            assert time.monotonic() < deadline, "unparseable lease files outlived the GC"
+            await asyncio.sleep(0.1)
+        assert fresh.exists()
     finally:
         await d.close()
 

@@ -7,9 +7,14 @@ Layout under the root directory (format version 1)::
     kv/{seg}/{seg}/.../{seg}.rec   one file per key ("a/b/c" -> kv/a/b/c.rec); content: one JSON
                                    header line {"key": ..., "lease": "<hex id>"} then the raw value
 
-* A record is **live** iff its lease file exists and was beaten within that lease's TTL
-  (``time.time() - mtime <= ttl``). Nothing else matters: a kill -9'd owner stops beating and
-  its records die after the TTL, without anyone deleting anything.
+* A record is **live** iff its lease file exists and was beaten within that lease's TTL. Nothing
+  else matters: a kill -9'd owner stops beating and its records die after the TTL, without anyone
+  deleting anything. "Beaten within the TTL" is judged on each process's monotonic clock, not by
+  comparing the file's mtime with the wall clock (:class:`_Freshness`): an mtime that has not moved
+  for a TTL is stale, whatever the wall clock did meanwhile. So a wall clock stepped back (NTP) does
+  not keep a dead owner's lease live until the clock catches up with its mtime, and a step forward
+  does not kill live leases. Only a lease first seen by a process is aged by the wall clock (its
+  mtime's age, 0 if in the future).
 * Every write is atomic: a temp file (name starting with '.') in the same directory, then
   ``os.replace``. Lease files are created with ``os.link`` (fails if the id exists).
 * Key segments are percent-encoded (``quote(seg, safe="")``; '' -> '%', a leading '.' and a
@@ -34,7 +39,10 @@ Layout under the root directory (format version 1)::
   what makes the predictable fallback ``/tmp/kvmesh-$UID`` safe: another user may create it first,
   but then it is theirs and we refuse it.
 * Keepalive = ``os.utime`` on the lease file after checking it still exists and is not stale
-  (a stale lease is dead for everyone: it must not come back). Clock: wall time, one machine.
+  (its mtime older than a TTL, or this process's last beat more than a TTL ago on its monotonic
+  clock: a stale lease is dead for everyone, it must not come back).
+* Lease files that do not parse (a wrong name, a torn or corrupt body) are removed by the GC once
+  older than 60 s.
 """
 
 from __future__ import annotations
@@ -146,6 +154,8 @@ class _Store:
         self.leases = root / "leases"
         self.kv = root / "kv"
         self._gc_ttls: dict[tuple[int, int], float] = {}
+        self._gc_fresh = _Freshness()
+        self._beaten: dict[int, float] = {}  # lease id -> monotonic time this process last beat it
         self._gc_scanner: _Scanner | None = None  # every record's lease, kept up to date cheaply
         # key -> (inode, size, mtime_ns) of the record file this process last wrote, and its lease and value:
         # a lease's check of its own records stats them instead of reading them back
@@ -188,29 +198,39 @@ class _Store:
                 continue
             finally:
                 tmp.unlink(missing_ok=True)
+            self._beaten[lease_id] = time.monotonic()
             return lease_id
 
     def keepalive(self, lease_id: int, ttl: float) -> float:
         path = self.lease_path(lease_id)
+        sent = time.monotonic()
         try:
             st = path.stat()
         except FileNotFoundError:
             return 0.0
-        if time.time() - st.st_mtime > ttl:
+        beaten = self._beaten.get(lease_id, sent)
+        if time.time() - st.st_mtime > ttl or sent - beaten > ttl:
             return 0.0  # watchers already consider it dead; it must not come back
         try:
             os.utime(path)
         except FileNotFoundError:
             return 0.0
+        self._beaten[lease_id] = sent
         return ttl
 
     def revoke(self, lease_id: int) -> None:
+        self._beaten.pop(lease_id, None)
         self.lease_path(lease_id).unlink(missing_ok=True)  # every record of it is dead from now on
         for path in self._walk(self.kv):
             self._remove_record_if(path, lambda lid: lid == lease_id)
 
-    def lease_table(self, ttls: dict[tuple[int, int], float]) -> dict[int, tuple[float, float]]:
-        """lease id -> (mtime, ttl) for every lease file; ``ttls`` caches (inode, id) -> ttl per caller."""
+    def lease_table(
+        self, ttls: dict[tuple[int, int], float], corrupt: list[os.DirEntry[str]] | None = None
+    ) -> dict[int, tuple[float, float]]:
+        """lease id -> (mtime, ttl) for every lease file; ``ttls`` caches (inode, id) -> ttl per caller.
+
+        Lease files that do not parse go to ``corrupt`` (for the GC), or are skipped.
+        """
         out: dict[int, tuple[float, float]] = {}
         seen: set[tuple[int, int]] = set()
         try:
@@ -223,8 +243,13 @@ class _Store:
                 continue
             try:
                 lease_id = int(name[: -len(_LEASE_SUFFIX)], 16)
+            except ValueError:
+                if corrupt is not None:
+                    corrupt.append(entry)
+                continue
+            try:
                 st = entry.stat()
-            except (ValueError, FileNotFoundError):
+            except FileNotFoundError:
                 continue
             cache_key = (st.st_ino, lease_id)
             ttl = ttls.get(cache_key)
@@ -232,6 +257,8 @@ class _Store:
                 try:
                     ttl = float(json.loads(Path(entry.path).read_bytes())["ttl"])
                 except (OSError, ValueError, KeyError, TypeError):
+                    if corrupt is not None:
+                        corrupt.append(entry)
                     continue  # being created or corrupt: treat as absent
                 ttls[cache_key] = ttl
             seen.add(cache_key)
@@ -341,13 +368,22 @@ class _Store:
 
     def gc(self) -> None:
         now = time.time()
-        for lease_id, (mtime, ttl) in self.lease_table(self._gc_ttls).items():
-            if now - mtime > ttl + _GC_GRACE:
+        fresh = self._gc_fresh
+        corrupt: list[os.DirEntry[str]] = []
+        table = self.lease_table(self._gc_ttls, corrupt)
+        fresh.keep(table)
+        for lease_id, (mtime, ttl) in table.items():
+            if fresh.age(lease_id, mtime, now) > ttl + _GC_GRACE:
                 path = self.lease_path(lease_id)
                 with contextlib.suppress(FileNotFoundError):
-                    if time.time() - path.stat().st_mtime > ttl + _GC_GRACE:  # re-check: not beaten since
+                    if path.stat().st_mtime == mtime:  # re-check: not beaten since
                         path.unlink()
                         log.info("file discovery: removed expired lease %x", lease_id)
+        for entry in corrupt:
+            with contextlib.suppress(FileNotFoundError):
+                if now - entry.stat().st_mtime > _TMP_MAX_AGE:  # not a lease being written: garbage
+                    os.unlink(entry.path)
+                    log.info("file discovery: removed unreadable lease file %s", entry.name)
         leases = self.lease_table(self._gc_ttls)
 
         def dead(lease_id: int) -> bool:
@@ -355,7 +391,7 @@ class _Store:
             if entry is None:  # unknown to the table: maybe granted after it was read
                 return lease_id <= 0 or not self.lease_path(lease_id).exists()
             mtime, ttl = entry
-            return time.time() - mtime > ttl + _GC_GRACE
+            return fresh.age(lease_id, mtime, time.time()) > ttl + _GC_GRACE
 
         if self._gc_scanner is None:
             self._gc_scanner = _Scanner(self, "")
@@ -372,6 +408,31 @@ class _Store:
                         os.unlink(e.path)
                 except OSError:
                     continue
+
+
+class _Freshness:
+    """How long each lease has gone without a beat, on this process's monotonic clock.
+
+    A lease's mtime is a token, not a time: the age counts from when this observer saw the mtime
+    change. A lease seen for the first time is aged by its mtime's wall-clock age, 0 if that is in
+    the future (see the module docstring).
+    """
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[float, float]] = {}  # lease id -> (mtime, monotonic time of that beat)
+
+    def age(self, lease_id: int, mtime: float, now: float) -> float:
+        mono = time.monotonic()
+        seen = self._seen.get(lease_id)
+        if seen is None or seen[0] != mtime:
+            seen = self._seen[lease_id] = (mtime, mono - max(now - mtime, 0.0))
+        return mono - seen[1]
+
+    def keep(self, lease_ids: Iterable[int]) -> None:
+        """Forget leases that are gone (their files are)."""
+        self._seen = {lease_id: self._seen[lease_id] for lease_id in lease_ids if lease_id in self._seen}
 
 
 class _Scanner:
@@ -391,6 +452,7 @@ class _Scanner:
         # directory -> ((inode, mtime_ns), settled, its record paths, its subdirectories) at its last listing
         self._dirs: dict[str, tuple[tuple[int, int], bool, list[str], list[str]]] = {}
         self._ttls: dict[tuple[int, int], float] = {}
+        self._fresh = _Freshness()
         # What the last walk returned, while no directory is listed again: the same list, the same records
         self._records: list[tuple[str, str, int, bytes]] | None = None
         # ... and those under the prefix grouped by lease id, so a scan checks a lease, not every record
@@ -489,6 +551,8 @@ class _Scanner:
     def scan(self) -> dict[str, bytes]:
         """The live records under the prefix: those whose lease is fresh."""
         leases = self.store.lease_table(self._ttls)
+        fresh = self._fresh
+        fresh.keep(leases)
         now = time.time()
         records = self.records()
         if records is not self._grouped:
@@ -501,7 +565,7 @@ class _Scanner:
         out: dict[str, bytes] = {}
         for lease_id, group in self._by_lease.items():
             lease = leases.get(lease_id)
-            if lease is None or now - lease[0] > lease[1]:
+            if lease is None or fresh.age(lease_id, lease[0], now) > lease[1]:
                 continue
             out.update(group)
         return out
