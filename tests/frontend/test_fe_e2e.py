@@ -148,3 +148,29 @@ async def test_cancel_returns_the_engines_blocks_within_a_second(deployment) -> 
             assert loop.time() - cancelled_at < 1.0, f"blocks still held 1 s after the cancel: {load}"
             await asyncio.sleep(0.01)
         follower.cancel()
+
+
+async def test_nothing_is_ready_while_no_router_replica_is_registered(tmp_path: Path) -> None:
+    """A worker serves the model, but no router: every request would fail UNAVAILABLE, so ServerReady and
+    ModelReady say false (a client polling readiness must not start too early); a router makes them true."""
+    dep = Deployment(tmp_path)
+    try:
+        dep.start("kvmesh-worker", "--block-size", "16")
+        frontend = dep.start("kvmesh-frontend")
+        async with grpc.aio.insecure_channel(frontend.address) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            for _ in range(200):  # the frontend has seen the model (it describes it) but has no router
+                try:
+                    await stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL))
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the frontend never saw the model")
+            assert not (await stub.ServerReady(pb.ServerReadyRequest())).ready
+            assert not (await stub.ModelReady(pb.ModelReadyRequest(name=MODEL))).ready
+            dep.start("kvmesh-router")
+            await wait_ready(stub)
+            assert (await stub.ServerReady(pb.ServerReadyRequest())).ready
+    finally:
+        dep.close()

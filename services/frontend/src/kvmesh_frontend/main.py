@@ -106,7 +106,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         default_max_tokens=config.default_max_tokens,
         admission_factor=config.admission_factor,
     )
-    runtime.add_service(SERVICE, InferenceServicer(frontend, VERSION), in_band=IN_BAND)
+    runtime.add_service(SERVICE, InferenceServicer(frontend, VERSION, router.has_replicas), in_band=IN_BAND)
     bound = await runtime.start(config.grpc_port, require_client_cert=config.kserve_client_cert)
     watchers = [
         asyncio.create_task(_watch(runtime.discovery, model_prefix(config.namespace), registry.apply)),

@@ -247,6 +247,10 @@ class RouterClient:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
+    def has_replicas(self) -> bool:
+        """Whether discovery lists a router replica (the frontend is not ready without one)."""
+        return bool(self._replicas)
+
     # -- sessions -------------------------------------------------------------------------------
     def _on_closed(self, session: RouterSession, reason: str) -> None:
         if self._sessions.get(session.replica_id) is session:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -109,10 +109,13 @@ MALFORMED = grpc_services.malformed_details(pb.ModelInferRequest)
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, frontend: Frontend, version: str) -> None:
+    def __init__(self, frontend: Frontend, version: str, has_router: Callable[[], bool] = lambda: True) -> None:
+        """``has_router``: whether a router replica is known; without one nothing is ready (every request
+        would fail UNAVAILABLE)."""
         self._frontend = frontend
         self._registry = frontend.registry
         self._version = version
+        self._has_router = has_router
 
     # -- health and metadata --------------------------------------------------------------------
     async def ServerLive(
@@ -127,7 +130,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ServerReadyRequest,
         context: grpc.aio.ServicerContext[pb.ServerReadyRequest, pb.ServerReadyResponse],
     ) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self._registry.any_ready())
+        return pb.ServerReadyResponse(ready=self._registry.any_ready() and self._has_router())
 
     async def ModelReady(
         self,
@@ -135,7 +138,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext[pb.ModelReadyRequest, pb.ModelReadyResponse],
     ) -> pb.ModelReadyResponse:
         entry = self._registry.get(request.name)
-        ready = entry is not None and entry.ready and is_served_version(request.version)
+        ready = entry is not None and entry.ready and is_served_version(request.version) and self._has_router()
         return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(

@@ -253,7 +253,8 @@ class Lease:
         try:
             await bounded(self._disc._lease_revoke(self._id), self._op_timeout)
         except Exception as exc:
-            log.warning("could not revoke lease %x (%s); its records expire within %gs", self._id, exc, self.ttl)
+            reason = str(exc) or type(exc).__name__  # a timeout's text is empty
+            log.warning("could not revoke lease %x (%s); its records expire within %gs", self._id, reason, self.ttl)
 
     async def __aenter__(self) -> Lease:
         return self
