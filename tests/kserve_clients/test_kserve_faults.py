@@ -96,6 +96,43 @@ def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh, stream_in
     assert param(outcome.final, "kvmesh.worker_id") == _engine_of(next(w for w in workers if w is not serving[0]))
 
 
+def test_a_frozen_worker_is_given_up_on_within_seconds_and_its_request_migrates(fresh_mesh: Mesh) -> None:
+    """SIGSTOP, not SIGKILL: the worker's kernel still ACKs, so only gRPC's keepalive ping, unanswered for
+    grpc.http2.ping_timeout_ms, ends its stream (10 s + 5 s); the request then migrates and completes.
+    With gRPC's default ping timeout (60 s) the request waited for as long as the worker stayed frozen."""
+    mesh = fresh_mesh
+    workers = _two_workers_behind_a_frontend(mesh)
+    max_tokens = 300
+    results: queue.Queue = queue.Queue()
+    outcome = Outcome()
+    frozen = None
+    try:
+        with grpcclient.InferenceServerClient(mesh.url_frontend) as client:
+            client.start_stream(callback=lambda result, error: results.put((result, error)))
+            client.async_stream_infer(MODEL, llm_inputs(max_tokens=max_tokens), request_id="f1")
+            while outcome.num_tokens < 20:
+                result, error = results.get(timeout=30)
+                assert error is None, error
+                absorb(outcome, result)
+            loads = engine_loads(*(w.address for w in workers))
+            serving = [w for w in workers if any(e["running"] for e in loads[w.address])]
+            assert len(serving) == 1, loads
+            frozen = serving[0]
+            frozen.signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            while outcome.final is None:
+                result, error = results.get(timeout=40)
+                assert error is None, f"the client saw an error: {error}"
+                absorb(outcome, result)
+            given_up_after = time.monotonic() - stopped
+            client.stop_stream()
+    finally:
+        if frozen is not None:
+            frozen.signal(signal.SIGCONT)
+    assert outcome.num_tokens == max_tokens and param(outcome.final, "kvmesh.migrations") == 1
+    assert given_up_after < 30, f"the frozen worker held the request {given_up_after:.1f} s"
+
+
 def test_a_request_answered_once_migrates_whole_when_its_worker_is_killed(fresh_mesh: Mesh) -> None:
     """ModelInfer gets one response, so the worker holds back every token after the first: a kill loses all
     it held, the survivor generates them, and the one response still has exactly max_tokens."""

@@ -15,6 +15,10 @@ _BOTH_ENDS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # gRPC core (1.81) waits for a keepalive ping's answer this long, not keepalive_timeout_ms (default
+    # 60 s): without it a frozen peer (SIGSTOP, a wedged process whose kernel still ACKs) held its
+    # streams, and the requests on them, for minutes instead of ~15 s.
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
