@@ -32,6 +32,8 @@ from kvmesh.channels import ChannelPool
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.wakeup import Wakeup
 
+from kvmesh_frontend.errors import failure_line
+
 log = logging.getLogger(__name__)
 
 
@@ -172,7 +174,7 @@ class EngineStream:
                 message, self._outbox = self._outbox, worker_pb2.GenerateStreamRequest()
                 await self._call.write(message)
         except Exception as exc:  # the stream is broken: the reader reports why
-            self._close(f"write failed: {exc!r}")
+            self._close(f"write failed: {failure_line(exc)}")
             self._call.cancel()
 
     # -- reading ----------------------------------------------------------------------------------

@@ -76,3 +76,11 @@ def exhausted(message: str) -> FrontendError:
 
 def internal(message: str) -> FrontendError:
     return FrontendError(grpc.StatusCode.INTERNAL, message)
+
+
+def failure_line(exc: BaseException) -> str:
+    """One line for the log about a failed call to a peer: a gRPC error's code and details, not its
+    multi-line repr (with ``debug_error_string``)."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)

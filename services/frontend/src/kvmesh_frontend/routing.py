@@ -36,7 +36,7 @@ from kvmesh.discovery.base import WatchEvent, apply_watch_event, parse_instance_
 from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc
 from kvmesh.wakeup import Wakeup
 
-from kvmesh_frontend.errors import unavailable
+from kvmesh_frontend.errors import failure_line, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class RouterSession:
     def _write_failed(self, exc: BaseException) -> None:
         if not self.closed:
             self._call.cancel()
-            self._close(f"write failed: {exc!r}")
+            self._close(f"write failed: {failure_line(exc)}")
 
     # -- reading ---------------------------------------------------------------------------------
     async def _read(self) -> None:
