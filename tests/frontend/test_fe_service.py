@@ -11,7 +11,7 @@ from inference import grpc_service_pb2 as pb
 from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import Added, Removed, Snapshot, model_key
 from kvmesh.v1 import router_pb2, worker_pb2
-from kvmesh_frontend.engine_stream import EngineCall, EngineError
+from kvmesh_frontend.engine_stream import FOLD_AT, EngineCall, EngineError
 from kvmesh_frontend.models import ModelRegistry
 from kvmesh_frontend.tensors import output_values
 
@@ -227,6 +227,27 @@ async def test_engine_responses_that_pile_up_are_merged() -> None:
     merged = await anext(call)
     assert list(merged.token_ids) == list(range(1, 11))
     assert merged.finish_reason == worker_pb2.FINISH_REASON_LENGTH
+    with pytest.raises(StopAsyncIteration):
+        await anext(call)
+
+
+async def test_responses_piling_up_for_a_stalled_consumer_are_folded_as_they_come() -> None:
+    """A client that stops reading stalls its request's consumer: what piles up meanwhile is kept as one
+    growing response (FOLD_AT responses at most), and the consumer still gets every token once, in order."""
+    call = EngineCall(_StreamEnd(), "r1")  # type: ignore[arg-type]  # a fake: cancel() is all it uses
+    lp = worker_pb2.TokenLogprobs
+    first = worker_pb2.GenerateResponse(token_ids=[0, 1], logprobs=[lp(logprob=0), lp(logprob=-1)], num_prompt_tokens=7)
+    first.num_cached_tokens = 4
+    call._push(first)
+    for i in range(2, 10 * FOLD_AT):
+        call._push(worker_pb2.GenerateResponse(token_ids=[i], logprobs=[lp(logprob=-i)]))
+        assert len(call._items) < FOLD_AT
+    call._push(worker_pb2.GenerateResponse(token_ids=[10 * FOLD_AT], finish_reason=worker_pb2.FINISH_REASON_STOP))
+    merged = await anext(call)
+    assert list(merged.token_ids) == list(range(10 * FOLD_AT + 1))
+    assert [p.logprob for p in merged.logprobs] == [-i for i in range(10 * FOLD_AT)]
+    assert merged.num_prompt_tokens == 7 and merged.num_cached_tokens == 4
+    assert merged.finish_reason == worker_pb2.FINISH_REASON_STOP
     with pytest.raises(StopAsyncIteration):
         await anext(call)
 

@@ -49,21 +49,32 @@ class EngineError(Exception):
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
+#: Engine responses waiting for a busy consumer are folded into one once this many pile up: a client
+#: that stops reading then costs its request one growing token list, not a message object per engine
+#: response (a soak audit: +27-35 MB of frontend RSS per stalled 120k-token stream, and growing).
+FOLD_AT = 64
+
+
 class EngineCall:
     """One request on a GenerateStream: an async iterator of its ``GenerateResponse`` messages."""
 
-    __slots__ = ("_done", "_error", "_items", "_stream", "_wakeup", "request_id")
+    __slots__ = ("_done", "_error", "_folded", "_items", "_stream", "_wakeup", "request_id")
 
     def __init__(self, stream: EngineStream, request_id: str) -> None:
         self._stream = stream
         self.request_id = request_id
         self._items: list[worker_pb2.GenerateResponse] = []
+        self._folded = False  # ``_items[0]`` is a merge this call made (and may extend)
         self._error: EngineError | None = None
         self._done = False
         self._wakeup = Wakeup()  # the request's own task is the one waiter
 
     def _push(self, response: worker_pb2.GenerateResponse) -> None:
-        self._items.append(response)
+        items = self._items
+        items.append(response)
+        if len(items) >= FOLD_AT:
+            self._items = [_merge(items, self._folded)]
+            self._folded = True
         self._wakeup.set()
 
     def _fail(self, error: EngineError) -> None:
@@ -88,7 +99,8 @@ class EngineCall:
                 raise StopAsyncIteration
             await self._wakeup.wait()
         items, self._items = self._items, []
-        item = items[0] if len(items) == 1 else _merge(items)
+        item = items[0] if len(items) == 1 else _merge(items, self._folded)
+        self._folded = False
         if item.finish_reason:
             self._done = True
         return item
@@ -101,15 +113,20 @@ class EngineCall:
             self._wakeup.set()
 
 
-def _merge(items: list[worker_pb2.GenerateResponse]) -> worker_pb2.GenerateResponse:
-    merged = worker_pb2.GenerateResponse(
-        num_cached_tokens=items[0].num_cached_tokens, num_prompt_tokens=items[0].num_prompt_tokens
-    )
-    for item in items:
+def _merge(items: list[worker_pb2.GenerateResponse], into_first: bool = False) -> worker_pb2.GenerateResponse:
+    """``items`` as one response; ``into_first``: ``items[0]`` is an earlier merge, extended in place."""
+    if into_first:
+        merged, rest = items[0], items[1:]
+    else:
+        merged = worker_pb2.GenerateResponse(
+            num_cached_tokens=items[0].num_cached_tokens, num_prompt_tokens=items[0].num_prompt_tokens
+        )
+        if items[0].HasField("kv_report"):
+            merged.kv_report.CopyFrom(items[0].kv_report)
+        rest = items
+    for item in rest:
         merged.token_ids.extend(item.token_ids)
         merged.logprobs.extend(item.logprobs)  # one per token id, when asked for
-    if items[0].HasField("kv_report"):
-        merged.kv_report.CopyFrom(items[0].kv_report)
     merged.finish_reason = items[-1].finish_reason
     return merged
 
