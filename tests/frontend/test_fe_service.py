@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import grpc
 import pytest
@@ -715,6 +716,32 @@ async def test_router_failover_to_another_replica(mesh) -> None:
         assert spare.queries and not spare.bookings
     finally:
         await second.stop()
+
+
+async def test_a_replica_restarted_on_its_port_gets_a_fresh_channel(mesh, caplog) -> None:
+    """Restart=on-failure with a fixed port: the new replica (a new instance id) answers where the dead one
+    did. Its Session gets a channel of its own, not the dead replica's, whose reconnect backoff failed the
+    first write (the replica was then avoided for 5 s); the dead one's channel is closed."""
+    fe, _, router = mesh
+    await stream_all(fe, [llm_request("x", request_id="warm", stream=True, sampling={"max_tokens": 1})])
+    port = int(router.address.rsplit(":", 1)[1])
+    await router.stop()  # kill -9, its record still in discovery: a query fails to connect to it
+    down = await stream_all(fe, [llm_request("x", request_id="down", stream=True, sampling={"max_tokens": 1})])
+    assert down[0].error_message.startswith("UNAVAILABLE")  # the dead replica's channel now backs off
+    restarted = FakeRouter(dict(router.engines))
+    await restarted.start(port)
+    try:
+        fe.router.apply(Removed(router.record(0xAA)[0]))
+        fe.router.apply(Added(*restarted.record(0xAB)))
+        caplog.set_level(logging.WARNING, logger="kvmesh_frontend.routing")
+        caplog.clear()  # the dead replica's own breaks are behind us
+        messages = await stream_all(fe, [llm_request("x", request_id="after", stream=True, sampling={"max_tokens": 1})])
+        assert not [m for m in messages if m.error_message]
+        assert restarted.queries and not [r for r in caplog.records if "broke" in r.getMessage()]
+        await asyncio.sleep(0.05)
+        assert 0xAA not in fe.pool and 0xAB in fe.pool
+    finally:
+        await restarted.stop()
 
 
 async def test_a_silent_replica_is_hedged_to_another_and_abandoned(mesh) -> None:

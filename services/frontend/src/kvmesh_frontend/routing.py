@@ -236,14 +236,20 @@ class RouterClient:
             return
         self._replicas.pop(replica_id, None)
         log.info("router replica %x left discovery", replica_id)
-        session = self._sessions.get(replica_id)
-        if session is not None:
-            self._drop_session(session)
+        self._drop_session(self._sessions.get(replica_id), drop_channel=replica_id)
 
-    def _drop_session(self, session: RouterSession) -> None:
-        if self._sessions.get(session.replica_id) is session:
+    def _drop_session(self, session: RouterSession | None, drop_channel: int | None = None) -> None:
+        """Close ``session`` (if any), then the replica's channel if ``drop_channel`` names it."""
+        if session is not None and self._sessions.get(session.replica_id) is session:
             del self._sessions[session.replica_id]
-        task = asyncio.get_running_loop().create_task(session.close())
+
+        async def close() -> None:
+            if session is not None:
+                await session.close()
+            if drop_channel is not None:
+                await self._pool.drop(drop_channel)
+
+        task = asyncio.get_running_loop().create_task(close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
@@ -282,7 +288,10 @@ class RouterClient:
         if session is not None and not session.closed:
             return session
         address = self._replicas[replica_id]
-        session = RouterSession(replica_id, address, self._pool.get(address, address, role="router"), self._on_closed)
+        # A channel per replica, not per address: a replica restarted on its port (Restart=on-failure) must
+        # not inherit the dead one's channel, whose reconnect backoff failed the new session's first write.
+        channel = self._pool.get(replica_id, address, role="router")
+        session = RouterSession(replica_id, address, channel, self._on_closed)
         self._sessions[replica_id] = session
         log.info("router session opened to replica %x at %s", replica_id, address)
         return session
