@@ -340,7 +340,8 @@ class FrontendHarness:
 
     async def start(self) -> None:
         self.server = grpc.aio.server(options=FRONTEND_SERVER_OPTIONS)
-        add_inference_service(InferenceServicer(self.frontend, "test"), self.server)
+        self.servicer = InferenceServicer(self.frontend, "test")
+        add_inference_service(self.servicer, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
         self.address = f"127.0.0.1:{port}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import signal
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -172,5 +174,25 @@ async def test_nothing_is_ready_while_no_router_replica_is_registered(tmp_path: 
             dep.start("kvmesh-router")
             await wait_ready(stub)
             assert (await stub.ServerReady(pb.ServerReadyRequest())).ready
+    finally:
+        dep.close()
+
+
+async def test_sigterm_ends_an_idle_stream_instead_of_waiting_out_the_drain_timeout(tmp_path: Path) -> None:
+    """A KServe client that keeps a ModelStreamInfer stream open between requests (tritonclient's
+    start_stream) held a SIGTERM'd frontend for its whole drain timeout (30 s in a soak audit)."""
+    dep = Deployment(tmp_path)
+    try:
+        frontend = dep.start("kvmesh-frontend", "--drain-timeout", "30")
+        async with grpc.aio.insecure_channel(frontend.address) as channel:
+            call = pb_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer()
+            await call.write(llm_request("x", model="nope", request_id="open", stream=True))
+            answer = await asyncio.wait_for(call.read(), 10)
+            assert answer.error_message.startswith("NOT_FOUND")  # answered in band: the stream stays open
+            started = time.monotonic()
+            frontend.signal(signal.SIGTERM)
+            assert await asyncio.to_thread(frontend.wait, 20) == 0
+            assert time.monotonic() - started < 5
+            assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
     finally:
         dep.close()

@@ -517,6 +517,31 @@ async def test_stream_errors_are_in_band_and_the_stream_goes_on(mesh) -> None:
     assert messages[0].error_message.startswith("UNAVAILABLE: no router replica is registered in namespace 'test'")
 
 
+async def test_a_draining_frontend_ends_each_stream_once_its_requests_in_flight_have(mesh) -> None:
+    """SIGTERM: a stream with a request in flight finishes it, refuses new ones (UNAVAILABLE, in band) and
+    then ends; an idle stream a client keeps open ends at once. Else the drain waited its whole timeout."""
+    fe, worker, _ = mesh
+    for b in worker.behaviour.values():
+        b.delay = 0.01
+    busy, idle = fe.stub.ModelStreamInfer(), fe.stub.ModelStreamInfer()
+    await busy.write(llm_request("x", request_id="in-flight", stream=True, sampling={"max_tokens": 30}))
+    first = await asyncio.wait_for(busy.read(), 10)
+    assert not first.error_message
+    await idle.write(llm_request("x", request_id="warm", stream=True, sampling={"max_tokens": 1}))
+    while not (await asyncio.wait_for(idle.read(), 10)).infer_response.parameters["triton_final_response"].bool_param:
+        pass
+    fe.servicer.drain()
+    assert await asyncio.wait_for(idle.read(), 2) is grpc.aio.EOF  # nothing in flight: ended at once
+    await busy.write(llm_request("x", request_id="late", stream=True, sampling={"max_tokens": 1}))
+    finals: dict[str, pb.ModelStreamInferResponse] = {}
+    while (message := await asyncio.wait_for(busy.read(), 10)) is not grpc.aio.EOF:
+        if message.error_message or message.infer_response.parameters["triton_final_response"].bool_param:
+            finals[message.infer_response.id] = message
+    assert finals["late"].error_message.startswith("UNAVAILABLE: kvmesh-frontend is shutting down")
+    assert not finals["in-flight"].error_message
+    assert (await busy.code()) == grpc.StatusCode.OK
+
+
 # -- migration, cancellation, failover -------------------------------------------------------------
 async def test_migration_when_the_engine_dies_mid_stream(mesh) -> None:
     fe, worker, router = mesh

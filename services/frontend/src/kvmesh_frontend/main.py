@@ -106,7 +106,8 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         default_max_tokens=config.default_max_tokens,
         admission_factor=config.admission_factor,
     )
-    runtime.add_service(SERVICE, InferenceServicer(frontend, VERSION, router.has_replicas), in_band=IN_BAND)
+    servicer = InferenceServicer(frontend, VERSION, router.has_replicas)
+    runtime.add_service(SERVICE, servicer, in_band=IN_BAND)
     bound = await runtime.start(config.grpc_port, require_client_cert=config.kserve_client_cert)
     watchers = [
         asyncio.create_task(_watch(runtime.discovery, model_prefix(config.namespace), registry.apply)),
@@ -121,6 +122,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         await asyncio.gather(*watchers, return_exceptions=True)
 
     runtime.on_draining(stop_watching)
+    runtime.on_draining(servicer.drain)
     await runtime.register(runtime.instance_record("frontend", "kserve"))
     log.info(
         "serving KServe v2 gRPC on %s:%d (instance %x, namespace %s, discovery %s)",

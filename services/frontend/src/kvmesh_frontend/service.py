@@ -30,7 +30,7 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
 from kvmesh import grpc_services
 
-from kvmesh_frontend.errors import FrontendError, clip, invalid, not_found
+from kvmesh_frontend.errors import FrontendError, clip, invalid, not_found, unavailable
 from kvmesh_frontend.models import MODEL_VERSION, is_served_version, version_not_found
 from kvmesh_frontend.pipeline import Frontend
 
@@ -106,6 +106,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 #: serves the stream's other requests; every other method's call ends INVALID_ARGUMENT (kvmesh.grpc_services).
 IN_BAND = ("ModelStreamInfer",)
 MALFORMED = grpc_services.malformed_details(pb.ModelInferRequest)
+DRAINING = "kvmesh-frontend is shutting down; send new requests to another instance"
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -116,6 +117,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._registry = frontend.registry
         self._version = version
         self._has_router = has_router
+        self._draining = asyncio.Event()
+
+    def drain(self) -> None:
+        """The frontend drains: each ModelStreamInfer stream ends once its requests in flight have (an idle
+        one at once), refusing new ones meanwhile. Else an idle stream a client keeps open held the drain
+        for its whole timeout."""
+        self._draining.set()
 
     # -- health and metadata --------------------------------------------------------------------
     async def ServerLive(
@@ -289,8 +297,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             if not task.cancelled() and task.exception() is not None:  # the client is gone mid-write
                 log.debug("stream request ended: %r", task.exception())
 
-        try:
+        draining = self._draining
+
+        async def read() -> None:
             async for request in request_iterator:
+                if draining.is_set():  # the stream ends when its requests in flight have
+                    await refuse(request, unavailable(DRAINING))
+                    continue
                 if grpc_services.is_malformed(request):  # in band: the stream's other requests go on
                     await refuse(pb.ModelInferRequest(), invalid(MALFORMED))
                     continue
@@ -305,13 +318,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 task.add_done_callback(done)
                 if counted:  # a done callback, not a finally: a task cancelled before its first step runs no finally
                     task.add_done_callback(functools.partial(release, request.model_name))
-            while tasks:  # the client half-closed: finish what is in flight
+
+        reader = loop.create_task(read())
+        drained = loop.create_task(draining.wait())
+        try:
+            await asyncio.wait((reader, drained), return_when=asyncio.FIRST_COMPLETED)
+            if reader.done():
+                reader.result()  # the stream broke (the client is gone): the finally cancels what is in flight
+            while tasks:  # the client half-closed, or the frontend drains: finish what is in flight
                 await asyncio.wait(list(tasks))
         finally:
-            for task in list(tasks):
+            for task in (reader, drained, *tasks):
                 task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(reader, drained, *tasks, return_exceptions=True)
 
     # -- the rest of Triton's service -------------------------------------------------------------
     async def _unimplemented(self, context: grpc.aio.ServicerContext[Any, Any], rpc: str, why: str) -> Any:
