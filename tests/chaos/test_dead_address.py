@@ -10,6 +10,7 @@ engines, while the dead worker's records are still in discovery.
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
@@ -97,6 +98,44 @@ def test_a_worker_restarted_on_its_address_leaves_its_old_engines_out_long_befor
                 assert decision.engine_id in serving, f"decision {n} went to an engine of the crashed process"
             session.close()
         finally:
+            restarted.close()
+    finally:
+        mesh.close()
+
+
+def test_the_load_of_a_worker_restarted_on_its_address_is_watched_beside_its_ghost(tmp_path):
+    """The router watches each worker's load for ``--busy-kv-usage``; a worker restarted on its address is
+    asked for its ghost engine too, and refuses the whole watch (NOT_FOUND). The watch then asks for what
+    the worker hosts, so the new engine's own KV usage still makes it busy, not 30 s (the TTL) later."""
+    mesh = Mesh(tmp_path)
+    try:
+        crashed = mesh.worker(*TTL, engines=1, blocks=64, speedup=1.0)
+        router = mesh.router(*TTL, "--busy-kv-usage", "0.1")
+        crashed.daemon.signal(signal.SIGKILL)
+        crashed.daemon.wait(10)
+        restarted = Worker(Daemon("kvmesh-worker", crashed.daemon.args, tmp_path, crashed.daemon.port).wait_serving())
+        session = router.session()
+        (engine,) = restarted.engine_ids
+        runner = threading.Thread(
+            target=restarted.generate, args=(engine, prompt(*"ABCDEFGH")), kwargs={"max_tokens": 300}
+        )
+        try:
+            wait_until(  # the new engine is routed (not busy: nothing runs on it yet)
+                lambda: session.route(f"w{time.monotonic_ns()}", prompt("X")).engine_id == engine, 15, "routed"
+            )
+            runner.start()  # 8+ active blocks on it that the router never booked: only its own report shows them
+
+            def rejected() -> bool:
+                decision = session.route(f"r{time.monotonic_ns()}", prompt("X"))
+                if decision.outcome == router_pb2.DECISION_OUTCOME_ROUTED:
+                    session.lifecycle(decision.request_id, router_pb2.LIFECYCLE_STAGE_FINISHED)
+                return decision.outcome == router_pb2.DECISION_OUTCOME_REJECTED
+
+            wait_until(rejected, 8, "busy from the restarted engine's own KV usage")
+        finally:
+            if runner.is_alive():
+                runner.join(60)
+            session.close()
             restarted.close()
     finally:
         mesh.close()
