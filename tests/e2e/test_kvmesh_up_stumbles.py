@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.daemons import script
+from tests.support.daemons import running_pid, script
 from tests.support.etcd import free_port
 
 pytestmark = pytest.mark.e2e
@@ -32,19 +32,11 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z"
-
-
 def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(running_pid(p) for p in pids):
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if running_pid(p)]
 
 
 @pytest.fixture

@@ -64,6 +64,25 @@ def _engine_of(worker: Daemon) -> int:
     return engine_loads(worker.address)[worker.address][0]["engine_id"]
 
 
+def _serving_after_20_tokens(workers: list[Daemon], results: queue.Queue, outcome: Outcome) -> Daemon:
+    """Read the stream until 20 tokens came; the one worker running the request."""
+    while outcome.num_tokens < 20:
+        result, error = results.get(timeout=30)
+        assert error is None, error
+        absorb(outcome, result)
+    loads = engine_loads(*(w.address for w in workers))
+    serving = [w for w in workers if any(e["running"] for e in loads[w.address])]
+    assert len(serving) == 1, loads
+    return serving[0]
+
+
+def _read_to_the_end(results: queue.Queue, outcome: Outcome, timeout: float = 30) -> None:
+    while outcome.final is None:
+        result, error = results.get(timeout=timeout)
+        assert error is None, f"the client saw an error: {error}"
+        absorb(outcome, result)
+
+
 @pytest.mark.parametrize("stream_interval", [None, 16])
 def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh, stream_interval: int | None) -> None:
     """The client gets exactly max_tokens; with a stream interval, the tokens the dead worker held back
@@ -77,23 +96,14 @@ def test_migration_when_the_serving_worker_is_killed(fresh_mesh: Mesh, stream_in
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         sampling = {"stream_interval": stream_interval} if stream_interval else None
         client.async_stream_infer(MODEL, llm_inputs(max_tokens=max_tokens, sampling=sampling), request_id="m1")
-        while outcome.num_tokens < 20:
-            result, error = results.get(timeout=30)
-            assert error is None, error
-            absorb(outcome, result)
-        loads = engine_loads(*(w.address for w in workers))
-        serving = [w for w in workers if any(e["running"] for e in loads[w.address])]
-        assert len(serving) == 1, loads
-        serving[0].signal(signal.SIGKILL)
-        while outcome.final is None:
-            result, error = results.get(timeout=30)
-            assert error is None, f"the client saw an error: {error}"
-            absorb(outcome, result)
+        serving = _serving_after_20_tokens(workers, results, outcome)
+        serving.signal(signal.SIGKILL)
+        _read_to_the_end(results, outcome)
         client.stop_stream()
     assert outcome.num_tokens == max_tokens
     assert outcome.finish_reason == "length"
     assert param(outcome.final, "kvmesh.migrations") == 1
-    assert param(outcome.final, "kvmesh.worker_id") == _engine_of(next(w for w in workers if w is not serving[0]))
+    assert param(outcome.final, "kvmesh.worker_id") == _engine_of(next(w for w in workers if w is not serving))
 
 
 def test_a_frozen_worker_is_given_up_on_within_seconds_and_its_request_migrates(fresh_mesh: Mesh) -> None:
@@ -110,20 +120,10 @@ def test_a_frozen_worker_is_given_up_on_within_seconds_and_its_request_migrates(
         with grpcclient.InferenceServerClient(mesh.url_frontend) as client:
             client.start_stream(callback=lambda result, error: results.put((result, error)))
             client.async_stream_infer(MODEL, llm_inputs(max_tokens=max_tokens), request_id="f1")
-            while outcome.num_tokens < 20:
-                result, error = results.get(timeout=30)
-                assert error is None, error
-                absorb(outcome, result)
-            loads = engine_loads(*(w.address for w in workers))
-            serving = [w for w in workers if any(e["running"] for e in loads[w.address])]
-            assert len(serving) == 1, loads
-            frozen = serving[0]
+            frozen = _serving_after_20_tokens(workers, results, outcome)
             frozen.signal(signal.SIGSTOP)
             stopped = time.monotonic()
-            while outcome.final is None:
-                result, error = results.get(timeout=40)
-                assert error is None, f"the client saw an error: {error}"
-                absorb(outcome, result)
+            _read_to_the_end(results, outcome, timeout=40)
             given_up_after = time.monotonic() - stopped
             client.stop_stream()
     finally:

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvmesh.v1 import planner_pb2, planner_pb2_grpc
 from kvmesh_bench.prometheus_text import metric_total, metrics_url
 
-from tests.support.daemons import Daemon, run_cli, running
+from tests.support.daemons import Daemon, run_cli, running, running_pid
 from tests.support.etcd import free_port
 
 pytestmark = pytest.mark.e2e
@@ -76,15 +76,6 @@ def test_serves_health_reflection_status_metrics_and_exits_0_on_sigterm(tmp_path
         assert d.wait(20) == 0
 
 
-def _running_pid(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not exited (a reparented exited child stays a zombie a while)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return False
-    return fields[0] != "Z"
-
-
 @pytest.mark.timeout(90)
 def test_a_killed_planner_takes_the_workers_it_started_with_it(tmp_path):
     """kill -9 of a planner with the local connector: its workers drain and exit, not serve on as orphans a
@@ -104,7 +95,7 @@ def test_a_killed_planner_takes_the_workers_it_started_with_it(tmp_path):
         planner.signal(signal.SIGKILL)
         planner.wait(10)
         deadline = time.monotonic() + 30
-        while _running_pid(worker_pid):
+        while running_pid(worker_pid):
             if time.monotonic() > deadline:
                 os.kill(worker_pid, signal.SIGKILL)
                 raise AssertionError("the planner's worker outlived it by 30 s")

@@ -100,6 +100,15 @@ class Daemon:
         self._log.close()
 
 
+def running_pid(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (an exited child not reaped yet is a zombie: no)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z"
+
+
 def stop_process(proc: subprocess.Popen[Any], sig: int, timeout: float) -> None:
     """Signal ``proc`` if it still runs, and SIGKILL it if it has not exited ``timeout`` seconds later."""
     if proc.poll() is None:
