@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from kvmesh.discovery import DiscoveryUnavailable, default_file_root, instance_key, instance_prefix, open_discovery
+from kvmesh.discovery import file as file_backend
 from kvmesh.discovery.base import Added, Removed, Snapshot
 from kvmesh.discovery.file import FileDiscovery, _Scanner, _Store
 
@@ -320,4 +321,65 @@ async def test_a_watched_unchanged_fleet_is_not_read_again(tmp_path: Path, monke
             with contextlib.suppress(asyncio.CancelledError):
                 await consumer
     finally:
+        await d.close()
+
+
+@pytest.mark.parametrize("notified", [True, False], ids=["inotify", "polling"])
+async def test_a_watch_is_woken_by_changes_and_by_expiry_not_by_the_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, notified: bool
+):
+    """An idle watch does not scan every poll interval: inotify wakes it for a new record (in a
+    directory made after the watch started, too) and for a revoked lease, and it wakes by itself when a
+    lease holding records can first go stale. Heartbeats wake nobody. Where inotify is missing, the
+    scan runs every poll interval instead, and sees the same."""
+    monkeypatch.setattr(file_backend, "_IDLE_RESCAN_S", 60.0)  # no safety-net scan within this test
+    if not notified:
+        monkeypatch.setattr(file_backend._ChangeSignal, "open", classmethod(lambda cls, lease_dir: None))
+    scans: list[float] = []
+    real_scan = _Scanner.scan
+
+    def counted_scan(self: _Scanner) -> dict[str, bytes]:
+        scans.append(time.monotonic())
+        return real_scan(self)
+
+    monkeypatch.setattr(_Scanner, "scan", counted_scan)
+    d = await open_discovery(f"file://{tmp_path}", ttl=30)
+    store: _Store = d._store
+    live = store.grant(30.0)
+    store.put("fleet/engine/0", b"v", live)
+    events: asyncio.Queue[object] = asyncio.Queue()
+
+    async def consume() -> None:
+        async with contextlib.aclosing(d.list_and_watch("fleet/")) as stream:
+            async for event in stream:
+                events.put_nowait(event)
+
+    consumer = asyncio.create_task(consume())
+    try:
+        assert await asyncio.wait_for(events.get(), 5) == Snapshot({"fleet/engine/0": b"v"})
+        before = len(scans)
+        for _ in range(4):  # 2 s of heartbeats
+            store.keepalive(live, 30.0)
+            await asyncio.sleep(0.5)
+        idle_scans = len(scans) - before
+        if notified:
+            assert idle_scans <= 1, f"{idle_scans} scans in 2 idle seconds"
+        else:
+            assert idle_scans >= 10, f"polling every 0.1 s, yet {idle_scans} scans in 2 s"
+
+        store.put("fleet/router/sub/1", b"r", live)  # new directories under the prefix
+        assert await asyncio.wait_for(events.get(), 5) == Added("fleet/router/sub/1", b"r")
+
+        short = store.grant(1.0)  # nobody beats it: its owner died after the put
+        store.put("fleet/engine/9", b"x", short)
+        assert await asyncio.wait_for(events.get(), 5) == Added("fleet/engine/9", b"x")
+        assert await asyncio.wait_for(events.get(), 5) == Removed("fleet/engine/9")  # 1 s later, by expiry
+
+        store.revoke(live)
+        gone = {await asyncio.wait_for(events.get(), 5), await asyncio.wait_for(events.get(), 5)}
+        assert gone == {Removed("fleet/engine/0"), Removed("fleet/router/sub/1")}
+    finally:
+        consumer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await consumer
         await d.close()
