@@ -365,7 +365,7 @@ async def test_a_watch_is_woken_by_changes_and_by_expiry_not_by_the_clock(
         if notified:
             assert idle_scans <= 1, f"{idle_scans} scans in 2 idle seconds"
         else:
-            assert idle_scans >= 10, f"polling every 0.1 s, yet {idle_scans} scans in 2 s"
+            assert idle_scans >= 5, f"polling every 0.1 s, yet {idle_scans} scans in 2 s"  # ~20 when not loaded
 
         store.put("fleet/router/sub/1", b"r", live)  # new directories under the prefix
         assert await asyncio.wait_for(events.get(), 5) == Added("fleet/router/sub/1", b"r")

@@ -629,11 +629,12 @@ class _ChangeSignal:
     def __init__(self, inotify: Any, lease_dir: Path) -> None:
         from asyncinotify import Mask
 
+        entries = Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO  # appearing or leaving
         self._ino = inotify
-        self._record_mask = Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO | Mask.CLOSE_WRITE
+        self._record_mask = entries | Mask.CLOSE_WRITE  # records may also be rewritten in place
         self._watches: dict[tuple[str, int], Any] = {}
         self.failed = False  # a watch could not be added: the caller polls instead
-        self._ino.add_watch(lease_dir, Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO)
+        self._ino.add_watch(lease_dir, entries)
 
     @classmethod
     def open(cls, lease_dir: Path) -> _ChangeSignal | None:
