@@ -93,3 +93,76 @@ async def test_a_second_drain_is_answered_started_false_while_the_first_drains(t
     await asyncio.wait_for(task, 10)
     assert first.started and not second.started
     assert first.instance_id == second.instance_id
+
+
+def _held_call_service(started: asyncio.Event, release: asyncio.Event) -> grpc.GenericRpcHandler:
+    """``/test.Held/Wait``: a call that stays in flight until ``release`` is set."""
+
+    async def wait(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        started.set()
+        await release.wait()
+        return b"done"
+
+    return grpc.method_handlers_generic_handler("test.Held", {"Wait": grpc.unary_unary_rpc_method_handler(wait)})
+
+
+async def _serve_with_a_held_call(tmp_path, release: asyncio.Event):
+    """A daemon (drain timeout 60 s) with one call in flight: (its task, runtime, channel, the call)."""
+    started = asyncio.Event()
+    up: asyncio.Queue = asyncio.Queue()
+    cfg = DaemonSettings(discovery=f"file://{tmp_path}", namespace="rt", lease_ttl=2.0, drain_timeout=60.0)
+
+    async def daemon() -> None:
+        async with DaemonRuntime("kvmesh-test", cfg) as runtime:
+            runtime.server.add_generic_rpc_handlers((_held_call_service(started, release),))
+            await up.put((runtime, await runtime.start(0, "127.0.0.1")))
+            await runtime.wait_for_stop()
+
+    task = asyncio.create_task(daemon())
+    runtime, port = await asyncio.wait_for(up.get(), 10)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    call = channel.unary_unary("/test.Held/Wait")(b"")
+    await asyncio.wait_for(started.wait(), 10)
+    return task, runtime, channel, call
+
+
+async def _until_draining(runtime: DaemonRuntime) -> None:
+    async with asyncio.timeout(5):
+        while runtime.is_serving():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_second_stop_signal_cancels_the_calls_in_flight_instead_of_draining_them(tmp_path, monkeypatch):
+    """Ctrl-C twice: the first signal drains (a call in flight may take the whole drain timeout), the
+    second cancels what is still in flight and the daemon leaves at once."""
+    monkeypatch.setattr(DaemonRuntime, "stop_signalled", False)
+    task, runtime, channel, call = await _serve_with_a_held_call(tmp_path, asyncio.Event())
+    async with channel:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await _until_draining(runtime)
+        await asyncio.sleep(0.3)
+        assert not task.done() and not call.done(), "the first signal drains: the call in flight holds the exit"
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(grpc.aio.AioRpcError) as cancelled:
+            await asyncio.wait_for(call, 5)
+        assert cancelled.value.code() == grpc.StatusCode.UNAVAILABLE
+        await asyncio.wait_for(task, 5)  # long before the 60 s drain timeout
+    assert not list(tmp_path.rglob("*.lease")), "revoked, not left to expire"
+
+
+async def test_one_stop_signal_after_a_drain_request_still_drains(tmp_path, monkeypatch):
+    """``kvmesh drain``, then ``systemctl stop`` (one SIGTERM): that signal is the first, so the call in
+    flight finishes; only a second *signal* cuts a drain short."""
+    monkeypatch.setattr(DaemonRuntime, "stop_signalled", False)
+    release = asyncio.Event()
+    task, runtime, channel, call = await _serve_with_a_held_call(tmp_path, release)
+    async with channel:
+        drained = await admin_pb2_grpc.AdminServiceStub(channel).Drain(admin_pb2.DrainRequest(reason="test"))
+        assert drained.started
+        await _until_draining(runtime)
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        assert not call.done()
+        release.set()
+        assert await asyncio.wait_for(call, 5) == b"done"
+        await asyncio.wait_for(task, 5)

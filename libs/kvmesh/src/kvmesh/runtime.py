@@ -14,6 +14,9 @@ Invariants (the reasons this module exists):
   hooks end endless streams; then the port closes (gRPC's graceful stop: GOAWAY, new connections
   refused, so a health probe from then on sees no server, and only a Watch opened before saw
   NOT_SERVING), in-flight calls get ``--drain-timeout`` seconds to finish, and the process exits 0.
+  A *second* stop signal (Ctrl-C twice) cuts the drain short: the calls still in flight are
+  cancelled (UNAVAILABLE) and the exit goes on at once. Only signals count: one SIGTERM after a
+  ``kvmesh drain`` (``systemctl stop`` once the operator drained it) is the first, and drains.
   The handlers are installed before the lease is taken: a signal during start-up (``kvmesh up``
   stopping a daemon whose sibling failed) lets the lease grant finish, then cancels the start-up, so
   leaving the block revokes the lease; it is never left to expire.
@@ -231,6 +234,10 @@ class DaemonRuntime:
         self._stop = asyncio.Event()
         self._started_task: asyncio.Task[Any] | None = None  # the block's task: a start-up signal cancels it
         self._waiting = False  # in wait_for_stop: a signal then just ends the wait
+        self._stop_signals = 0  # SIGTERM/SIGINT received: the second cuts the drain short
+        self._drain_cut_short = False
+        self._server_stopping = False  # the drain's graceful server stop is under way
+        self._cut_short: asyncio.Task[None] | None = None  # the second signal's server stop (a reference)
         self._drain_hooks: list[Callable[[], Awaitable[None] | None]] = []
         self._exit = AsyncExitStack()
         self.started_unix_ms = int(time.time() * 1000)
@@ -295,9 +302,22 @@ class DaemonRuntime:
 
     def _on_stop_signal(self) -> None:
         DaemonRuntime.stop_signalled = True
+        self._stop_signals += 1
+        if self._stop_signals > 1:
+            self._cut_drain_short()
+            return
         self._stop.set()
         if not self._waiting:
             self._cancel_start_up()
+
+    def _cut_drain_short(self) -> None:
+        """A second stop signal: cancel the calls still in flight now instead of after ``--drain-timeout``."""
+        if self._drain_cut_short:
+            return
+        self._drain_cut_short = True
+        log.warning("second stop signal: cancelling the calls still in flight instead of draining them")
+        if self._server_stopping:  # else the drain, once it gets there, stops the server with no grace
+            self._cut_short = asyncio.get_running_loop().create_task(self.server.stop(grace=0))
 
     def _cancel_start_up(self) -> None:
         task = self._started_task
@@ -333,7 +353,8 @@ class DaemonRuntime:
                 log.error("a drain hook failed", exc_info=error)
         # gRPC's graceful stop: the port closes (GOAWAY on open connections, new ones refused) and the
         # calls in flight get the drain timeout. Probes and a second Drain are answered until then.
-        await self.server.stop(grace=self.settings.drain_timeout)
+        self._server_stopping = True
+        await self.server.stop(grace=0 if self._drain_cut_short else self.settings.drain_timeout)
 
     async def _revoke(self) -> None:
         try:
