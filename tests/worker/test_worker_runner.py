@@ -123,6 +123,20 @@ async def test_an_id_whose_last_output_is_not_delivered_yet_is_refused():
         assert len(await _finish(_submit(runner, EngineRequest("r", [40, 41, 42], max_tokens=2, ignore_eos=True)))) == 2
 
 
+async def test_a_starved_loop_restarts_the_schedule_and_counts_the_modelled_time_it_lost():
+    """Deadlines are absolute, so passes a little late cost nothing in the end; after a stall longer than
+    ``MAX_CATCH_UP_S`` the schedule restarts from now instead of rushing the passes that follow, and
+    ``schedule_slip_s`` (``kvmesh_engine_schedule_slip_seconds``) counts the modelled time so lost: what
+    tells a live replay's engines drifting apart from offline from a slow transport in front of them."""
+    async with _running(11, 1.0) as (_core, runner):
+        queue = _submit(runner, EngineRequest("s", list(range(10, 30)), max_tokens=40, ignore_eos=True))
+        await asyncio.wait_for(queue.get(), 10)
+        before = runner.schedule_slip_s
+        time.sleep(0.05)  # the event loop starved: the deadlines meanwhile pass unserved
+        assert len(await _finish(queue)) == 39
+        assert runner.schedule_slip_s - before >= 0.03  # the stall, less the rest of the pass it caught in flight
+
+
 async def test_deadline_timer_wakes_in_deadline_order_never_early_and_cleans_up():
     loop = asyncio.get_running_loop()
     timer = DeadlineTimer.acquire(loop)

@@ -233,6 +233,8 @@ class EngineRunner:
         self.passes = 0
         self.prefill_tokens = 0
         self.decode_tokens = 0
+        # Modelled time lost to stalls: each restart of the schedule adds how late the pass started.
+        self.schedule_slip_s = 0.0
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -338,6 +340,7 @@ class EngineRunner:
                 out = self.core.step()
                 self._pass_in_flight = True
                 if started - deadline > MAX_CATCH_UP_S:
+                    self.schedule_slip_s += started - deadline
                     deadline = started  # stalled: restart the schedule rather than rush the next passes
                 deadline += out.metrics.duration_ms / scale
                 await timer.sleep_until(deadline, functools.partial(self._complete, out, started))

@@ -37,6 +37,11 @@ _OPTIONAL_COUNTERS = (
         "kv_pulled_tokens",
     ),
     ("kvmesh_engine_kv_pulled_bytes", "KV bytes the engine pulled from prefill engines", "kv_pulled_bytes"),
+    (
+        "kvmesh_engine_schedule_slip_seconds",
+        "a mocker's modelled time lost to its process running passes late (a starved process)",
+        "schedule_slip_s",
+    ),
 )
 
 # Gauges only some engines keep (a mocker prefill/decode engine: its NIXL reads in flight).
