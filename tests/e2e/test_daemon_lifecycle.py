@@ -18,6 +18,7 @@ import contextlib
 import json
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -79,6 +80,19 @@ def test_unreachable_discovery_exits_69_with_one_line(daemon):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{daemon}: error: --discovery {url}"), result.stderr
     assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("daemon", DAEMONS)
+def test_a_grpc_port_in_use_exits_2_with_one_line(daemon, tmp_path):
+    """Another process listens there: a bad setting, said in one line before gRPC's C core says its own."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_cli(daemon, "--discovery", f"file://{tmp_path}", "--bind-host", "127.0.0.1",
+                         "--grpc-port", str(port), timeout=60)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"{daemon}: error: --grpc-port {port}: cannot bind 127.0.0.1:{port} (Address already in use)"
+    ]
 
 
 SHARED_CONFIG = """

@@ -20,7 +20,8 @@ Invariants (the reasons this module exists):
   The handlers are installed before the lease is taken: a signal during start-up (``kvmesh up``
   stopping a daemon whose sibling failed) lets the lease grant finish, then cancels the start-up, so
   leaving the block revokes the lease; it is never left to expire.
-- **Bad config** exits 2 with one line (``kvmesh.settings.fail``); **unreachable discovery** at start-up
+- **Bad config** exits 2 with one line (``kvmesh.settings.fail``), a gRPC port that cannot be bound
+  included (checked before gRPC binds it); **unreachable discovery** at start-up
   exits 69 (``EXIT_UNAVAILABLE``) with one line: a restart can fix that, not a bad setting.
 - **Ownership.** ``async with DaemonRuntime(...)`` is the process's lifetime, as with Temporal's
   ``Worker``. Leaving the block (stop signal, error or ``fail``) always runs the same sequence:
@@ -146,6 +147,31 @@ class _Admin(admin_pb2_grpc.AdminServiceServicer):
         log.warning("drain requested by %s: %s", context.peer(), request.reason or "no reason given")
         runtime._stop.set()
         return admin_pb2.DrainResponse(instance_id=f"{runtime.instance_id:x}", started=started)
+
+
+def _why_unbindable(host: str, port: int) -> str | None:
+    """Why gRPC could bind none of ``host``'s addresses on ``port`` (in use, not this host's), or None.
+
+    The same rules as gRPC's own bind: SO_REUSEADDR (a port in TIME_WAIT is free), no SO_REUSEPORT
+    (``grpc.so_reuseport`` is off), and a host name is fine if any of its addresses binds.
+    """
+    if port == 0:
+        return None
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r}: {exc.strerror}"
+    why = "no address"
+    for family, kind, proto, _name, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                why = exc.strerror or str(exc)
+                continue
+        return None
+    return why
 
 
 _S = TypeVar("_S", bound=DaemonSettings)
@@ -382,8 +408,12 @@ class DaemonRuntime:
         await self._set_health(False)  # before the port opens: no probe ever sees SERVING too early
         grpc_services.add_service(self.server, health_pb2.DESCRIPTOR.services_by_name["Health"], self.health)
         kvmesh_reflection.enable_server_reflection(self._service_names, self.server)  # v1 and v1alpha
+        host = bind_host or self.settings.bind_host
+        target = f"{host}:{port}"
+        unbindable = _why_unbindable(host, port)
+        if unbindable is not None:  # said before gRPC tries: its C core logs a line of its own first
+            fail(self.name, f"--grpc-port {port}: cannot bind {target} ({unbindable})")
         try:
-            target = f"{bind_host or self.settings.bind_host}:{port}"
             if self.tls is not None:
                 creds = tls.server_credentials(self.tls, require_client_cert=require_client_cert)
                 bound = self.server.add_secure_port(target, creds)
