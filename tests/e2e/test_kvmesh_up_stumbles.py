@@ -4,15 +4,20 @@ a metrics-port clash, and the temp log directory of a clean run."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from inference import grpc_service_pb2_grpc as pb_grpc
 
+from tests.frontend.frontend_fakes import llm_request
 from tests.support.daemons import running_pid, script
 from tests.support.etcd import free_port
 
@@ -155,3 +160,41 @@ def test_a_reused_log_dir_reports_this_runs_error_not_an_earlier_one(tmp_path: P
     assert proc.returncode != 0
     assert "RuntimeError: boom" in err and "stale" not in err, err
     assert "a stale line" in (logs / "kvmesh-worker.log").read_text(), "earlier runs' lines are kept"
+
+
+def test_a_second_ctrl_c_cancels_what_is_in_flight_and_still_revokes_every_lease(tmp_path: Path) -> None:
+    """Ctrl-C drains, and a stream in flight may hold that for the whole drain timeout (30 s). A second
+    Ctrl-C has every daemon cancel what it still serves and leave within seconds, each revoking its
+    lease on the way out: no record outlives the mesh, as it would after a SIGKILL."""
+    port = free_port()
+    proc = _up(tmp_path, "--grpc-port", str(port), "--speedup-ratio", "0.01")  # a decode pass: ~0.6 s
+    _wait_up(proc)
+    daemons = _children(proc.pid)
+    streaming, ended = threading.Event(), queue.Queue[str]()
+
+    def stream() -> None:
+        request = llm_request("Tell me about KV caches", model="kvmesh-mock", stream=True,
+                              sampling={"max_tokens": 2000, "ignore_eos": True})  # fmt: skip
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            try:
+                for _message in stub.ModelStreamInfer(iter([request]), timeout=120):
+                    streaming.set()
+            except grpc.RpcError as exc:
+                ended.put(exc.code().name)
+            else:
+                ended.put("OK")
+
+    threading.Thread(target=stream, daemon=True).start()
+    assert streaming.wait(30), "no token came"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(2)
+    assert proc.poll() is None, "the first Ctrl-C drains: the stream in flight holds the mesh"
+    second = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - second < 10, err
+    assert "second Ctrl-C: cancelling what the daemons still serve" in err and "killing" not in err, err
+    assert ended.get(timeout=10) != "OK"
+    assert _wait_gone(daemons) == []
+    assert [name for name in _leases(tmp_path) if name.endswith(".lease")] == [], "every lease revoked"

@@ -230,21 +230,36 @@ def _spawn(
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM (each daemon drains), SIGKILL whatever still runs after 15 s, or at once on a second Ctrl-C."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 15
+    """SIGTERM: each daemon drains. A second Ctrl-C sends SIGTERM again, on which each daemon cancels
+    what it still serves and leaves at once, its lease revoked (a SIGKILL would leave it to expire).
+    SIGKILL whatever still runs after 15 s, 5 s after a second Ctrl-C, or at once on a third."""
+    _signal(procs, signal.SIGTERM)
     try:
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(max(0.1, deadline - time.monotonic()))
+        _wait(procs, 15)
     except KeyboardInterrupt:
-        print("kvmesh up: second Ctrl-C: killing the daemons", file=sys.stderr, flush=True)
+        print("kvmesh up: second Ctrl-C: cancelling what the daemons still serve", file=sys.stderr, flush=True)
+        _signal(procs, signal.SIGTERM)
+        try:
+            _wait(procs, 5)
+        except KeyboardInterrupt:
+            print("kvmesh up: third Ctrl-C: killing the daemons", file=sys.stderr, flush=True)
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _signal(procs: list[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.1, deadline - time.monotonic()))
 
 
 def run(args: argparse.Namespace) -> int:
