@@ -394,7 +394,7 @@ async def test_prometheus_shows_per_engine_gauges(worker, channel):
     first = f"{engines[0]:x}"
     assert values["kvmesh_engine_passes_total", first] >= 5
     assert values["kvmesh_engine_decode_tokens_total", first] >= 4
-    assert values["kvmesh_engine_schedule_slip_seconds_total", first] >= 0  # a mocker's stalls (test_worker_runner)
+    assert ("kvmesh_engine_schedule_slip_seconds_total", first) in values  # a mocker's stalls (test_worker_runner)
     assert values["kvmesh_engine_cached_blocks", first] >= 37 // BLOCK
 
 

@@ -260,8 +260,7 @@ class DaemonRuntime:
         self._stop = asyncio.Event()
         self._started_task: asyncio.Task[Any] | None = None  # the block's task: a start-up signal cancels it
         self._waiting = False  # in wait_for_stop: a signal then just ends the wait
-        self._stop_signals = 0  # SIGTERM/SIGINT received: the second cuts the drain short
-        self._drain_cut_short = False
+        self._stop_signals = 0  # SIGTERM/SIGINT received: from the second on, the drain is cut short
         self._server_stopping = False  # the drain's graceful server stop is under way
         self._cut_short: asyncio.Task[None] | None = None  # the second signal's server stop (a reference)
         self._drain_hooks: list[Callable[[], Awaitable[None] | None]] = []
@@ -330,7 +329,8 @@ class DaemonRuntime:
         DaemonRuntime.stop_signalled = True
         self._stop_signals += 1
         if self._stop_signals > 1:
-            self._cut_drain_short()
+            if self._stop_signals == 2:
+                self._cut_drain_short()
             return
         self._stop.set()
         if not self._waiting:
@@ -338,9 +338,6 @@ class DaemonRuntime:
 
     def _cut_drain_short(self) -> None:
         """A second stop signal: cancel the calls still in flight now instead of after ``--drain-timeout``."""
-        if self._drain_cut_short:
-            return
-        self._drain_cut_short = True
         log.warning("second stop signal: cancelling the calls still in flight instead of draining them")
         if self._server_stopping:  # else the drain, once it gets there, stops the server with no grace
             self._cut_short = asyncio.get_running_loop().create_task(self.server.stop(grace=0))
@@ -380,7 +377,7 @@ class DaemonRuntime:
         # gRPC's graceful stop: the port closes (GOAWAY on open connections, new ones refused) and the
         # calls in flight get the drain timeout. Probes and a second Drain are answered until then.
         self._server_stopping = True
-        await self.server.stop(grace=0 if self._drain_cut_short else self.settings.drain_timeout)
+        await self.server.stop(grace=0 if self._stop_signals > 1 else self.settings.drain_timeout)
 
     async def _revoke(self) -> None:
         try:
