@@ -13,6 +13,7 @@ import pytest
 from kvmesh.discovery import DiscoveryUnavailable, default_file_root, instance_key, instance_prefix, open_discovery
 from kvmesh.discovery import file as file_backend
 from kvmesh.discovery.base import Added, Removed, Snapshot
+from kvmesh.discovery.dir_watch import ChangeSignal
 from kvmesh.discovery.file import FileDiscovery, _Scanner, _Store
 
 
@@ -324,6 +325,87 @@ async def test_a_watched_unchanged_fleet_is_not_read_again(tmp_path: Path, monke
         await d.close()
 
 
+def _inotify_instances() -> int:
+    """inotify instances this process holds (file descriptors on ``anon_inode:inotify``)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
+    return count
+
+
+async def test_every_watch_of_a_process_shares_one_inotify_instance_and_the_last_closes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """The kernel allows 128 inotify instances per user by default, and a mesh's daemons run as one user
+    with several watches each. 140 watches of one process hold one instance between them, each is still
+    woken by inotify (an idle second costs no scans, a change is seen), and the last one to close closes
+    the instance."""
+    monkeypatch.setattr(file_backend, "_IDLE_RESCAN_S", 60.0)  # no safety-net scan within this test
+    scans: list[str] = []
+    real_scan = _Scanner.scan
+
+    def counted_scan(self: _Scanner) -> dict[str, bytes]:
+        scans.append(self.prefix)
+        return real_scan(self)
+
+    monkeypatch.setattr(_Scanner, "scan", counted_scan)
+    before = _inotify_instances()
+    d = await open_discovery(f"file://{tmp_path}", ttl=30)
+    store: _Store = d._store
+    live = store.grant(30.0)
+    prefixes = [f"pool{i}/" for i in range(140)]
+    for prefix in prefixes:
+        store.put(f"{prefix}engine/0", b"v", live)
+    events: dict[str, asyncio.Queue[object]] = {prefix: asyncio.Queue() for prefix in prefixes}
+
+    async def consume(prefix: str) -> None:
+        async with contextlib.aclosing(d.list_and_watch(prefix)) as stream:
+            async for event in stream:
+                events[prefix].put_nowait(event)
+
+    consumers = [asyncio.create_task(consume(prefix)) for prefix in prefixes]
+    try:
+        for prefix in prefixes:
+            assert await asyncio.wait_for(events[prefix].get(), 30) == Snapshot({f"{prefix}engine/0": b"v"})
+        assert _inotify_instances() - before == 1
+        idle_from = len(scans)
+        await asyncio.sleep(1.0)
+        assert len(scans) - idle_from <= 10, f"{len(scans) - idle_from} scans by 140 idle watches in 1 s"
+        store.put("pool77/engine/1", b"w", live)
+        assert await asyncio.wait_for(events["pool77/"].get(), 5) == Added("pool77/engine/1", b"w")
+        assert all(events[prefix].empty() for prefix in prefixes)
+    finally:
+        for consumer in consumers:
+            consumer.cancel()
+        await asyncio.gather(*consumers, return_exceptions=True)
+        await d.close()
+    assert _inotify_instances() == before
+
+
+async def test_a_watched_directory_that_is_deleted_leaves_no_watch_behind(tmp_path: Path):
+    """The kernel drops the watch of a deleted directory; the shared instance forgets it too, so a
+    long-lived daemon whose record directories come and go does not accumulate dead watches."""
+    leases, records = tmp_path / "leases", tmp_path / "kv" / "engine"
+    leases.mkdir()
+    records.mkdir(parents=True)
+    before = _inotify_instances()
+    signal = ChangeSignal.open(leases)
+    assert signal is not None
+    shared = signal._shared
+    try:
+        assert signal.cover([(str(records), records.stat().st_ino)]) is True
+        assert shared.watch_count == 2  # the lease directory and the record directory
+        records.rmdir()
+        await signal.wait(5)  # woken by the deletion itself
+        signal.drain()
+        assert shared.watch_count == 1
+        assert signal.cover([]) is False  # forgetting it is a no-op now
+    finally:
+        signal.close()
+    assert shared.watch_count == 0 and _inotify_instances() == before
+
+
 @pytest.mark.parametrize("notified", [True, False], ids=["inotify", "polling"])
 async def test_a_watch_is_woken_by_changes_and_by_expiry_not_by_the_clock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, notified: bool
@@ -334,7 +416,7 @@ async def test_a_watch_is_woken_by_changes_and_by_expiry_not_by_the_clock(
     scan runs every poll interval instead, and sees the same."""
     monkeypatch.setattr(file_backend, "_IDLE_RESCAN_S", 60.0)  # no safety-net scan within this test
     if not notified:
-        monkeypatch.setattr(file_backend._ChangeSignal, "open", classmethod(lambda cls, lease_dir: None))
+        monkeypatch.setattr(file_backend.ChangeSignal, "open", classmethod(lambda cls, lease_dir: None))
     scans: list[float] = []
     real_scan = _Scanner.scan
 

@@ -20,8 +20,9 @@ Layout under the root directory (format version 1)::
 * Key segments are percent-encoded (``quote(seg, safe="")``; '' -> '%', a leading '.' and a
   trailing '.rec' are escaped) so any key maps to one path and never collides with a directory.
 * Watching is a scan that only re-reads files whose inode, size or mtime changed, run when inotify
-  reports a change under the prefix or to the set of lease files (:class:`_ChangeSignal`), when the
-  first lease holding records there can go stale, and at least every ``_IDLE_RESCAN_S`` (a net for
+  reports a change under the prefix or to the set of lease files (:mod:`kvmesh.discovery.dir_watch`:
+  one inotify instance per event loop for all its watches), when the first lease holding records
+  there can go stale, and at least every ``_IDLE_RESCAN_S`` (a net for
   anything inotify could not report); never more often than the poll interval (default 0.1 s).
   Heartbeats (a lease file's mtime) wake nobody. Watchers see a change within the poll interval and
   an expiry within TTL + the poll interval. Where inotify is unavailable (no Linux, watch limits) the
@@ -62,13 +63,11 @@ import logging
 import math
 import os
 import secrets
-import select
 import socket
 import stat
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
 from kvmesh.discovery.base import (
@@ -78,6 +77,7 @@ from kvmesh.discovery.base import (
     Snapshot,
     WatchEvent,
 )
+from kvmesh.discovery.dir_watch import ChangeSignal
 from kvmesh.discovery.errors import DiscoveryError, DiscoveryRefused, DiscoveryUnavailable, raise_if_cancelling
 
 __all__ = ["FileDiscovery", "default_file_root"]
@@ -615,89 +615,6 @@ class _Scanner:
         return dirs
 
 
-class _ChangeSignal:
-    """Wakes a watch when inotify reports a change in its record directories or in the set of lease files.
-
-    Record directories are watched for entries appearing, leaving or being rewritten; the lease
-    directory only for lease files appearing or leaving, not for heartbeats. What to watch follows the
-    scanner (:meth:`cover`), keyed by (path, inode) so that a directory removed and made again is
-    watched again. Invariants: every directory a scan listed is watched before the watch yields that
-    scan's result (when ``cover`` had to add a watch, the caller scans again, so nothing written before
-    the watch existed is missed); and what inotify reported is discarded only right before a scan.
-    """
-
-    def __init__(self, inotify: Any, lease_dir: Path) -> None:
-        from asyncinotify import Mask
-
-        entries = Mask.CREATE | Mask.DELETE | Mask.MOVED_FROM | Mask.MOVED_TO  # appearing or leaving
-        self._ino = inotify
-        self._record_mask = entries | Mask.CLOSE_WRITE  # records may also be rewritten in place
-        self._watches: dict[tuple[str, int], Any] = {}
-        self.failed = False  # a watch could not be added: the caller polls instead
-        self._ino.add_watch(lease_dir, entries)
-
-    @classmethod
-    def open(cls, lease_dir: Path) -> _ChangeSignal | None:
-        """A signal, or None where inotify is not available (the watch then polls)."""
-        try:
-            from asyncinotify import Inotify
-
-            inotify = Inotify()
-        except (ImportError, OSError, AttributeError) as exc:  # not Linux, or out of inotify instances
-            log.info("file discovery: no inotify (%s); scanning every poll interval", exc)
-            return None
-        try:
-            return cls(inotify, lease_dir)
-        except OSError as exc:
-            inotify.close()
-            log.info("file discovery: cannot watch %s (%s); scanning every poll interval", lease_dir, exc)
-            return None
-
-    def cover(self, directories: Iterable[tuple[str, int]]) -> bool:
-        """Watch exactly ``directories``; True if a watch had to be added (the caller scans again)."""
-        wanted = set(directories)
-        for key in self._watches.keys() - wanted:
-            with contextlib.suppress(OSError):  # the directory is gone, and its watch with it
-                self._ino.rm_watch(self._watches.pop(key))
-        added = False
-        for key in wanted - self._watches.keys():
-            try:
-                self._watches[key] = self._ino.add_watch(key[0], self._record_mask)
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # removed since the scan: the next scan drops it
-            except OSError as exc:  # e.g. fs.inotify.max_user_watches reached
-                log.warning("file discovery: cannot watch %s (%s); scanning every poll interval", key[0], exc)
-                self.failed = True
-                return False
-            added = True
-        return added
-
-    async def wait(self, timeout: float) -> None:
-        """Until inotify has something to report, or ``timeout`` seconds (what it reports is not read here)."""
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = loop.create_future()
-
-        def readable() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        loop.add_reader(self._ino.fd, readable)
-        try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ready, timeout)
-        finally:
-            loop.remove_reader(self._ino.fd)
-
-    def drain(self) -> None:
-        """Discard what inotify reported so far (the scan about to run sees it; which entry changed is not needed)."""
-        fd = self._ino.fd
-        while select.select([fd], [], [], 0)[0]:
-            os.read(fd, 65536)
-
-    def close(self) -> None:
-        self._ino.close()
-
-
 class FileDiscovery(Discovery):
     """Discovery in a local directory (see the module docstring)."""
 
@@ -765,7 +682,7 @@ class FileDiscovery(Discovery):
 
     async def _watch(self, prefix: str) -> AsyncGenerator[WatchEvent, None]:
         scanner = _Scanner(self._store, prefix)
-        signal = _ChangeSignal.open(self._store.leases)
+        signal = ChangeSignal.open(self._store.leases)
         try:
             async for event in self._scan_forever(scanner, signal):
                 yield event
@@ -773,7 +690,7 @@ class FileDiscovery(Discovery):
             if signal is not None:
                 signal.close()
 
-    async def _scan_forever(self, scanner: _Scanner, signal: _ChangeSignal | None) -> AsyncGenerator[WatchEvent, None]:
+    async def _scan_forever(self, scanner: _Scanner, signal: ChangeSignal | None) -> AsyncGenerator[WatchEvent, None]:
         state: dict[str, bytes] | None = None
         while True:
             raise_if_cancelling()
