@@ -4,7 +4,7 @@ import argparse
 import json
 
 import pytest
-from kvmesh_bench.datagen.analyze import analyze, compare, prefix_hit_rate
+from kvmesh_bench.datagen.analyze import analyze, compare, format_comparison, prefix_hit_rate
 from kvmesh_bench.datagen.cli import main, register
 from kvmesh_bench.trace import TraceRequest, write_trace
 
@@ -212,3 +212,26 @@ def test_several_traces_without_compare_are_analyzed_one_after_the_other(tmp_pat
     assert main(["datagen", "analyze", str(first), str(second)]) == 0
     out = capsys.readouterr().out
     assert f"{first}: 4 requests" in out and f"{second}: 2 requests" in out
+
+
+def test_replayed_figures_say_whether_the_traces_differ_beyond_the_sources_reordering_noise(capsys):
+    """A replayed figure can move by more than the 10 % tolerance from one order of the same requests to the
+    next. With several traces and several source orders, each replay row also carries a Mann-Whitney p-value:
+    small when every trace replays apart from every source order, 1 when the two samples interleave evenly."""
+
+    def report(p99: float) -> dict[str, object]:
+        return {"replay": {"round_robin x6": {"ttft_p50_ms": 100.0, "ttft_p99_ms": p99, "hit_rate": 0.07}}}
+
+    source = {**report(9000.0), "replay_reordered": [report(v)["replay"] for v in (7000.0, 8000.0, 10000.0, 11000.0)]}
+    apart = {row["metric"]: row for row in compare([report(v) for v in (20000, 21000, 22000, 23000, 24000)], source)}
+    p99 = apart["replay round_robin x6 TTFT p99 (ms)"]
+    assert p99["p_value"] < 0.05 and not p99["within_tolerance"]
+    assert apart["replay round_robin x6 hit rate"]["p_value"] == 1.0  # the same value on both sides
+
+    mixed = compare([report(v) for v in (6500, 8500, 9000, 9500, 11500)], source)
+    p99 = next(row for row in mixed if row["metric"] == "replay round_robin x6 TTFT p99 (ms)")
+    assert p99["p_value"] == 1.0 and p99["within_tolerance"]
+    table = format_comparison(mixed, "5 traces", "source")
+    assert "Mann-Whitney" in table
+    assert table.splitlines()[-2].split()[-1] == "1.00"  # the p99 row's p column
+    assert "p_value" not in compare(report(9000.0), source)[-1]  # one trace: no sample to test

@@ -27,6 +27,7 @@ __all__ = [
     "correlations",
     "format_analysis",
     "format_comparison",
+    "mann_whitney_p",
     "prefix_hit_rate",
     "reordered_replays",
     "replay_figures",
@@ -291,7 +292,8 @@ def compare(traces: dict[str, Any] | Sequence[dict[str, Any]], source: dict[str,
     ``traces``: one report, or several (the median of each figure is compared, and ``trace_range`` gives their
     min and max). A source with ``replay_reordered`` (:func:`reordered_replays`) is compared by the median of its
     replays in every order, its own and the reordered ones, and ``source_range`` gives their min and max.
-    ``within_tolerance``: the relative difference is at most :data:`FIDELITY_TOLERANCE`.
+    ``within_tolerance``: the relative difference is at most :data:`FIDELITY_TOLERANCE`. ``p_value`` (replayed
+    figures, several traces against several source orders): :func:`mann_whitney_p` of the two samples.
     """
     reports = [traces] if isinstance(traces, dict) else list(traces)
     # (label, path in a report, the source's replays of that figure or None: read the source at the path)
@@ -322,9 +324,25 @@ def compare(traces: dict[str, Any] | Sequence[dict[str, Any]], source: dict[str,
         replayed = [v for v in source_samples or () if v is not None]
         if len(replayed) > 1:  # the source's own spread under within-timestamp reordering
             row["source_range"] = [min(replayed), max(replayed)]
+            if len(traced) > 1:
+                row["p_value"] = mann_whitney_p(traced, replayed)
         row["within_tolerance"] = relative is not None and abs(relative) <= FIDELITY_TOLERANCE
         rows.append(row)
     return rows
+
+
+def mann_whitney_p(a: Sequence[float], b: Sequence[float]) -> float:
+    """Two-sided Mann-Whitney U p-value: how often two samples of one distribution differ at least this much.
+
+    For the replayed figures, whose spread from one order of the same requests to the next can exceed the
+    10 % tolerance: a small p (below 0.05) says the traces load the fleet differently from the source beyond
+    that noise; a large one, that these samples cannot tell them apart (not that they are equal).
+    """
+    if len(set(a) | set(b)) < 2:
+        return 1.0  # every value the same on both sides
+    from scipy.stats import mannwhitneyu
+
+    return float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
 
 
 def format_comparison(rows: list[dict[str, Any]], trace_name: str = "trace", source_name: str = "source") -> str:
@@ -346,11 +364,19 @@ def format_comparison(rows: list[dict[str, Any]], trace_name: str = "trace", sou
         header += f"  {'traces, min - max':>25}"
     if noisy:
         header += f"  {'source, reordered within stamps':>31}"
+    tested = any("p_value" in row for row in rows)
+    if tested:
+        header += f"  {'p':>5}"
     lines = [f"trace:  {trace_name}", f"source: {source_name}"]
     if several:
         lines.append("trace column: the median of the traces")
     if noisy:
         lines.append("source column, replays: the median of the source's orders (its own and the reordered ones)")
+    if tested:
+        lines.append(
+            "p: Mann-Whitney U (two-sided) of the traces' replays against the source's orders; below 0.05 they "
+            "differ beyond the replay's own noise"
+        )
     lines += [header, "-" * len(header)]
     for row in rows:
         relative = "n/a" if row["relative_diff"] is None else f"{row['relative_diff']:+.1%}"
@@ -362,5 +388,7 @@ def format_comparison(rows: list[dict[str, Any]], trace_name: str = "trace", sou
             line += f"  {span(row, 'trace_range') if 'trace_range' in row else '':>25}"
         if noisy:
             line += f"  {span(row, 'source_range') if 'source_range' in row else '':>31}"
+        if tested:
+            line += f"  {format(row['p_value'], '.2f') if 'p_value' in row else '':>5}"
         lines.append(line.rstrip())
     return "\n".join(lines)
