@@ -4,7 +4,10 @@ For each trace, each arrival speedup of ``--loads`` and each mode of ``--modes``
 (seeds ``seed .. seed+N-1``, a fresh fleet each); each figure is the median over the seeds. A cell
 *holds* when the candidate (``--candidate``, default plain ``kv``: the router's default policy) is no worse
 than the reference (``--reference``, default ``kv:dynamo``) on TTFT p50, TTFT p99 and ITL p99 (ratio <=
-1 + ``--tolerance``) with a hit rate at least as high (>= reference - ``--tolerance`` x reference)::
+1 + ``--tolerance``) with a hit rate at least as high (>= reference - ``--tolerance`` x reference). A cell
+that does not hold is also judged against seed noise: is each figure it loses worse on the candidate's seeds
+than on the reference's, by a one-sided Mann-Whitney U test at :data:`SIGNIFICANCE`? With 5 seeds a side that
+takes nearly every candidate seed worse than nearly every reference seed::
 
     kvmesh bench policy-matrix ../shared/data/mooncake/conversation_trace.jsonl synth/*.jsonl \\
         --loads 1,2,4,6,8 --seeds 5 --max-requests 2000 --jobs 2 --json out/matrix.json
@@ -44,6 +47,11 @@ FIGURES: tuple[tuple[str, str, bool], ...] = (
 )
 
 
+#: A figure the candidate loses is a significant loss when its seeds are worse than the reference's with a
+#: one-sided Mann-Whitney p below this.
+SIGNIFICANCE = 0.05
+
+
 def _replay_args(trace: str, load: float, fleet: Sequence[str]) -> argparse.Namespace:
     parser = CommandParser(add_help=False)
     add_common_args(parser)
@@ -79,16 +87,39 @@ def seed_spread(runs: Sequence[Summary]) -> dict[str, float]:
     return out
 
 
+def worse_p_values(candidate_runs: Sequence[Summary], reference_runs: Sequence[Summary]) -> dict[str, float]:
+    """Per figure, the one-sided Mann-Whitney U p-value of the candidate's seeds being worse than the
+    reference's (higher where lower is better, lower for the hit rate); 1.0 when every value is the same."""
+    from scipy.stats import mannwhitneyu
+
+    out = {}
+    for key, _, lower_better in FIGURES:
+        c = [getattr(s, key) for s in candidate_runs]
+        r = [getattr(s, key) for s in reference_runs]
+        if len(set(c) | set(r)) < 2:
+            out[key] = 1.0
+            continue
+        out[key] = float(mannwhitneyu(c, r, alternative="greater" if lower_better else "less").pvalue)
+    return out
+
+
 def cell_verdict(
-    candidate: Summary, reference: Summary, tolerance: float, noise: dict[str, float] | None = None
+    candidate: Summary,
+    reference: Summary,
+    tolerance: float,
+    noise: dict[str, float] | None = None,
+    p_worse: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Ratios candidate / reference per figure and whether the candidate is no worse on every one.
 
     ``holds``: no figure worse by more than ``tolerance``. ``within_noise``: every figure that is worse is
-    worse by no more than ``noise`` (the reference's own seed-to-seed spread, :func:`seed_spread`)."""
+    worse by no more than ``noise`` (the reference's own seed-to-seed spread, :func:`seed_spread`).
+    ``significantly_worse_on``: the worse figures whose ``p_worse`` (:func:`worse_p_values`) is below
+    :data:`SIGNIFICANCE` (every worse figure when no p-values are given)."""
     ratios: dict[str, float] = {}
     worse: list[str] = []
     beyond_noise: list[str] = []
+    significant: list[str] = []
     for key, label, lower_better in FIGURES:
         c, r = getattr(candidate, key), getattr(reference, key)
         ratio = c / r if r else (1.0 if c == r else math.inf)
@@ -98,7 +129,16 @@ def cell_verdict(
             worse.append(label)
             if noise is None or excess > max(tolerance, noise.get(key, 0.0)):
                 beyond_noise.append(label)
-    return {"ratios": ratios, "worse_on": worse, "holds": not worse, "within_noise": not beyond_noise}
+            if p_worse is None or p_worse.get(key, 0.0) < SIGNIFICANCE:
+                significant.append(label)
+    return {
+        "ratios": ratios,
+        "worse_on": worse,
+        "holds": not worse,
+        "within_noise": not beyond_noise,
+        "significantly_worse_on": significant,
+        **({"p_worse": p_worse} if p_worse is not None else {}),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,10 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = []
         for trace in args.traces:
             for load in args.loads:
-                cand = median_summary(results[(trace, load, candidate)])
+                cand_runs = results[(trace, load, candidate)]
+                cand = median_summary(cand_runs)
                 ref_runs = results[(trace, load, args.reference)]
                 ref = median_summary(ref_runs)
                 noise = seed_spread(ref_runs)
+                p_worse = worse_p_values(cand_runs, ref_runs)
                 cells.append(
                     {
                         "candidate_mode": label,
@@ -179,15 +221,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "candidate": cand.as_dict(),
                         "reference": ref.as_dict(),
                         "reference_seed_spread": noise,
-                        **cell_verdict(cand, ref, args.tolerance, noise),
+                        **cell_verdict(cand, ref, args.tolerance, noise, p_worse),
                     }
                 )
         print(format_matrix(cells, label, labels[-1]))
         held = sum(r["holds"] for r in cells)
         noisy = sum(r["within_noise"] for r in cells)
+        clear = sum(not r["significantly_worse_on"] for r in cells)
         print(
             f"{label} no worse than {labels[-1]} in {held} of {len(cells)} cells (median of {args.seeds} seeds, "
-            f"tolerance {args.tolerance:g}); within the reference's seed spread in {noisy} of {len(cells)}\n"
+            f"tolerance {args.tolerance:g}); within the reference's seed spread in {noisy} of {len(cells)}; "
+            f"not significantly worse (one-sided Mann-Whitney p >= {SIGNIFICANCE:g} on every figure it loses) "
+            f"in {clear} of {len(cells)}\n"
         )
         rows += cells
     print(f"{len(jobs)} replays in {time.perf_counter() - started:.0f} s")
@@ -223,7 +268,7 @@ def format_matrix(rows: Sequence[dict[str, Any]], candidate: str, reference: str
             "hit": f"{c['hit_rate']:.3f}/{ref['hit_rate']:.3f}",
             "verdict": "holds"
             if r["holds"]
-            else ("within noise: " if r["within_noise"] else "worse: ") + ", ".join(r["worse_on"]),
+            else ("within noise: " if r["within_noise"] else "worse: ") + ", ".join(_with_p(r)),
         }
         out.append(line)
     columns = [
@@ -236,3 +281,12 @@ def format_matrix(rows: Sequence[dict[str, Any]], candidate: str, reference: str
         ("verdict", "verdict", "{}"),
     ]
     return f"{candidate} / {reference}\n" + tables.format_table(out, columns)
+
+
+def _with_p(cell: dict[str, Any]) -> list[str]:
+    """The figures a cell loses, each with its one-sided p-value when there is one."""
+    p_worse = cell.get("p_worse")
+    if p_worse is None:
+        return list(cell["worse_on"])
+    keys = {label: key for key, label, _ in FIGURES}
+    return [f"{label} (p {p_worse[keys[label]]:.2f})" for label in cell["worse_on"]]
