@@ -325,12 +325,14 @@ async def test_a_watched_unchanged_fleet_is_not_read_again(tmp_path: Path, monke
         await d.close()
 
 
-def _inotify_instances() -> int:
-    """inotify instances this process holds (file descriptors on ``anon_inode:inotify``)."""
+def _inotify_instances_watching(directory: Path) -> int:
+    """inotify instances of this process with a watch on ``directory`` (from ``/proc/self/fdinfo``)."""
+    inode = f" ino:{os.stat(directory).st_ino:x} "
     count = 0
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            count += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify"
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:inotify":
+                count += inode in Path(f"/proc/self/fdinfo/{fd}").read_text()
     return count
 
 
@@ -350,7 +352,6 @@ async def test_every_watch_of_a_process_shares_one_inotify_instance_and_the_last
         return real_scan(self)
 
     monkeypatch.setattr(_Scanner, "scan", counted_scan)
-    before = _inotify_instances()
     d = await open_discovery(f"file://{tmp_path}", ttl=30)
     store: _Store = d._store
     live = store.grant(30.0)
@@ -368,7 +369,7 @@ async def test_every_watch_of_a_process_shares_one_inotify_instance_and_the_last
     try:
         for prefix in prefixes:
             assert await asyncio.wait_for(events[prefix].get(), 30) == Snapshot({f"{prefix}engine/0": b"v"})
-        assert _inotify_instances() - before == 1
+        assert _inotify_instances_watching(store.leases) == 1  # every watch watches the lease directory
         idle_from = len(scans)
         await asyncio.sleep(1.0)
         assert len(scans) - idle_from <= 10, f"{len(scans) - idle_from} scans by 140 idle watches in 1 s"
@@ -380,7 +381,7 @@ async def test_every_watch_of_a_process_shares_one_inotify_instance_and_the_last
             consumer.cancel()
         await asyncio.gather(*consumers, return_exceptions=True)
         await d.close()
-    assert _inotify_instances() == before
+    assert _inotify_instances_watching(store.leases) == 0
 
 
 async def test_a_watched_directory_that_is_deleted_leaves_no_watch_behind(tmp_path: Path):
@@ -389,7 +390,6 @@ async def test_a_watched_directory_that_is_deleted_leaves_no_watch_behind(tmp_pa
     leases, records = tmp_path / "leases", tmp_path / "kv" / "engine"
     leases.mkdir()
     records.mkdir(parents=True)
-    before = _inotify_instances()
     signal = ChangeSignal.open(leases)
     assert signal is not None
     shared = signal._shared
@@ -403,7 +403,7 @@ async def test_a_watched_directory_that_is_deleted_leaves_no_watch_behind(tmp_pa
         assert signal.cover([]) is False  # forgetting it is a no-op now
     finally:
         signal.close()
-    assert shared.watch_count == 0 and _inotify_instances() == before
+    assert shared.watch_count == 0 and _inotify_instances_watching(leases) == 0
 
 
 @pytest.mark.parametrize("notified", [True, False], ids=["inotify", "polling"])
