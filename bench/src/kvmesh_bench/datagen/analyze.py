@@ -16,6 +16,7 @@ from itertools import pairwise
 from typing import Any
 
 from kvmesh_bench.datagen.prefix_tree import TreePropertyError, extract_core_tree, request_exits, summarize
+from kvmesh_bench.stats import mann_whitney_p
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceRequest
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
     "correlations",
     "format_analysis",
     "format_comparison",
-    "mann_whitney_p",
     "prefix_hit_rate",
     "reordered_replays",
     "replay_figures",
@@ -293,7 +293,8 @@ def compare(traces: dict[str, Any] | Sequence[dict[str, Any]], source: dict[str,
     min and max). A source with ``replay_reordered`` (:func:`reordered_replays`) is compared by the median of its
     replays in every order, its own and the reordered ones, and ``source_range`` gives their min and max.
     ``within_tolerance``: the relative difference is at most :data:`FIDELITY_TOLERANCE`. ``p_value`` (replayed
-    figures, several traces against several source orders): :func:`mann_whitney_p` of the two samples.
+    figures, several traces against several source orders): the two-sided
+    :func:`~kvmesh_bench.stats.mann_whitney_p` of the two samples: below 0.05 they differ beyond the replay's noise.
     """
     reports = [traces] if isinstance(traces, dict) else list(traces)
     # (label, path in a report, the source's replays of that figure or None: read the source at the path)
@@ -329,20 +330,6 @@ def compare(traces: dict[str, Any] | Sequence[dict[str, Any]], source: dict[str,
         row["within_tolerance"] = relative is not None and abs(relative) <= FIDELITY_TOLERANCE
         rows.append(row)
     return rows
-
-
-def mann_whitney_p(a: Sequence[float], b: Sequence[float]) -> float:
-    """Two-sided Mann-Whitney U p-value: how often two samples of one distribution differ at least this much.
-
-    For the replayed figures, whose spread from one order of the same requests to the next can exceed the
-    10 % tolerance: a small p (below 0.05) says the traces load the fleet differently from the source beyond
-    that noise; a large one, that these samples cannot tell them apart (not that they are equal).
-    """
-    if len(set(a) | set(b)) < 2:
-        return 1.0  # every value the same on both sides
-    from scipy.stats import mannwhitneyu
-
-    return float(mannwhitneyu(a, b, alternative="two-sided").pvalue)
 
 
 def format_comparison(rows: list[dict[str, Any]], trace_name: str = "trace", source_name: str = "source") -> str:

@@ -33,6 +33,7 @@ from kvmesh_bench import tables
 from kvmesh_bench.argtypes import CommandParser, output_file, positive_float, positive_int
 from kvmesh_bench.replay.cli import ReplayError, add_common_args, load_requests, parse_mode, run_mode
 from kvmesh_bench.replay.report import Summary, median_summary, summarize
+from kvmesh_bench.stats import mann_whitney_p
 
 __all__ = ["main"]
 
@@ -90,17 +91,14 @@ def seed_spread(runs: Sequence[Summary]) -> dict[str, float]:
 def worse_p_values(candidate_runs: Sequence[Summary], reference_runs: Sequence[Summary]) -> dict[str, float]:
     """Per figure, the one-sided Mann-Whitney U p-value of the candidate's seeds being worse than the
     reference's (higher where lower is better, lower for the hit rate); 1.0 when every value is the same."""
-    from scipy.stats import mannwhitneyu
-
-    out = {}
-    for key, _, lower_better in FIGURES:
-        c = [getattr(s, key) for s in candidate_runs]
-        r = [getattr(s, key) for s in reference_runs]
-        if len(set(c) | set(r)) < 2:
-            out[key] = 1.0
-            continue
-        out[key] = float(mannwhitneyu(c, r, alternative="greater" if lower_better else "less").pvalue)
-    return out
+    return {
+        key: mann_whitney_p(
+            [getattr(s, key) for s in candidate_runs],
+            [getattr(s, key) for s in reference_runs],
+            "greater" if lower_better else "less",
+        )
+        for key, _, lower_better in FIGURES
+    }
 
 
 def cell_verdict(
