@@ -46,7 +46,7 @@ class _SharedInotify:
         # sync_timeout 0: sync_get returns None once nothing is pending, instead of blocking.
         self._ino = Inotify(sync_timeout=0)
         self._mask_add, self._ignored, self._overflow = Mask.MASK_ADD, Mask.IGNORED, Mask.Q_OVERFLOW
-        self._loop = loop
+        self._loop = weakref.ref(loop)  # not the loop itself: it is this instance's key in _by_loop
         self._users = 0
         self._subscribers: dict[int, dict[ChangeSignal, int]] = {}  # wd -> {signal: subscriptions}
         self._watches: dict[int, Any] = {}  # wd -> asyncinotify Watch
@@ -66,10 +66,11 @@ class _SharedInotify:
         self._users -= 1
         if self._users > 0:
             return
-        if self._by_loop.get(self._loop) is self:
-            del self._by_loop[self._loop]
-        with contextlib.suppress(RuntimeError, ValueError):  # the loop is already closed
-            self._loop.remove_reader(self._ino.fd)
+        loop = self._loop()
+        if loop is not None:
+            self._by_loop.pop(loop, None)
+            with contextlib.suppress(RuntimeError, ValueError):  # the loop is already closed
+                loop.remove_reader(self._ino.fd)
         self._ino.close()
 
     def subscribe(self, signal: ChangeSignal, path: str | Path, mask: Any) -> int:
