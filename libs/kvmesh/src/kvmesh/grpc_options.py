@@ -27,6 +27,10 @@ CLIENT_OPTIONS: list[tuple[str, int]] = [
     *_BOTH_ENDS,
     ("grpc.max_reconnect_backoff_ms", 2_000),
     ("grpc.initial_reconnect_backoff_ms", 100),
+    # Connections of their own: gRPC otherwise shares a connection (subchannel) between channels of one
+    # target and options, so a peer restarted on a dead one's address (a new instance id, a new channel)
+    # failed its first call with the dead one's "connection refused" while that channel was backing off.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 SERVER_OPTIONS: list[tuple[str, int]] = [

@@ -1,0 +1,45 @@
+"""Channels to peers (``kvmesh.channels``): a peer restarted on its old address is reached at once."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvmesh.channels import ChannelPool
+from kvmesh.ports import free_port
+
+
+async def _serve(port: int) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server
+
+
+async def _check(channel: grpc.aio.Channel) -> grpc.StatusCode:
+    try:
+        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+async def test_a_new_instance_on_a_dead_ones_address_does_not_inherit_its_reconnect_backoff() -> None:
+    """systemd restarts a router on its fixed port under a new instance id. The dead instance's channel
+    failed to connect and is backing off; it is closed only later (a task). The new instance's channel
+    must connect at once, not share the old one's connection attempt and fail its first call with the
+    old "connection refused" (gRPC shares subchannels between channels of one target and options
+    unless told not to)."""
+    pool = ChannelPool()
+    address = f"127.0.0.1:{free_port()}"
+    try:
+        dead = pool.get(0xAA, address)
+        assert await _check(dead) == grpc.StatusCode.UNAVAILABLE  # nothing listens: backoff starts
+        server = await _serve(int(address.rsplit(":", 1)[1]))
+        try:
+            restarted = pool.get(0xAB, address)  # the dead one's channel is still open
+            assert await _check(restarted) == grpc.StatusCode.OK
+        finally:
+            await server.stop(grace=None)
+    finally:
+        await pool.close()
