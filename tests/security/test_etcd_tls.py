@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 from kvmesh import tls
+from kvmesh.children import dies_with_parent
 from kvmesh.discovery import DiscoveryUnavailable, open_discovery
 
 from tests.security.tlsmesh import TlsMesh, tls_args
 from tests.support.daemons import run_cli
-from tests.support.etcd import ETCD_BIN, EtcdServer, dies_with_parent, etcd_available
+from tests.support.etcd import ETCD_BIN, EtcdServer, etcd_available
 
 pytestmark = [pytest.mark.etcd, pytest.mark.skipif(not etcd_available(), reason="etcd not installed")]
 

@@ -21,12 +21,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+from kvmesh.children import dies_with_parent
 from kvmesh.ports import free_port
 
 __all__ = ["EtcdServer", "etcd_available", "free_port"]
@@ -36,21 +36,6 @@ ETCD_BIN = os.environ.get("KVMESH_TEST_ETCD", "etcd")
 
 def etcd_available() -> bool:
     return shutil.which(ETCD_BIN) is not None
-
-
-def dies_with_parent(argv: list[str]) -> list[str]:
-    """``argv`` run so that it gets SIGTERM if the test process dies (a hard-killed test must not leave
-    etcd behind), through util-linux's ``setpriv --pdeathsig``.
-
-    Not a ``preexec_fn``: that forces a plain fork(), whose child runs gRPC's fork handlers while other
-    threads of the test process are inside gRPC, and such a child was seen to abort (SIGABRT, "epoll_wait
-    error: Bad file descriptor") before it could exec etcd. Without ``preexec_fn`` Python spawns with
-    vfork/posix_spawn, which runs no fork handlers.
-    """
-    setpriv = shutil.which("setpriv")
-    if sys.platform != "linux" or setpriv is None:
-        return argv
-    return [setpriv, "--pdeathsig", "TERM", "--", *argv]
 
 
 class EtcdServer:
@@ -111,7 +96,7 @@ class EtcdServer:
         peer = f"http://127.0.0.1:{self.peer_port}"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in _reap
         self.proc = subprocess.Popen(
-            dies_with_parent([
+            dies_with_parent([  # a hard-killed test must not leave etcd behind
                 ETCD_BIN,
                 "--name", self.name,
                 "--data-dir", str(self.data_dir),

@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 
 import grpc
-from kvmesh.children import die_with_parent
+from kvmesh.children import dies_with_parent
 from kvmesh.settings import DaemonSettings, default_discovery_url, is_setting_variable
 from kvmesh_bench.argtypes import non_negative_int, positive_float, positive_int, tcp_port
 from kvmesh_frontend.settings import Settings as FrontendSettings
@@ -162,15 +162,14 @@ def _port_taken(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-_LOGS: dict[int, tuple[Path, int]] = {}
-"""Each spawned daemon's log file and where its lines of this run start, by pid (P/D workers log to one file each)."""
+_SPAWNED: dict[int, tuple[str, Path, int]] = {}
+"""Each spawned daemon by pid: its program, its log file and where its lines of this run start (P/D workers log
+to one file each)."""
 
 
-def _why(proc: subprocess.Popen[bytes], log_dir: Path) -> str:
+def _why(proc: subprocess.Popen[bytes]) -> str:
     """A dead daemon's own last word: its ``error:`` line, else the last line of its log."""
-    argv = typing.cast(list[str], proc.args)  # _spawn always passes an argv list of str
-    name = Path(argv[0]).name
-    log_path, start = _LOGS.get(proc.pid, (log_dir / f"{name}.log", 0))
+    name, log_path, start = _SPAWNED[proc.pid]
     try:
         with open(log_path, "rb") as log:
             log.seek(start)
@@ -209,7 +208,7 @@ def _spawn(
     log = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     start = log.tell()  # a reused --log-dir keeps earlier runs' lines; this run's start here
     proc = subprocess.Popen(
-        [exe, *args],
+        dies_with_parent([exe, *args]),
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -218,14 +217,13 @@ def _spawn(
         # worker in a session of its own held its tokens back until requests finished (docs/benchmarks.md,
         # "Overhead of the mesh").
         process_group=0,
-        preexec_fn=die_with_parent(),  # only prctl before exec: safe in a forked child
         env={
             **{var: value for var, value in os.environ.items() if not is_setting_variable(var) or var in own},
             "PYTHONUNBUFFERED": "1",
             **(env or {}),
         },
     )
-    _LOGS[proc.pid] = (log_path, start)
+    _SPAWNED[proc.pid] = (name, log_path, start)
     return proc
 
 
@@ -374,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
                 if stop["now"]:
                     clean = True
                     return 0
-                why = _why(dead[0], log_dir) if dead else f"not ready within {args.ready_timeout:g}s"
+                why = _why(dead[0]) if dead else f"not ready within {args.ready_timeout:g}s"
                 print(f"kvmesh up: error: mesh not ready ({why}); logs in {log_dir}", file=sys.stderr)
                 return 2 if dead and dead[0].returncode == 2 else 1
             if (
@@ -434,7 +432,7 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.2)
         dead = [p for p in procs if p.poll() is not None]
         if dead and not stop["now"]:
-            print(f"kvmesh up: {_why(dead[0], log_dir)}; logs in {log_dir}", file=sys.stderr)
+            print(f"kvmesh up: {_why(dead[0])}; logs in {log_dir}", file=sys.stderr)
             return 1
         clean = True
         return 0

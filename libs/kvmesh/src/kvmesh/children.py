@@ -3,8 +3,16 @@
 Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``) sends the child SIGTERM when its parent
 dies, however it dies (kill -9 too), so the child drains and exits instead of serving on as an orphan
 nobody manages. The signal follows the *thread* that forked the child: start children from the main
-thread (asyncio's subprocesses are forked from the event loop's thread). Elsewhere (no ``prctl``) the
-hook does nothing, and only the parent's own signal handling stops its children.
+thread (asyncio's subprocesses are forked from the event loop's thread).
+
+The signal is armed by a small exec shim (this module run as ``python -m kvmesh.children PARENT_PID
+PROGRAM ARGS...``), not by a ``preexec_fn``: a ``preexec_fn`` makes Python fork plainly, and the child
+of a plain fork runs gRPC's fork handlers while other threads of the parent are inside gRPC. Such a
+child was seen to stall or abort ("epoll_wait error: Bad file descriptor") before it could exec, so a
+planner scaling up under load got a worker that never started. Without a ``preexec_fn`` Python spawns
+with vfork, which runs no fork handlers; the shim, a fresh single-threaded process, arms the signal
+and execs the program in its place (same pid). Elsewhere (no ``prctl``) the program runs as it is, and
+only the parent's own signal handling stops its children.
 """
 
 from __future__ import annotations
@@ -13,7 +21,10 @@ import contextlib
 import ctypes
 import os
 import signal
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["dies_with_parent"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -25,19 +36,31 @@ def _resolve_prctl() -> Callable[[int, int], int] | None:
     return None
 
 
-# Resolved here, in the parent: a child forked from a threaded process must not load libraries.
-_prctl = _resolve_prctl()
+def dies_with_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` as a command line that gets SIGTERM when the calling process dies (spawn it with no
+    ``preexec_fn``). The program replaces the shim: the child's pid is the program's."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-m", "kvmesh.children", str(os.getpid()), *argv]
 
 
-def die_with_parent() -> Callable[[], None]:
-    """A ``preexec_fn`` (it runs in the child, before exec): SIGTERM when the calling process dies."""
-    parent = os.getpid()
+def _exec(args: list[str]) -> int:
+    """The shim: arm the parent-death signal, then exec the program (returns only on failure)."""
+    if len(args) < 2 or not args[0].isdigit():
+        print("usage: python -m kvmesh.children PARENT_PID PROGRAM [ARGS...]", file=sys.stderr)
+        return 2
+    parent, argv = int(args[0]), args[1:]
+    prctl = _resolve_prctl()
+    if prctl is not None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the prctl: no signal will come
+        return 128 + signal.SIGTERM
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as exc:
+        print(f"cannot start {argv[0]}: {exc.strerror or exc}", file=sys.stderr)
+    return 127
 
-    def arm() -> None:
-        if _prctl is None:
-            return
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:  # the parent died before the prctl: no signal will come
-            os.kill(os.getpid(), signal.SIGTERM)
 
-    return arm
+if __name__ == "__main__":
+    sys.exit(_exec(sys.argv[1:]))

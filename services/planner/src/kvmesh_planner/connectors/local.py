@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh.children import die_with_parent
+from kvmesh.children import dies_with_parent
 
 from kvmesh_planner.connectors.base import EngineRef
 from kvmesh_planner.core.model import Pool
@@ -134,7 +134,7 @@ class LocalConnector:
             out = os.open(os.path.join(self._log_dir, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, preexec_fn=die_with_parent()
+                *dies_with_parent(argv), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out
             )
         finally:
             if out is not None:
