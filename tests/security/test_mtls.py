@@ -6,13 +6,14 @@ refused at the handshake; a mesh certificate of the wrong role is refused by the
 from __future__ import annotations
 
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import planner_pb2, planner_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh_cli import certs as certs_cli
 
 from tests.security.tlsmesh import TlsMesh, channel, credentials, health
@@ -74,6 +75,27 @@ def test_the_role_policy_refuses_mesh_certificates_of_other_roles(mesh: TlsMesh,
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with channel(router, pki, "operator") as ch:  # the operator may dump the index
         router_pb2_grpc.RouterServiceStub(ch).DumpIndex(router_pb2.DumpIndexRequest(), timeout=5)
+
+
+def test_the_planner_observes_the_engines_over_mtls(mesh: TlsMesh, pki: Path) -> None:
+    """The planner watches each worker's load (``WatchLoad``) and asks a router replica for its bookings
+    with its own mesh certificate: over plaintext, or without the planner role in the policy, every engine
+    was invisible to it (no load, so not counted as ready: it saw an empty fleet)."""
+    planner = mesh.wait_serving(mesh.start("kvmesh-planner", "planner", "--connector", "virtual", "--interval", "0.2"))
+    try:
+        with channel(planner.address, pki) as ch:
+            stub = planner_pb2_grpc.PlannerServiceStub(ch)
+            deadline = time.monotonic() + 15
+            ready = 0.0
+            while time.monotonic() < deadline and ready < 2:
+                latest = stub.GetStatus(planner_pb2.GetStatusRequest(), timeout=5).latest
+                ready = latest.inputs.get("aggregated.ready", 0.0)
+                time.sleep(0.1)
+        assert ready == 2, planner.log_text()[-3000:]  # the standard mesh's worker serves 2 engines
+        assert "PERMISSION_DENIED" not in planner.log_text()
+    finally:
+        planner.close()
+        mesh.daemons.remove(planner)
 
 
 def _listening_hosts(port: int) -> set[str]:

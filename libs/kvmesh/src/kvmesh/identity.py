@@ -25,6 +25,7 @@ _ANY_DAEMON = frozenset({"frontend", "router", "worker", "planner", "operator"})
 # method (or service prefix ending in '/') -> roles allowed to call it
 POLICY: dict[str, frozenset[str]] = {
     "/kvmesh.v1.WorkerService/": frozenset({"frontend", "router", "worker", "operator"}),
+    "/kvmesh.v1.WorkerService/WatchLoad": frozenset({"frontend", "router", "worker", "operator", "planner"}),
     "/kvmesh.v1.RouterService/Session": frozenset({"frontend", "operator"}),
     "/kvmesh.v1.RouterService/ReplicaSync": frozenset({"router"}),
     "/kvmesh.v1.RouterService/": frozenset({"frontend", "router", "operator", "planner"}),

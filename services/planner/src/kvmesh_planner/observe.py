@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
+from kvmesh.channels import open_channel
 from kvmesh.discovery import (
     Discovery,
     Removed,
@@ -32,7 +33,6 @@ from kvmesh.discovery import (
     model_prefix,
     parse_model_key,
 )
-from kvmesh.grpc_options import CLIENT_OPTIONS
 from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -180,7 +180,7 @@ class Observer:
         """One WatchLoad stream per worker process; reopened while the worker is registered."""
         while True:
             try:
-                async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+                async with open_channel(address, role="worker") as channel:
                     stub = worker_pb2_grpc.WorkerServiceStub(channel)
                     call = stub.WatchLoad(worker_pb2.WatchLoadRequest(forward_pass_metrics=True))
                     async for msg in call:
@@ -198,7 +198,7 @@ class Observer:
         """The router's active load (requests booked per engine), from the first replica that answers."""
         for rec in self.records("router"):
             try:
-                async with grpc.aio.insecure_channel(rec.address, options=CLIENT_OPTIONS) as channel:
+                async with open_channel(rec.address, role="router") as channel:
                     stub = router_pb2_grpc.RouterServiceStub(channel)
                     reply = await stub.GetActiveLoad(router_pb2.GetActiveLoadRequest(), timeout=2.0)
             except grpc.aio.AioRpcError:
