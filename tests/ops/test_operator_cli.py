@@ -1,5 +1,5 @@
-"""``kvmesh status``, ``kvmesh router dump`` and ``kvmesh drain`` against a real mesh with mTLS: only an
-operator certificate may drain; a drained worker deregisters and exits 0."""
+"""``kvmesh status``, ``router dump``, ``drain``, ``planner status`` and ``model files`` against a real mesh
+with mTLS: only an operator certificate may drain; a drained worker deregisters and exits 0."""
 
 from __future__ import annotations
 
@@ -69,9 +69,25 @@ def test_drain_needs_an_operator_certificate_then_deregisters_and_exits_0(mesh: 
     assert not [row for row in json.loads(out) if row["component"] == "worker/engine"]
 
 
+def test_planner_status_and_model_files_speak_mtls_with_an_operator_certificate(mesh: TlsMesh, tmp_path: Path) -> None:
+    planner = mesh.wait_serving(mesh.start("kvmesh-planner", "planner", "--connector", "virtual", "--interval", "0.2"))
+    rc, out, err = kvmesh(mesh, "planner", "status", "--json")
+    assert rc == 0, err
+    (reply,) = json.loads(out)
+    assert reply["address"] == planner.address and reply["leader"] and reply["connector"] == "virtual"
+    rc, out, err = kvmesh(mesh, "model", "files", "kvmesh-mock", "--out", str(tmp_path / "files"))
+    assert rc == 0, err
+    assert (tmp_path / "files" / "tokenizer.json").is_file()
+    plaintext = run_cli("kvmesh", "planner", "status", "--discovery", mesh.url, "--namespace", mesh.namespace)
+    assert plaintext.returncode == 2 and plaintext.stderr.count("\n") == 1, plaintext.stderr
+    assert plaintext.stderr.startswith(f"kvmesh planner status: error: planner {planner.address}: UNAVAILABLE")
+
+
 def test_operator_cli_refuses_half_a_tls_config(tmp_path: Path) -> None:
-    result = run_cli("kvmesh", "status", "--discovery", f"file://{tmp_path}/d", "--tls-cert", "x")
-    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    for command in (["status"], ["planner", "status"], ["model", "files", "m", "--out", str(tmp_path / "o")]):
+        result = run_cli("kvmesh", *command, "--discovery", f"file://{tmp_path}/d", "--tls-cert", "x")
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.endswith("error: TLS needs --tls-cert, --tls-key and --tls-ca together\n")
 
 
 def test_a_file_discovery_directory_that_does_not_exist_is_an_error_not_an_empty_fleet(tmp_path: Path) -> None:

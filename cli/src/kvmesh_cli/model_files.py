@@ -15,9 +15,12 @@ import sys
 from pathlib import Path
 
 import grpc
+from kvmesh.channels import open_channel
 from kvmesh.discovery import DiscoveryError, model_prefix, open_discovery, parse_model_key
 from kvmesh.settings import default_discovery_url
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+
+from kvmesh_cli.client_tls import add_tls_flags, configure_tls
 
 
 class ModelFilesError(Exception):
@@ -38,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--discovery", default=None, help="discovery URL (default: the file backend kvmesh up uses)")
     p.add_argument("--namespace", default="kvmesh-local", help="discovery namespace (default: kvmesh-local)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds for discovery and each download (default: 10)")
+    add_tls_flags(p)
     p.set_defaults(func=run)
 
 
@@ -73,7 +77,7 @@ async def fetch(url: str, namespace: str, model: str, out: Path, timeout: float)
     errors = []
     for card in mine:
         try:
-            async with grpc.aio.insecure_channel(card.address) as channel:
+            async with open_channel(card.address, role="worker") as channel:
                 stub = worker_pb2_grpc.WorkerServiceStub(channel)
                 files: dict[str, bytes] = {}
                 for name in card.files:
@@ -94,6 +98,9 @@ async def fetch(url: str, namespace: str, model: str, out: Path, timeout: float)
 
 
 def run(args: argparse.Namespace) -> int:
+    if (problem := configure_tls(args)) is not None:
+        print(f"kvmesh model files: error: {problem}", file=sys.stderr)
+        return 2
     url = args.discovery or default_discovery_url()
     try:
         written = asyncio.run(fetch(url, args.namespace, args.model, Path(args.out), args.timeout))

@@ -1,8 +1,8 @@
 """Operator commands: ``kvmesh status``, ``kvmesh drain ADDRESS|ENGINE``, ``kvmesh router dump``.
 
-They read the fleet from discovery and call daemons over gRPC; with ``--tls-cert/--tls-key/--tls-ca``
-(or ``KVMESH_TLS_*``) they speak mTLS with an operator certificate (role ``operator``: the only role
-that may drain, see ``kvmesh.identity``), and ``--etcd-tls`` opens etcd with it too.
+They read the fleet from discovery and call daemons over gRPC, with mTLS under ``--tls-*``
+(:mod:`kvmesh_cli.client_tls`; an operator certificate: the only role that may drain, see
+``kvmesh.identity``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 
+from kvmesh_cli.client_tls import add_tls_flags, configure_tls
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     env = os.environ.get
@@ -28,12 +30,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="discovery URL (default: KVMESH_DISCOVERY, else the per-user file backend)",
     )
     p.add_argument("--namespace", default=env("KVMESH_NAMESPACE", "kvmesh"), help="namespace (default: kvmesh)")
-    p.add_argument("--tls-cert", default=env("KVMESH_TLS_CERT", ""), help="operator certificate (env KVMESH_TLS_CERT)")
-    p.add_argument("--tls-key", default=env("KVMESH_TLS_KEY", ""), help="its key (env KVMESH_TLS_KEY)")
-    p.add_argument("--tls-ca", default=env("KVMESH_TLS_CA", ""), help="mesh CA (env KVMESH_TLS_CA)")
-    p.add_argument(
-        "--etcd-tls", action="store_true", default=env("KVMESH_ETCD_TLS", "") in ("1", "true"), help="mTLS to etcd"
-    )
+    add_tls_flags(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: 5)")
 
 
@@ -63,19 +60,8 @@ def _fail(message: str) -> int:
 
 
 def _run(args: argparse.Namespace, command: Any) -> int:
-    from kvmesh import tls
-
-    given = [args.tls_cert, args.tls_key, args.tls_ca]
-    if any(given) and not all(given):
-        return _fail("TLS needs --tls-cert, --tls-key and --tls-ca together")
-    if all(given):
-        try:
-            material = tls.load(*given)
-        except OSError as exc:
-            return _fail(f"cannot read {exc.filename}: {exc.strerror}")
-        tls.configure_client(material)
-        if args.etcd_tls:
-            tls.configure_etcd(material)
+    if (problem := configure_tls(args)) is not None:
+        return _fail(problem)
     try:
         return int(asyncio.run(command(args)))
     except _Problem as exc:

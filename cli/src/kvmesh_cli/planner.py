@@ -17,6 +17,8 @@ from typing import Any
 from kvmesh_bench.argtypes import positive_int, shell_words
 from kvmesh_planner.settings import Settings as PlannerSettings
 
+from kvmesh_cli.client_tls import add_tls_flags, configure_tls
+
 __all__ = ["PlannerSettings", "add_up_flags", "planner_argv", "register"]
 
 POOLS = ("aggregated", "prefill", "decode")
@@ -86,10 +88,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--namespace", default="kvmesh", help="discovery namespace (default: kvmesh)")
     s.add_argument("--address", default=None, help="ask this planner (host:port) instead of looking it up")
     s.add_argument("--json", action="store_true", help="print the replies as JSON")
+    add_tls_flags(s)
     s.set_defaults(func=_status)
 
 
 def _status(args: argparse.Namespace) -> int:
+    if (problem := configure_tls(args)) is not None:
+        print(f"kvmesh planner status: error: {problem}", file=sys.stderr)
+        return 2
     try:
         replies = asyncio.run(_fetch(args))
     except RuntimeError as exc:
@@ -107,6 +113,7 @@ def _status(args: argparse.Namespace) -> int:
 
 async def _fetch(args: argparse.Namespace) -> list[tuple[str, Any]]:
     import grpc
+    from kvmesh.channels import open_channel
     from kvmesh.discovery import DiscoveryUnavailable, instance_prefix, open_discovery
     from kvmesh.settings import default_discovery_url
     from kvmesh.v1 import discovery_pb2, planner_pb2, planner_pb2_grpc
@@ -126,7 +133,7 @@ async def _fetch(args: argparse.Namespace) -> list[tuple[str, Any]]:
         raise RuntimeError(f"no planner registered in namespace {args.namespace!r}")
     out = []
     for address in addresses:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with open_channel(address, role="planner") as channel:
             try:
                 reply = await planner_pb2_grpc.PlannerServiceStub(channel).GetStatus(
                     planner_pb2.GetStatusRequest(), timeout=3.0
