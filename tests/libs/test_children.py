@@ -77,3 +77,10 @@ def test_a_program_that_cannot_start_is_one_line_and_exit_127() -> None:
     )
     assert done.returncode == 127
     assert done.stderr.strip().splitlines() == ["cannot start kvmesh-no-such-program: No such file or directory"]
+
+
+def test_a_kvmesh_directory_in_the_working_directory_does_not_shadow_the_shim(tmp_path: Path) -> None:
+    (tmp_path / "kvmesh").mkdir()
+    (tmp_path / "kvmesh" / "__init__.py").write_text("raise SystemExit('the wrong kvmesh')\n")
+    done = subprocess.run(dies_with_parent(["echo", "ran"]), cwd=tmp_path, capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "ran\n"), done.stderr

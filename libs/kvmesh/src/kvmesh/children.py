@@ -41,7 +41,8 @@ def dies_with_parent(argv: Sequence[str]) -> list[str]:
     ``preexec_fn``). The program replaces the shim: the child's pid is the program's."""
     if not sys.platform.startswith("linux"):
         return list(argv)
-    return [sys.executable, "-m", "kvmesh.children", str(os.getpid()), *argv]
+    # -P: not the working directory first on sys.path, where a "kvmesh" directory would shadow this package
+    return [sys.executable, "-P", "-m", "kvmesh.children", str(os.getpid()), *argv]
 
 
 def _exec(args: list[str]) -> int:
