@@ -47,6 +47,8 @@ _ROLE: dict[int, Pool] = {
     discovery_pb2.WORKER_ROLE_PREFILL: "prefill",
     discovery_pb2.WORKER_ROLE_DECODE: "decode",
 }
+#: WatchLoad failures of a worker going away, restarting or busy: retried quietly.
+_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
 _FAMILIES = {
     "kvmesh_frontend_input_tokens": "isl",
     "kvmesh_frontend_output_tokens": "osl",
@@ -177,20 +179,35 @@ class Observer:
             self._streams[address] = loop.create_task(self._watch_load(address))
 
     async def _watch_load(self, address: str) -> None:
-        """One WatchLoad stream per worker process; reopened while the worker is registered."""
+        """One WatchLoad stream per worker process; reopened while the worker is registered.
+
+        A refusal that retrying will not cure (a certificate or role the worker does not accept, a worker
+        without the method) is a warning, once per kind: the worker's engines then count as not ready."""
+        warned: grpc.StatusCode | None = None
         while True:
             try:
                 async with open_channel(address, role="worker") as channel:
                     stub = worker_pb2_grpc.WorkerServiceStub(channel)
                     call = stub.WatchLoad(worker_pb2.WatchLoadRequest(forward_pass_metrics=True))
                     async for msg in call:
+                        warned = None  # watching: a later refusal is news again
                         for load in msg.loads:
                             engine = self.engines.get(load.engine_id)
                             if engine is not None:
                                 engine.load = load
                         self.passes += len(msg.passes)
             except grpc.aio.AioRpcError as exc:
-                log.debug("WatchLoad %s: %s", address, exc.code())
+                code = exc.code()
+                if code in _TRANSIENT or code == warned:
+                    log.debug("WatchLoad %s: %s", address, code)
+                else:
+                    warned = code
+                    log.warning(
+                        "cannot watch the load of the worker at %s (%s: %s); its engines are not counted as ready",
+                        address,
+                        code.name,
+                        exc.details(),
+                    )
             await asyncio.sleep(0.5)
 
     # -- per-interval polls ---------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""The planner's load watch (``Observer``) against a worker that refuses it: one warning that says what
+it means, then quiet retries; a worker that is merely gone is retried without a warning."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from kvmesh.discovery import open_discovery
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh_planner.observe import Observer
+
+from tests.support.etcd import free_port
+
+
+class _RefusingWorker(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def WatchLoad(
+        self, request: worker_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WatchLoadResponse]:
+        self.calls += 1
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, "role planner may not call this method")
+        yield worker_pb2.WatchLoadResponse()  # never reached: makes this a stream handler
+
+
+async def _watch_for(observer: Observer, address: str, seconds: float) -> None:
+    task = asyncio.get_running_loop().create_task(observer._watch_load(address))
+    await asyncio.sleep(seconds)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_refused_watch_is_one_warning_and_a_vanished_worker_none(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="kvmesh_planner.observe")
+    discovery = await open_discovery(f"file://{tmp_path / 'disc'}", ttl=5)
+    server = grpc.aio.server()
+    worker = _RefusingWorker()
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        observer = Observer(discovery, "ns")
+        await _watch_for(observer, f"127.0.0.1:{port}", 1.3)
+        assert worker.calls >= 2  # retried
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warnings == [
+            f"cannot watch the load of the worker at 127.0.0.1:{port} (PERMISSION_DENIED: role planner may not "
+            "call this method); its engines are not counted as ready"
+        ]
+        caplog.clear()
+        await _watch_for(observer, f"127.0.0.1:{free_port()}", 0.7)  # nobody listens there
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("UNAVAILABLE" in r.getMessage() for r in caplog.records)
+    finally:
+        await server.stop(None)
+        await discovery.close()
