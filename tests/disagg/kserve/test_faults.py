@@ -193,7 +193,7 @@ def test_prefill_and_decode_workers_added_and_removed_under_load_fail_nothing(tm
         time.sleep(1.5)
         stop.set()
         [t.join(60) for t in threads]
-        assert not failures, failures[:3]
+        assert not failures, [str(exc) for exc in failures[:3]]
         assert len(done) > 10
         out = stream_requests(mesh.url_frontend, [request("after", "after " + LONG)])["after"]
         assert param(out.final, "kvmesh.disagg") == "local: no prefill engine"
