@@ -5,6 +5,7 @@ shows both pools at their minimums; the demo request is served disaggregated; Ct
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -26,8 +27,10 @@ def test_kvmesh_up_planner_manages_the_prefill_and_decode_pools(tmp_path):
     ) as up:  # fmt: skip
         demo = up.wait_for("demo request", 180)  # four daemons and two workers start on a busy machine
         assert "failed" not in demo, up.text
+        assert f"Watch the planner: kvmesh planner status --namespace kvmesh-local --discovery {disc}" in up.text
         status = subprocess.run(
-            [script("kvmesh"), "planner", "status", "--discovery", disc, "--namespace", "kvmesh-local", "--json"],
+            [script("kvmesh"), "planner", "status", "--json"],
+            env={**os.environ, "KVMESH_DISCOVERY": disc, "KVMESH_NAMESPACE": "kvmesh-local"},
             capture_output=True, text=True, timeout=60)  # fmt: skip
         assert status.returncode == 0, status.stderr
         (leader,) = json.loads(status.stdout)

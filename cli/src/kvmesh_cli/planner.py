@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import sys
 from typing import Any
@@ -84,8 +85,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("planner", help="the planner: kvmesh planner status")
     sub = p.add_subparsers(dest="planner_command", required=True)
     s = sub.add_parser("status", help="print the planner's current view and latest decision")
-    s.add_argument("--discovery", default=None, help="discovery URL (default: the per-user file backend)")
-    s.add_argument("--namespace", default="kvmesh", help="discovery namespace (default: kvmesh)")
+    s.add_argument(
+        "--discovery",
+        default=os.environ.get("KVMESH_DISCOVERY"),
+        help="discovery URL (default: KVMESH_DISCOVERY, else the per-user file backend)",
+    )
+    s.add_argument(
+        "--namespace",
+        default=os.environ.get("KVMESH_NAMESPACE", "kvmesh"),
+        help="discovery namespace (default: KVMESH_NAMESPACE, else kvmesh; kvmesh up's is kvmesh-local)",
+    )
     s.add_argument("--address", default=None, help="ask this planner (host:port) instead of looking it up")
     s.add_argument("--json", action="store_true", help="print the replies as JSON")
     add_tls_flags(s)

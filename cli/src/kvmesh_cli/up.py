@@ -421,6 +421,9 @@ def run(args: argparse.Namespace) -> int:
             "--tokenizer ./tok\n",
             flush=True,
         )
+        if args.planner:
+            flags = f" --namespace {args.namespace}" + (f" --discovery {args.discovery}" if args.discovery else "")
+            print(f"Watch the planner: kvmesh planner status{flags}\n", flush=True)
         if not args.no_demo:
             # ServerReady means an engine is live; the router may still be warming up for a moment.
             outcome = demo_request(address, model, credentials=credentials)
