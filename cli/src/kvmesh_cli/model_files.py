@@ -20,7 +20,7 @@ from kvmesh.discovery import DiscoveryError, model_prefix, open_discovery, parse
 from kvmesh.settings import default_discovery_url
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
-from kvmesh_cli.client_tls import add_tls_flags, configure_tls
+from kvmesh_cli.client_flags import add_mesh_flags, configure_tls
 
 
 class ModelFilesError(Exception):
@@ -38,10 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="model name, as clients send it (e.g. kvmesh-mock)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write the files to (created if missing)")
-    p.add_argument("--discovery", default=None, help="discovery URL (default: the file backend kvmesh up uses)")
-    p.add_argument("--namespace", default="kvmesh-local", help="discovery namespace (default: kvmesh-local)")
+    add_mesh_flags(p, namespace="kvmesh-local")  # kvmesh up's: the mesh genai-perf users start with
     p.add_argument("--timeout", type=float, default=10.0, help="seconds for discovery and each download (default: 10)")
-    add_tls_flags(p)
     p.set_defaults(func=run)
 
 

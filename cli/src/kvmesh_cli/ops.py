@@ -1,7 +1,7 @@
 """Operator commands: ``kvmesh status``, ``kvmesh drain ADDRESS|ENGINE``, ``kvmesh router dump``.
 
 They read the fleet from discovery and call daemons over gRPC, with mTLS under ``--tls-*``
-(:mod:`kvmesh_cli.client_tls`; an operator certificate: the only role that may drain, see
+(:mod:`kvmesh_cli.client_flags`; an operator certificate: the only role that may drain, see
 ``kvmesh.identity``).
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -19,18 +18,11 @@ from typing import Any
 
 import grpc
 
-from kvmesh_cli.client_tls import add_tls_flags, configure_tls
+from kvmesh_cli.client_flags import add_mesh_flags, configure_tls
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    p.add_argument(
-        "--discovery",
-        default=env("KVMESH_DISCOVERY"),
-        help="discovery URL (default: KVMESH_DISCOVERY, else the per-user file backend)",
-    )
-    p.add_argument("--namespace", default=env("KVMESH_NAMESPACE", "kvmesh"), help="namespace (default: kvmesh)")
-    add_tls_flags(p)
+    add_mesh_flags(p)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: 5)")
 
 

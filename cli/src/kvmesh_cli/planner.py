@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
 import sys
 from typing import Any
@@ -18,7 +17,7 @@ from typing import Any
 from kvmesh_bench.argtypes import positive_int, shell_words
 from kvmesh_planner.settings import Settings as PlannerSettings
 
-from kvmesh_cli.client_tls import add_tls_flags, configure_tls
+from kvmesh_cli.client_flags import add_mesh_flags, configure_tls
 
 __all__ = ["PlannerSettings", "add_up_flags", "planner_argv", "register"]
 
@@ -85,19 +84,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("planner", help="the planner: kvmesh planner status")
     sub = p.add_subparsers(dest="planner_command", required=True)
     s = sub.add_parser("status", help="print the planner's current view and latest decision")
-    s.add_argument(
-        "--discovery",
-        default=os.environ.get("KVMESH_DISCOVERY"),
-        help="discovery URL (default: KVMESH_DISCOVERY, else the per-user file backend)",
-    )
-    s.add_argument(
-        "--namespace",
-        default=os.environ.get("KVMESH_NAMESPACE", "kvmesh"),
-        help="discovery namespace (default: KVMESH_NAMESPACE, else kvmesh; kvmesh up's is kvmesh-local)",
-    )
+    add_mesh_flags(s)  # kvmesh up's namespace is kvmesh-local: it prints this command with --namespace
     s.add_argument("--address", default=None, help="ask this planner (host:port) instead of looking it up")
     s.add_argument("--json", action="store_true", help="print the replies as JSON")
-    add_tls_flags(s)
     s.set_defaults(func=_status)
 
 
