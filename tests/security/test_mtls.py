@@ -98,6 +98,28 @@ def test_the_planner_observes_the_engines_over_mtls(mesh: TlsMesh, pki: Path) ->
         mesh.daemons.remove(planner)
 
 
+def test_a_router_that_cannot_complete_the_handshake_says_why_it_does_not_route(pki: Path, tmp_path: Path) -> None:
+    """A router whose CA does not trust the worker's certificate cannot prove the worker's identity. gRPC
+    reports that as UNAVAILABLE, like a worker that is down; the router's warning carries gRPC's reason,
+    the failed certificate check, which is what the operator has to fix."""
+    url, namespace = f"file://{tmp_path / 'discovery'}", f"m{uuid.uuid4().hex[:8]}"
+    ours = TlsMesh(tmp_path, url, namespace, certs=pki)
+    foreign = TlsMesh(tmp_path, url, namespace, certs=pki.parent / "other")
+    try:
+        worker = ours.wait_serving(ours.start("kvmesh-worker", "worker", "--num-engines", "1", "--speedup-ratio", "0"))
+        router = foreign.wait_serving(foreign.start("kvmesh-router", "router", "--router-mode", "kv"))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and "not routable" not in router.log_text():
+            time.sleep(0.1)
+        lines = [line for line in router.log_text().splitlines() if "not routable" in line]
+        assert lines, router.log_text()[-3000:]
+        assert f":{worker.port}: no worker certificate answered (UNAVAILABLE: " in lines[0]
+        assert "CERTIFICATE_VERIFY_FAILED" in lines[0]
+    finally:
+        foreign.close()
+        ours.close()
+
+
 def _listening_hosts(port: int) -> set[str]:
     """Local addresses listening on ``port`` (from /proc/net/tcp{,6}: no tool needed)."""
     hosts = set()

@@ -68,11 +68,12 @@ class IdentityGate:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     break  # it answered with a worker certificate: the identity is proven
-                log.warning(
-                    "engine %x at %s: no worker certificate answered (%s); not routable",
+                log.warning(  # gRPC's details name the cause, e.g. a certificate this router's CA did not sign
+                    "engine %x at %s: no worker certificate answered (%s: %s); not routable",
                     info.engine_id,
                     info.address,
                     exc.code().name,
+                    exc.details(),
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self._max_backoff)

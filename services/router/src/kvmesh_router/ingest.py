@@ -57,9 +57,10 @@ class EngineFeed:
         max_backoff_s: float = MAX_BACKOFF_S,
         on_link: Callable[[EngineFeed, bool | None], None] = lambda _feed, _up: None,
     ) -> None:
-        """``on_link(feed, up)``: a message came (True), the worker is gone (False), or it does not host
-        this engine (None)."""
+        """``on_link(feed, up)``: a message came (True), the worker is gone (False; ``feed.down_reason``
+        says why), or it does not host this engine (None)."""
         self.engine_id = engine_id
+        self.down_reason = ""
         self.address = address
         self.on_link = on_link
         self._retry_now = asyncio.Event()
@@ -124,11 +125,14 @@ class EngineFeed:
                     if start is not None and cursor.state is FeedState.LIVE and not self.restored.is_set():
                         self.restored.set()
                 else:  # the worker ended the stream (it is draining or restarting), not our restore break
+                    self.down_reason = "it ended the KV event stream"
                     self.on_link(self, False)
                 log.info("engine %x: KV event stream from %s ended; resubscribing", self.engine_id, self.address)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    # gRPC's own wording names the cause: refused, reset, or a TLS handshake that failed.
+                    self.down_reason = f"{code.name}: {exc.details()}"
                     self.on_link(self, False)
                 if code == grpc.StatusCode.NOT_FOUND:
                     self.on_link(self, None)
@@ -283,8 +287,9 @@ class Ingest:
             if fresh:
                 self.down.setdefault(address, set()).update(fresh)
                 log.warning(
-                    "worker %s is unreachable (KV event stream refused or broken): not routing to its %d engine(s)",
+                    "worker %s is unreachable (%s): not routing to its %d engine(s)",
                     address,
+                    feed.down_reason,
                     len(fresh),
                 )
                 self.on_routable(fresh, False)
