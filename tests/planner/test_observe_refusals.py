@@ -1,5 +1,6 @@
 """The planner's load watch (``Observer``) against a worker that refuses it: one warning that says what
-it means, then quiet retries; a worker that is merely gone is retried without a warning."""
+it means, then quiet retries; a worker that is merely gone is retried without a warning, until it has
+been unreachable for longer than a worker that went away stays registered."""
 
 from __future__ import annotations
 
@@ -60,4 +61,22 @@ async def test_a_refused_watch_is_one_warning_and_a_vanished_worker_none(tmp_pat
         assert any("UNAVAILABLE" in r.getMessage() for r in caplog.records)
     finally:
         await server.stop(None)
+        await discovery.close()
+
+
+async def test_a_worker_unreachable_for_long_is_one_warning_with_grpcs_reason(tmp_path: Path, caplog) -> None:
+    """UNAVAILABLE is also what a TLS handshake the planner cannot complete looks like: past the threshold
+    it is a warning carrying gRPC's reason (here the refused connection), once, then quiet again."""
+    caplog.set_level(logging.DEBUG, logger="kvmesh_planner.observe")
+    discovery = await open_discovery(f"file://{tmp_path / 'disc'}", ttl=5)
+    try:
+        observer = Observer(discovery, "ns", unreachable_warn_s=1.0)
+        address = f"127.0.0.1:{free_port()}"  # nobody listens there
+        await _watch_for(observer, address, 3.0)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, warnings
+        assert warnings[0].startswith(f"cannot watch the load of the worker at {address} for ")
+        assert "(UNAVAILABLE: failed to connect to all addresses" in warnings[0]
+        assert warnings[0].endswith("its engines are not counted as ready")
+    finally:
         await discovery.close()

@@ -47,8 +47,12 @@ _ROLE: dict[int, Pool] = {
     discovery_pb2.WORKER_ROLE_PREFILL: "prefill",
     discovery_pb2.WORKER_ROLE_DECODE: "decode",
 }
-#: WatchLoad failures of a worker going away, restarting or busy: retried quietly.
+#: WatchLoad failures of a worker going away, restarting or busy: retried quietly ...
 _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: ... unless they last this long while the worker is still registered: a worker that went away is
+#: deregistered within its lease's TTL, so one still unreachable is misconfigured (a certificate the
+#: planner does not trust, an address it cannot reach), which gRPC also reports as UNAVAILABLE.
+UNREACHABLE_WARN_S = 30.0
 _FAMILIES = {
     "kvmesh_frontend_input_tokens": "isl",
     "kvmesh_frontend_output_tokens": "osl",
@@ -106,8 +110,9 @@ class _Engine:
 
 
 class Observer:
-    def __init__(self, discovery: Discovery, namespace: str) -> None:
+    def __init__(self, discovery: Discovery, namespace: str, unreachable_warn_s: float = UNREACHABLE_WARN_S) -> None:
         self._disc, self._ns = discovery, namespace
+        self._unreachable_warn_s = unreachable_warn_s
         self.engines: dict[int, _Engine] = {}
         self._records: dict[str, discovery_pb2.InstanceRecord] = {}
         self._cards: dict[int, discovery_pb2.ModelCard] = {}
@@ -181,16 +186,19 @@ class Observer:
     async def _watch_load(self, address: str) -> None:
         """One WatchLoad stream per worker process; reopened while the worker is registered.
 
-        A refusal that retrying will not cure (a certificate or role the worker does not accept, a worker
-        without the method) is a warning, once per kind: the worker's engines then count as not ready."""
+        A refusal that retrying will not cure (a role the worker does not accept, a worker without the
+        method) is a warning, once per kind: the worker's engines then count as not ready. So is a transient
+        failure that lasts ``unreachable_warn_s`` (see ``UNREACHABLE_WARN_S``), once until the watch works."""
+        loop = asyncio.get_running_loop()
         warned: grpc.StatusCode | None = None
+        failing_since: float | None = None  # first failure since the stream last delivered
         while True:
             try:
                 async with open_channel(address, role="worker") as channel:
                     stub = worker_pb2_grpc.WorkerServiceStub(channel)
                     call = stub.WatchLoad(worker_pb2.WatchLoadRequest(forward_pass_metrics=True))
                     async for msg in call:
-                        warned = None  # watching: a later refusal is news again
+                        warned, failing_since = None, None  # watching: a later failure is news again
                         for load in msg.loads:
                             engine = self.engines.get(load.engine_id)
                             if engine is not None:
@@ -198,7 +206,19 @@ class Observer:
                         self.passes += len(msg.passes)
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
-                if code in _TRANSIENT or code == warned:
+                now = loop.time()
+                failing_since = now if failing_since is None else failing_since
+                if code in _TRANSIENT and warned is None and now - failing_since >= self._unreachable_warn_s:
+                    warned = code
+                    log.warning(
+                        "cannot watch the load of the worker at %s for %.0f s (%s: %s); its engines are not counted "
+                        "as ready",
+                        address,
+                        now - failing_since,
+                        code.name,
+                        exc.details(),
+                    )
+                elif code in _TRANSIENT or code == warned:
                     log.debug("WatchLoad %s: %s", address, code)
                 else:
                     warned = code
