@@ -368,6 +368,13 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(f
     assert (idle.running, idle.waiting, idle.active_blocks) == (0, 0, 0)
     cores = engine_core_pids(mesh.worker.proc.pid)
     assert cores, "no EngineCore child process found"
+    # vLLM's sockets and its rendezvous file (which a killed engine leaves behind) are in the worker's scratch.
+    environ = dict(
+        item.split("=", 1) for item in Path(f"/proc/{cores[0]}/environ").read_text().split("\0") if "=" in item
+    )
+    scratch = Path(environ["VLLM_RPC_BASE_PATH"])
+    assert environ["TMPDIR"] == str(scratch)
+    assert list(scratch.glob("vllm_dist_*")), sorted(p.name for p in scratch.iterdir())
     # The engine is frozen before "long" reaches it, so "long" can neither run nor finish before the kill.
     # (Killing once vLLM reported it running raced on a loaded machine: this tiny model decodes 1000 tokens
     # in about a second, and "long" had finished on vLLM, with no migration to show, by the time the
@@ -383,6 +390,10 @@ def test_an_engine_death_stops_the_worker_and_its_requests_migrate_to_a_mocker(f
         os.kill(pid, signal.SIGKILL)
     assert mesh.worker.wait(30) == 1
     assert "died" in mesh.worker.log_text()
+    deadline = time.monotonic() + 15  # the orphan guard removes the scratch once the engine's processes are gone
+    while scratch.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not scratch.exists(), sorted(p.name for p in scratch.iterdir())
     assert client.wait(150) == 0, client.stderr.read()[-3000:] if client.stderr else ""
     assert client.stdout is not None
     outcome = json.loads(client.stdout.read().splitlines()[-1])["long"]

@@ -24,7 +24,8 @@ Token ids in and out: the frontend tokenizes, so vLLM runs with ``skip_tokenizer
   requests elsewhere;
 - vLLM's engine processes never outlive the worker: a guard process started before them
   (``orphan_guard``) SIGKILLs them when the worker dies without shutting them down, and removes the
-  worker's directory for vLLM's IPC sockets (``VLLM_RPC_BASE_PATH``) once they are gone;
+  worker's directory for vLLM's IPC sockets (``VLLM_RPC_BASE_PATH``, also the engine processes'
+  ``TMPDIR``) once they are gone;
 - ``--role prefill|decode``: vLLM's NixlConnector moves the KV, kvmesh carries vLLM's
   ``kv_transfer_params`` in ``KvTransferParams.engine_params_json`` (``disagg``);
 - vLLM's "error" finish (retryable, e.g. a KV pull that broke) is never passed off as a stop: a decode
@@ -37,8 +38,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import logging
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -588,6 +591,15 @@ def engine_args(settings: Any, model_path: str, kv_endpoint: str, replay_endpoin
     return args
 
 
+def _default_inductor_cache() -> str:
+    """Where torch puts its compile cache when TMPDIR is the usual one (``torchinductor_<user>``)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container): torch's own fallback
+        user = f"uid_{os.getuid()}"
+    return str(Path(tempfile.gettempdir()) / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)))
+
+
 def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
     """The registry's factory: checks the settings, starts vLLM (13-50 s), returns the one-engine maker."""
     if settings.num_engines != 1:
@@ -611,6 +623,11 @@ def build(settings: Any, model: ModelFiles) -> Callable[[int], VllmEngine]:
     if "VLLM_RPC_BASE_PATH" not in os.environ:
         ipc_dir = Path(tempfile.mkdtemp(prefix="kvmesh-vllm-ipc-"))
         os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir)
+        # The engine processes' temp dir too: their rendezvous file (torch's FileStore, vllm_dist_*) is
+        # left in it whenever an engine is killed. They are spawned, so they read TMPDIR afresh; torch's
+        # compile cache keeps its usual place, so that it outlives the worker as before.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _default_inductor_cache())
+        os.environ["TMPDIR"] = str(ipc_dir)
     orphan_guard.start(scratch=ipc_dir)  # vLLM's engine processes would outlive a SIGKILLed worker
     orphan_guard.start_resource_tracker()  # the cleaner of vLLM's shared memory, before vLLM starts
     kv_endpoint, replay_endpoint = _event_endpoints()
