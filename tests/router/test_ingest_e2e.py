@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from kvmesh.discovery import instance_prefix, open_discovery
 
-from tests.router.test_router_e2e_harness import Mesh, prompt, wait_until
+from tests.router.test_router_e2e_harness import ROUTED, Mesh, prompt, wait_until
 from tests.support.kv_fault_proxy import KvFaultProxy
 
 pytestmark = pytest.mark.e2e
@@ -93,6 +93,26 @@ def test_cut_subscriptions_resume_from_the_cursor(faulty):
     metrics = router.metrics()
     assert metrics["kvmesh_router_kv_resubscribes_total"] >= 2
     assert metrics["kvmesh_router_kv_gaps_total"] == 0  # resumed exactly where it stopped
+
+
+def test_a_cut_with_nothing_missed_leaves_idle_engines_routable(faulty):
+    """A break takes the worker's engines out of routing until their streams answer again. Resuming with
+    nothing to replay, the worker still answers at once (an empty batch): an idle engine, which produces no
+    event while nothing is routed to it, would otherwise stay out of routing for as long as it lives."""
+    _, worker, proxy, router = faulty()
+    traffic(worker, "BC", 2)
+    wait_until(lambda: converged(router, worker), 10, "initial convergence")
+    assert proxy.cut_subscriptions() == 2
+    wait_until(lambda: "is reachable again" in router.daemon.log_text(), 10, "the engines back in routing")
+    assert "is unreachable" in router.daemon.log_text()  # they were out in between
+    assert router.metrics()["kvmesh_router_kv_gaps_total"] == 0
+    session = router.session()
+    try:
+        for i in range(4):  # nothing happened on the worker since the cut, and every query is routed
+            decision = session.route(f"after-cut-{i}", prompt("Z", chr(ord("K") + i)))
+            assert decision.outcome == ROUTED and decision.engine_id in worker.engine_ids, decision
+    finally:
+        session.close()
 
 
 def test_engine_removed_from_discovery_leaves_the_index_and_the_load(tmp_path):

@@ -188,7 +188,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 yield worker_pb2.SubscribeKvEventsResponse(
                     snapshot=kv_events_pb.snapshot_to_proto(initial.stored, initial.next_event_id)
                 )
-            elif initial:
+            else:  # the missed events, maybe none: either way the subscriber learns at once that it is live
                 yield worker_pb2.SubscribeKvEventsResponse(events=kv_events_pb.batch_to_proto(initial))
             while True:
                 events = await subscription.next()
