@@ -15,6 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from kvmesh.discovery import instance_prefix, open_discovery
+from kvmesh_router.indexer import KvIndexer
+from kvmesh_router.ingest import Ingest
 
 from tests.router.test_router_e2e_harness import ROUTED, Mesh, prompt, wait_until
 from tests.support.kv_fault_proxy import KvFaultProxy
@@ -113,6 +115,41 @@ def test_a_cut_with_nothing_missed_leaves_idle_engines_routable(faulty):
             assert decision.outcome == ROUTED and decision.engine_id in worker.engine_ids, decision
     finally:
         session.close()
+
+
+async def test_a_recovery_buffer_overflow_on_an_engines_first_stream_restores_from_a_snapshot(tmp_path):
+    """An engine's first stream starts with a snapshot. A gap on it whose recovery cannot answer while
+    the buffer overflows resets the cursor: the feed must leave that stream and restore, since reading on
+    it dropped every later event as stale and the engine's index entries froze. (An in-process ingest
+    with a 4-event buffer, through the fault proxy to a real worker.)"""
+    mesh = Mesh(tmp_path)
+    proxy = ingest = None
+    try:
+        worker = mesh.worker(engines=1)
+        engine = worker.engine_ids[0]
+        proxy = KvFaultProxy(worker.address).start()
+        channel = grpc.aio.insecure_channel(proxy.address)
+        index = KvIndexer(max_entries=None)
+        ingest = Ingest(index, lambda _address: channel, max_buffer=4, max_backoff_s=0.2)
+        ingest.add(engine, proxy.address)
+        assert await ingest.wait_restored([engine], 10) == []
+        proxy.drop_events(1, engine)  # a gap ...
+        proxy.hold_subscriptions()  # ... whose recovery stream gets no answer
+        await asyncio.to_thread(traffic, worker, "BCDEFGH", 8)  # 7 events buffered behind the gap: > 4
+        assert ingest.stats.gaps >= 1
+        proxy.hold_subscriptions(False)
+        truth = await asyncio.to_thread(worker.truth)
+        async with asyncio.timeout(10):
+            while dict(index.canonical()) != truth:
+                await asyncio.sleep(0.05)
+        assert ingest.stats.restores == 2  # the first one, then a fresh subscription's snapshot
+        await channel.close()
+    finally:
+        if ingest is not None:
+            await ingest.close()
+        if proxy is not None:
+            proxy.close()
+        mesh.close()
 
 
 def test_engine_removed_from_discovery_leaves_the_index_and_the_load(tmp_path):

@@ -118,8 +118,10 @@ class EngineFeed:
                             self.restored.set()
                     else:
                         cursor.on_events(item.events.events)
-                    if cursor.state is FeedState.RESTORING and start is not None:
-                        break  # the recovery buffer overflowed: restore from a snapshot
+                    if cursor.state is FeedState.RESTORING:
+                        # The recovery buffer overflowed (a stream's first message, a snapshot when it
+                        # has no start id, leaves the cursor LIVE): restore on a fresh subscription.
+                        break
                     if cursor.state is FeedState.RECOVERING or self._recovery is not None:
                         self._sync_recovery()
                     if start is not None and cursor.state is FeedState.LIVE and not self.restored.is_set():
