@@ -20,6 +20,7 @@ from kvmesh_worker import service as worker_service
 from kvmesh_worker.engine import DuplicateRequest, EngineConfig, EngineCore, EngineRequest, ForwardPassMetrics
 from kvmesh_worker.engine_runner import DeadlineTimer, EngineRunner
 from kvmesh_worker.engines import OutputStream
+from kvmesh_worker.kv_transfer.mocker_kv import KvConfig, MockerKv
 
 CONFIG = EngineConfig(num_gpu_blocks=64, block_size=4, vocab_size=2048)
 
@@ -92,7 +93,7 @@ async def test_abort_frees_the_blocks_at_once_and_the_runner_goes_idle():
         queue = _submit(runner, EngineRequest("long", list(range(10, 30)), max_tokens=200, ignore_eos=True))
         first = await asyncio.wait_for(queue.get(), 10)
         assert first.token_ids and core.load().active_blocks > 0
-        runner.abort("long")
+        runner.abort("long", queue)
         assert core.load().active_blocks == 0 and not core.has_unfinished()
         passes = runner.passes
         await asyncio.sleep(0.05)
@@ -105,7 +106,7 @@ async def test_an_id_reused_while_its_cancelled_pass_is_in_flight_gets_only_its_
     async with _running(9, 0.1) as (core, runner):
         old = _submit(runner, EngineRequest("y", list(range(10, 30)), max_tokens=1, ignore_eos=True))
         await _until_the_first_pass_is_in_flight(core)  # its only pass
-        runner.abort("y")
+        runner.abort("y", old)
         new = _submit(runner, EngineRequest("y", list(range(40, 43)), max_tokens=5, ignore_eos=True))
         assert len(await _finish(new)) == 5
         assert old.empty()
@@ -230,3 +231,41 @@ def test_a_load_watcher_that_stops_reading_keeps_a_bounded_backlog_and_is_marked
     for _ in range(1000):
         watcher.on_pass(3, metrics, 0.002)
     assert watcher.too_slow and watcher.passes == [] and watcher.changed.is_set()
+
+
+async def test_a_cancel_from_another_stream_leaves_this_streams_request_of_the_same_id_running():
+    """Ids are unique per stream, not per engine (a stream cancels an id whose pull was still running,
+    so it never reached the engine; or one whose last output it has not sent yet): only the stream that
+    submitted a request can abort it."""
+    async with _running(11, 0.5) as (core, runner):
+        mine = _submit(runner, EngineRequest("r1", list(range(10, 30)), max_tokens=20, ignore_eos=True))
+        await asyncio.wait_for(mine.get(), 10)
+        runner.abort("r1", OutputStream())  # another stream's "r1"
+        assert core.has_unfinished()
+        assert len(await _finish(mine)) == 19  # the rest of its 20 tokens
+        runner.abort("r1", mine)  # finished: nothing left to abort
+
+
+@pytest.mark.parametrize("speedup_ratio", [1.0, 0.0])
+async def test_a_request_kept_out_by_held_kv_waits_without_spinning_and_runs_once_the_hold_ends(speedup_ratio):
+    """A prefill engine whose KV holds pin most blocks cannot admit a large request, and runs nothing
+    else: it waits for the hold's release (or expiry) instead of stepping empty passes (tens of
+    thousands a second, each one reported to every pass watcher, before)."""
+    core = EngineCore(EngineConfig(num_gpu_blocks=16, block_size=4, vocab_size=2048, watermark=0.0))
+    kv = MockerKv(12, core, KvConfig(4096, 4096, transfer_gbps=0.0, hold_timeout_s=30, speedup_ratio=1.0))
+    runner = EngineRunner(12, core, speedup_ratio=speedup_ratio, role="prefill", kv=kv)
+    runner.start()
+    try:
+        held = _submit(runner, EngineRequest("held", list(range(100, 140)), max_tokens=1, hold_kv=True))
+        first = await asyncio.wait_for(held.get(), 10)
+        assert first.finished and first.kv_transfer is not None and kv.held_blocks == 10
+        blocked = _submit(runner, EngineRequest("next", list(range(200, 240)), max_tokens=2, ignore_eos=True))
+        await asyncio.sleep(0.3)
+        passes = runner.passes
+        await asyncio.sleep(0.5)
+        assert runner.passes == passes  # waiting, not stepping
+        assert core.load().num_waiting == 1 and blocked.empty()
+        assert runner.release_kv(first.kv_transfer.transfer_id)
+        assert len(await _finish(blocked)) == 2
+    finally:
+        await runner.stop()

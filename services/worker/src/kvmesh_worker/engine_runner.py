@@ -192,6 +192,11 @@ class DeadlineTimer:
             self._arm(heap[0][0])
 
 
+def _ran_nothing(out: StepOutput) -> bool:
+    """A pass that scheduled no request: only a change from outside (``EngineRunner._poke``) can alter the next."""
+    return not out.outputs and out.metrics.batch_size == 0 and not out.metrics.num_preempted
+
+
 class EngineRunner:
     """One mocker engine (an ``Engine``): its real-time loop, request sinks, KV publisher and pass observers."""
 
@@ -222,6 +227,9 @@ class EngineRunner:
         )
         self.publisher = KvEventPublisher(core.journal, core.dump_cache)
         self._wakeup = Wakeup()
+        self._poked = False  # see ``_poke``
+        if kv is not None:
+            kv.on_unpinned = self._poke  # a hold released or expired may let a queued request in
         self._streams: dict[str, OutputSink] = {}
         # A paced pass is computed, then delivered at its deadline: ids aborted in between may be reused by
         # then, so their outputs in that pass are stale and must reach no one (see ``_complete``).
@@ -278,18 +286,30 @@ class EngineRunner:
         if request.hold_kv:
             self._hold_requests[request.request_id] = request
         self._streams[request.request_id] = sink
-        self._wakeup.set()
+        self._poke()
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request; its blocks are freed at once (the core releases them in ``abort_request``)."""
+    def abort(self, request_id: str, sink: OutputSink) -> None:
+        """Cancel ``sink``'s request; its blocks are freed at once (the core releases them in ``abort_request``)."""
         if self.kv is not None:
-            self.kv.unpin_request(request_id)
-            self._hold_requests.pop(request_id, None)
-        if self._streams.pop(request_id, None) is not None:
-            self.core.abort_request(request_id)
-            if self._pass_in_flight:
-                self._stale.add(request_id)
-            self._wakeup.set()
+            self.kv.unpin_request(request_id)  # a pull's pins: only the pulling stream's (a submit ends them)
+        if self._streams.get(request_id) is not sink:
+            return  # not running, or another stream's request of the same id
+        del self._streams[request_id]
+        self._hold_requests.pop(request_id, None)
+        self.core.abort_request(request_id)
+        if self._pass_in_flight:
+            self._stale.add(request_id)
+        self._poke()
+
+    def _poke(self) -> None:
+        """What the next pass can do changed (a request came or went, pinned blocks were freed): step again.
+
+        The loop waits instead of stepping after a pass that ran nothing (a queued request that the pinned
+        blocks of KV holds keep out, nothing running): stepping on, a prefill engine spun through tens of
+        thousands of empty passes a second until the hold ended. ``_poked`` tells it that this pass is
+        already stale, since a ``Wakeup`` does not remember a ``set()`` made while nobody waited."""
+        self._poked = True
+        self._wakeup.set()
 
     def release_kv(self, transfer_id: str) -> bool:
         if self.kv is None:
@@ -337,6 +357,7 @@ class EngineRunner:
             deadline = clock()
             while self.core.has_unfinished():
                 started = clock()
+                self._poked = False
                 out = self.core.step()
                 self._pass_in_flight = True
                 if started - deadline > MAX_CATCH_UP_S:
@@ -344,6 +365,9 @@ class EngineRunner:
                     deadline = started  # stalled: restart the schedule rather than rush the next passes
                 deadline += out.metrics.duration_ms / scale
                 await timer.sleep_until(deadline, functools.partial(self._complete, out, started))
+                if _ran_nothing(out) and not self._poked:
+                    await wakeup.wait()  # see ``_poke``
+                    deadline = clock()  # waiting is no stall
 
     def _complete(self, out: StepOutput, started: float) -> None:
         """The pass is over: deliver its tokens and KV events, then account for it."""
@@ -376,9 +400,12 @@ class EngineRunner:
                 now = clock()
                 account(out.metrics, now - started)
                 started = now
-                if now >= slice_end or not core.has_unfinished():
+                if now >= slice_end or not core.has_unfinished() or _ran_nothing(out):
                     break
-            await asyncio.sleep(0)  # let consumers (and new submissions) run between slices
+            if _ran_nothing(out):
+                await self._wakeup.wait()  # see ``_poke`` (no pass ran since the check: nothing was missed)
+            else:
+                await asyncio.sleep(0)  # let consumers (and new submissions) run between slices
 
     def _deliver(self, outputs: list[RequestOutput], events: list[KvEvent]) -> None:
         streams = self._streams

@@ -459,7 +459,7 @@ class GenerateStreamSession:
             self._pulls.pop(request_id, None)
             self._release_remote(params)
         if request_id not in self._active:  # cancelled right as the pull ended
-            engine.abort(request_id)
+            engine.abort(request_id, self)
             return
         try:
             engine.submit(ereq, self)
@@ -485,7 +485,7 @@ class GenerateStreamSession:
         self._pending.pop(request_id, None)
         self._holds.pop(request_id, None)
         if active is not None:
-            active.engine.abort(request_id)
+            active.engine.abort(request_id, self)
             self._on_aborted(active.engine)
             telemetry.end_request_span(active.span, "cancelled")
 
@@ -505,7 +505,7 @@ class GenerateStreamSession:
         self._pending.clear()
         self._holds.clear()
         for request_id, entry in active.items():
-            entry.engine.abort(request_id)
+            entry.engine.abort(request_id, self)
             self._on_aborted(entry.engine)
             telemetry.end_request_span(entry.span, "the stream ended")
 

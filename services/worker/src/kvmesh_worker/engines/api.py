@@ -124,8 +124,10 @@ class Engine(Protocol):
     def submit(self, request: EngineRequest, sink: OutputSink) -> None:
         """Queue a request whose outputs go to ``sink``; raises InvalidRequest or QueueFull."""
 
-    def abort(self, request_id: str) -> None:
-        """Cancel a request and free its KV now."""
+    def abort(self, request_id: str, sink: OutputSink) -> None:
+        """Cancel the request ``sink`` submitted as ``request_id`` and free its KV now (and a pull's pins
+        for that id). Request ids are unique per stream, not per engine: another sink's request with the
+        same id is left alone."""
 
     def release_kv(self, transfer_id: str) -> bool:
         """Free the KV a prefill role holds for a transfer; False if it holds none for that id."""

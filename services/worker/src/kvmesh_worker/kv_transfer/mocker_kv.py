@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams, KvTransferReport
@@ -73,6 +74,7 @@ class MockerKv:
         self._corrupt = bool(os.environ.get(CORRUPT_ENV))
         self._pull_delay_s = float(os.environ.get(PULL_DELAY_ENV) or 0)
         self.reading_blocks = 0  # blocks of NIXL reads in flight now (a gauge: a stuck pull shows)
+        self.on_unpinned: Callable[[], None] = lambda: None  # blocks were unpinned (the engine's runner pokes)
 
     @property
     def held_blocks(self) -> int:
@@ -123,6 +125,7 @@ class MockerKv:
         self.arena.unhold(hold.hashes)
         self.core.unpin(hold.hashes)
         self.agent.holding(-1)
+        self.on_unpinned()
         return True
 
     def _expire(self, transfer_id: str) -> None:
@@ -223,3 +226,4 @@ class MockerKv:
         pinned = self._pins.pop(request_id, None)
         if pinned is not None:
             self.core.unpin(pinned)
+            self.on_unpinned()

@@ -396,11 +396,12 @@ class VllmEngine:
             code, message = "INTERNAL", "the engine could not run the request"
         return RequestOutput(request_id, (), state.total, True, error_code=code, error_message=message)
 
-    def abort(self, request_id: str) -> None:
-        self._remote.pop(request_id, None)
-        state = self._requests.pop(request_id, None)
-        if state is None:
-            return
+    def abort(self, request_id: str, sink: OutputSink) -> None:
+        self._remote.pop(request_id, None)  # a pull's params: only the pulling stream's (generation takes them)
+        state = self._requests.get(request_id)
+        if state is None or state.sink is not sink:
+            return  # not running, or another stream's request of the same id
+        del self._requests[request_id]
         if state.task is not None:
             state.task.cancel()  # AsyncLLM.generate aborts on cancellation too
         task = asyncio.get_running_loop().create_task(self._abort(request_id))
