@@ -263,6 +263,14 @@ def test_a_disaggregated_query_books_decode_and_prefill_and_both_are_freed(mesh)
         session.lifecycle("r2", FINISHED)
         session.lifecycle("r3", FINISHED)
 
+        # A frontend that gives up on a query (its client cancelled, a hedge lost) before it read the
+        # decision sends FINISHED for the request only: it never learnt of the prefill leg, freed with it.
+        abandoned = session.route("r5", prompt("G", "H", "I", "J"), role=discovery_pb2.WORKER_ROLE_DECODE,
+                                  excluded_prefill=())  # fmt: skip
+        assert abandoned.prefill.place == router_pb2.PREFILL_PLACE_REMOTE, abandoned.prefill
+        session.lifecycle("r5", FINISHED)
+        wait_until(lambda: all(v == (0, 0, 0) for v in router.load().values()), 5, "the prefill leg freed too")
+
         session.route("r4", tokens, role=discovery_pb2.WORKER_ROLE_DECODE, excluded_prefill=())
         assert sum(n for _, _, n in router.load().values()) == 2
     finally:

@@ -4,7 +4,9 @@ The frontend multiplexes every request on it: a ``RouteQuery`` gets exactly one 
 back, in order; ``LifecycleUpdate`` messages (no answer) move a routed request through its life:
 
 - ``FIRST_TOKEN`` -> the booking's prefill tokens stop counting (``mark_prefill_completed``);
-- ``FINISHED`` -> the booking is freed (the request finished, failed or was cancelled).
+- ``FINISHED`` -> the booking is freed (the request finished, failed or was cancelled), and with it the
+  booking of a remote prefill decided with it (``<id>/prefill``) if that one's own FINISHED has not come:
+  a frontend that gives up on a query whose decision it never read knows nothing of its prefill.
 
 A message that does not parse (garbage, or a string field that is not UTF-8) is answered with an
 INVALID decision without a request id, and the session goes on: it may have been a query.
@@ -75,6 +77,7 @@ class SessionHandler:
         state = self.state
         prefix = f"s{next(self._ids)}/"
         active: dict[str, str] = {}  # request id -> booking key
+        companions: dict[str, tuple[str, str]] = {}  # a decode booking key -> its remote prefill's (id, key)
         state.sessions += 1
         decide = self._decide
         update = self._update
@@ -89,10 +92,10 @@ class SessionHandler:
                     yield response
                 elif kind == "route":
                     response = router_pb2.SessionResponse()
-                    decide(prefix, active, message.route, response.decision)
+                    decide(prefix, active, companions, message.route, response.decision)
                     yield response
                 elif kind == "lifecycle":
-                    update(active, message.lifecycle)
+                    update(active, companions, message.lifecycle)
                 elif kind == "batch":
                     response = router_pb2.SessionResponse()
                     decisions = response.decision_batch.decisions
@@ -102,14 +105,14 @@ class SessionHandler:
                     for i, item in enumerate(items):
                         inner = item.WhichOneof("kind")
                         if inner == "route":
-                            decide(prefix, active, item.route, decisions.add())
+                            decide(prefix, active, companions, item.route, decisions.add())
                             if i < last and time.perf_counter() - since > flush_after_s:
                                 yield response  # the decisions so far, while the rest are computed
                                 response = router_pb2.SessionResponse()
                                 decisions = response.decision_batch.decisions
                                 since = time.perf_counter()
                         elif inner == "lifecycle":
-                            update(active, item.lifecycle)
+                            update(active, companions, item.lifecycle)
                         # a nested batch is ignored (batches do not nest)
                     if decisions:
                         yield response
@@ -122,7 +125,12 @@ class SessionHandler:
                 state.metrics.sessions_freed.inc(len(active))
 
     def _decide(
-        self, prefix: str, active: dict[str, str], query: router_pb2.RouteQuery, decision: router_pb2.RouteDecision
+        self,
+        prefix: str,
+        active: dict[str, str],
+        companions: dict[str, tuple[str, str]],
+        query: router_pb2.RouteQuery,
+        decision: router_pb2.RouteDecision,
     ) -> None:
         state = self.state
         rid = query.request_id
@@ -148,9 +156,12 @@ class SessionHandler:
             active[rid] = key
             prefill = decision.prefill.request_id  # a remote prefill, booked beside the decode engine
             if prefill:
-                active[prefill] = key + prefill[len(rid) :]
+                active[prefill] = prefill_key = key + prefill[len(rid) :]
+                companions[key] = (prefill, prefill_key)
 
-    def _update(self, active: dict[str, str], update: router_pb2.LifecycleUpdate) -> None:
+    def _update(
+        self, active: dict[str, str], companions: dict[str, tuple[str, str]], update: router_pb2.LifecycleUpdate
+    ) -> None:
         stage = update.stage
         if stage == _FIRST_TOKEN:
             key = active.get(update.request_id)
@@ -158,6 +169,11 @@ class SessionHandler:
         elif stage == _FINISHED:
             key = active.pop(update.request_id, None)
             known = key is not None and self.state.finish(key)
+            if key is not None and (companion := companions.pop(key, None)) is not None:
+                prefill, prefill_key = companion
+                if active.get(prefill) == prefill_key:  # the prefill leg's own FINISHED has not come
+                    del active[prefill]
+                    self.state.finish(prefill_key)
         else:
             return
         counter = self._counters.get((stage, known))
