@@ -168,6 +168,8 @@ BAD = [
      "input 'sampling_parameters': 'max_tokens' must be >= 1, got 0"),
     ("max_tokens text", llm_request("x", sampling={"max_tokens": "many"}),
      "input 'sampling_parameters': 'max_tokens' must be an integer, got \"many\""),
+    ("temperature beyond any float", llm_request("x", sampling={"temperature": 10**400}),
+     "input 'sampling_parameters': 'temperature' is out of range, got 1000"),
     ("temperature negative", llm_request("x", sampling={"temperature": -1}),
      "input 'sampling_parameters': 'temperature' must be >= 0, got -1.0"),
     ("top_p zero", llm_request("x", sampling={"top_p": 0}), "'top_p' must be in (0, 1], got 0.0"),

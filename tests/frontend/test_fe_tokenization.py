@@ -124,6 +124,11 @@ def test_chat_template_list_form_and_errors() -> None:
     broken = ModelTokenizer(files["tokenizer.json"].decode(), {}, "{{ messages[5]['x'] + 1 }}")
     with pytest.raises(ChatTemplateError, match="chat template failed"):
         broken.render_chat([{"role": "user", "content": "x"}])
+    # A template's own Python error on the client's messages (Mistral's '[INST] ' + content, with a null
+    # content) is the client's to fix too, not an internal error.
+    concatenating = ModelTokenizer(files["tokenizer.json"].decode(), {}, "{{ '[INST] ' + messages[0]['content'] }}")
+    with pytest.raises(ChatTemplateError, match=r"chat template failed on these messages \(TypeError: "):
+        concatenating.render_chat([{"role": "user", "content": None}])
 
 
 def test_no_template_and_sandbox() -> None:

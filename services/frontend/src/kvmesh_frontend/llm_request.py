@@ -269,13 +269,15 @@ def _as_int(where: str, value: Any) -> int:
 def _as_float(where: str, value: Any) -> float:
     if isinstance(value, bool):
         raise invalid(f"{where} must be a number, got {_shown(value)}")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, int | float):
             return float(value)
-        except ValueError:
-            pass
+        if isinstance(value, str):
+            return float(value)
+    except OverflowError:  # an integer beyond any float (JSON integers are unbounded)
+        raise invalid(f"{where} is out of range, got {_shown(value)}") from None
+    except ValueError:
+        pass
     raise invalid(f"{where} must be a number, got {_shown(value)}")
 
 

@@ -126,6 +126,10 @@ class ModelTokenizer:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from None
+        except (
+            Exception
+        ) as exc:  # the template's own code on these messages, e.g. '...' + content where content is null
+            raise ChatTemplateError(f"chat template failed on these messages ({type(exc).__name__}: {exc})") from None
 
     def detokenizer(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids[-_CONTEXT_TOKENS:], skip_special_tokens)
