@@ -101,6 +101,37 @@ def test_stop_string_earliest_wins_and_may_be_included() -> None:
     assert StopStrings(["ab"], include_in_output=True).feed("xxabyy") == ("xxab", True)
 
 
+class _PlainStopStrings:
+    """The specification, plainly: hit the earliest stop in held + delta, else hold the longest tail that
+    is a proper prefix of some stop (every prefix of every stop tried: too slow to serve)."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops, self.held = stops, ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        text = self.held + delta
+        found = [(text.find(stop), stop) for stop in self.stops if stop in text]
+        if found:
+            return text[: min(found)[0]], True
+        tails = [k for stop in self.stops for k in range(1, min(len(stop), len(text) + 1)) if text.endswith(stop[:k])]
+        hold = max(tails, default=0)
+        self.held = text[len(text) - hold :]
+        return text[: len(text) - hold], False
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_stop_strings_follow_the_specification_on_any_text(seed: int) -> None:
+    rng = random.Random(seed)
+    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 4))]
+    fast, plain = StopStrings(stops), _PlainStopStrings(stops)
+    for _ in range(30):
+        delta = "".join(rng.choice("abc") for _ in range(rng.randint(0, 4)))
+        got = fast.feed(delta)
+        assert got == plain.feed(delta), (stops, delta)
+        if got[1]:
+            break
+
+
 def test_chat_template_renders_messages(tok: ModelTokenizer) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     assert tok.render_chat(messages) == "<s><|system|>be brief\n<|user|>hi\n<|assistant|>"
