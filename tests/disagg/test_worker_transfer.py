@@ -149,3 +149,28 @@ def test_an_unreleased_hold_expires_with_its_lease(tmp_path):
             assert not pstub.ReleaseKv(
                 worker_pb2.ReleaseKvRequest(engine_id=pcard.engine_id, transfer_id=params.transfer_id)
             ).released
+
+
+def test_a_decode_leg_refused_before_its_pull_releases_the_prefill_engines_hold(tmp_path):
+    """Refused on arrival (an engine the worker does not host, a draining worker, an id sent twice), the
+    decode leg never pulls: the worker releases its source's hold at once, not at the hold's lease (30 s),
+    which kept those blocks from every other request of the prefill engine meanwhile."""
+    discovery, prefill, decode = _pair(tmp_path)
+    with running(prefill, decode):
+        prefill.wait_serving(30)
+        decode.wait_serving(30)
+        pcard, dcard = _engines(discovery)
+        with grpc.insecure_channel(prefill.address) as pch, grpc.insecure_channel(decode.address) as dch:
+            pstub, dstub = worker_pb2_grpc.WorkerServiceStub(pch), worker_pb2_grpc.WorkerServiceStub(dch)
+            params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+            assert load(prefill.address, pcard.engine_id).active_blocks == 10
+            with pytest.raises(RequestFailed) as refused:
+                generate_sync(
+                    dstub,
+                    worker_pb2.GenerateRequest(
+                        request_id="d1", engine_id=dcard.engine_id + 1, token_ids=PROMPT, sampling=_sampling(8),
+                        prefill_result=params,
+                    ),
+                )  # fmt: skip
+            assert refused.value.code == grpc.StatusCode.NOT_FOUND
+        assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=5.0).active_blocks == 0

@@ -29,7 +29,9 @@ from collections.abc import Callable
 import grpc
 from kvmesh import telemetry
 from kvmesh.channels import ChannelPool
+from kvmesh.kv_release import KvReleases
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
 from kvmesh.wakeup import Wakeup
 
 from kvmesh_frontend.errors import failure_line
@@ -140,8 +142,10 @@ class EngineStream:
         channel: grpc.aio.Channel,
         on_closed: Callable[[EngineStream], None],
         on_idle: Callable[[EngineStream], None],
+        on_unclaimed_hold: Callable[[EngineStream, KvTransferParams], None] = lambda _stream, _params: None,
     ) -> None:
         self.address = address
+        self._on_unclaimed_hold = on_unclaimed_hold
         self.closed = False
         self.reason = ""
         self.by_frontend = False  # closed on purpose (retire, shutdown): says nothing about the worker
@@ -205,8 +209,10 @@ class EngineStream:
                 calls = self._calls
                 for output in message.outputs:
                     call = calls.get(output.request_id)
-                    if call is None:
-                        continue  # cancelled meanwhile
+                    if call is None:  # cancelled meanwhile
+                        if output.response.HasField("kv_transfer"):  # a prefill that ended as it was cancelled
+                            self._on_unclaimed_hold(self, output.response.kv_transfer)
+                        continue
                     if output.error_code:
                         del calls[output.request_id]
                         code = _CODES.get(output.error_code, grpc.StatusCode.UNKNOWN)
@@ -260,6 +266,7 @@ class EngineStreams:
     ) -> None:
         self._pool = pool
         self._address_live = address_live
+        self._releases = KvReleases(pool, log, logging.DEBUG)
         self._streams: dict[str, EngineStream] = {}
         self._dropping: set[asyncio.Task[None]] = set()
         self.down_s = down_s
@@ -289,8 +296,18 @@ class EngineStreams:
         stream = self._streams.get(address)
         if stream is None or stream.closed:
             channel = self._pool.get(address, address, role="worker")
-            stream = self._streams[address] = EngineStream(address, channel, self._forget, self._idle)
+            stream = self._streams[address] = EngineStream(
+                address, channel, self._forget, self._idle, self._release_unclaimed
+            )
         return stream.start(request)
+
+    def _release_unclaimed(self, stream: EngineStream, params: KvTransferParams) -> None:
+        """A prefill's hold whose request ended first: nobody will pull that KV, so free it now, not at the
+        hold's lease (``--kv-hold-timeout``), which kept those blocks from other requests meanwhile."""
+        held = KvTransferParams()
+        held.CopyFrom(params)
+        held.source_address = stream.address
+        self._releases.start(held)
 
     def retire(self, address: str) -> None:
         """No live engine is left at ``address``: let its stream and connection go once idle."""
@@ -333,3 +350,4 @@ class EngineStreams:
     async def close(self) -> None:
         streams, self._streams = list(self._streams.values()), {}
         await asyncio.gather(*(stream.close() for stream in streams), *self._dropping, return_exceptions=True)
+        await self._releases.wait()

@@ -387,21 +387,21 @@ class GenerateStreamSession:
             return
         if request_id in self._active:  # its outputs could no longer be told apart: both end, with one error
             self._cancel(request_id)
-            self._fail(
-                request_id,
+            self._refuse(
+                request,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request id {request_id!r} was sent again while active; both requests are ended",
             )
             return
         refusal = self._refusal()
         if refusal is not None:
-            self._fail(request_id, grpc.StatusCode.UNAVAILABLE, refusal)
+            self._refuse(request, grpc.StatusCode.UNAVAILABLE, refusal)
             return
         engine = self._engines.get(request.engine_id)
         if engine is None:
             hosted = ", ".join(f"{e:x}" for e in self._engines)
             message = f"engine {request.engine_id:x} is not hosted by this worker (it hosts {hosted})"
-            self._fail(request_id, grpc.StatusCode.NOT_FOUND, message)
+            self._refuse(request, grpc.StatusCode.NOT_FOUND, message)
             return
         span = telemetry.start_request_span(SPAN_NAME, request.trace_context)
         if span is not None:
@@ -416,9 +416,7 @@ class GenerateStreamSession:
         try:
             ereq = engine_request(request, request_id)
         except InvalidRequest as exc:
-            if request.HasField("prefill_result"):
-                self._release_remote(request.prefill_result)  # the prefill engine holds its KV for us
-            self._fail(request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
+            self._refuse(request, grpc.StatusCode.INVALID_ARGUMENT, str(exc), span)
             return
         if span is not None:
             span.set_attribute("kvmesh.prompt_tokens", len(ereq.prompt))
@@ -470,6 +468,22 @@ class GenerateStreamSession:
         else:
             self._reports[request_id] = report
 
+    def _refuse(
+        self, request: worker_pb2.GenerateRequest, code: grpc.StatusCode, message: str, span: Any = None
+    ) -> None:
+        """End a request that never reached its engine; a decode leg's source hold is released, not left to
+        its lease (nobody else will pull that KV)."""
+        if request.HasField("prefill_result"):
+            self._release_remote(request.prefill_result)
+        self._fail(request.request_id, code, message, span)
+
+    def _release_unsent_hold(self, engine: Engine, outputs: list[RequestOutput] | None) -> None:
+        """A prefill's last output, queued but not sent when its request was cancelled or its stream ended:
+        its KV hold would wait for its lease, since nobody learns where it is."""
+        held = outputs[-1].kv_transfer if outputs else None
+        if isinstance(held, KvTransferParams):
+            engine.release_kv(held.transfer_id)
+
     def _fail_active(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
         self._holds.pop(request_id, None)
         active = self._active.pop(request_id, None)
@@ -482,9 +496,10 @@ class GenerateStreamSession:
             pull.cancel()
         self._reports.pop(request_id, None)
         active = self._active.pop(request_id, None)
-        self._pending.pop(request_id, None)
+        unsent = self._pending.pop(request_id, None)
         self._holds.pop(request_id, None)
         if active is not None:
+            self._release_unsent_hold(active.engine, unsent)
             active.engine.abort(request_id, self)
             self._on_aborted(active.engine)
             telemetry.end_request_span(active.span, "cancelled")
@@ -502,9 +517,10 @@ class GenerateStreamSession:
             pull.cancel()
         self._reports.clear()
         active, self._active = self._active, {}
-        self._pending.clear()
+        unsent, self._pending = self._pending, {}
         self._holds.clear()
         for request_id, entry in active.items():
+            self._release_unsent_hold(entry.engine, unsent.get(request_id))
             entry.engine.abort(request_id, self)
             self._on_aborted(entry.engine)
             telemetry.end_request_span(entry.span, "the stream ended")
