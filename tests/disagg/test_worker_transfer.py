@@ -174,3 +174,30 @@ def test_a_decode_leg_refused_before_its_pull_releases_the_prefill_engines_hold(
                 )  # fmt: skip
             assert refused.value.code == grpc.StatusCode.NOT_FOUND
         assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=5.0).active_blocks == 0
+
+
+def test_a_pull_from_an_engine_of_another_block_size_is_refused_naming_both(tmp_path):
+    """Engines of one model started with different --block-size hash different blocks: the decode side says
+    so (FAILED_PRECONDITION, a mesh misconfiguration), rather than that the blocks do not match the prompt."""
+    discovery, prefill, decode = _pair(tmp_path)
+    with running(prefill, decode):
+        prefill.wait_serving(30)
+        decode.wait_serving(30)
+        pcard, dcard = _engines(discovery)
+        with grpc.insecure_channel(prefill.address) as pch, grpc.insecure_channel(decode.address) as dch:
+            pstub, dstub = worker_pb2_grpc.WorkerServiceStub(pch), worker_pb2_grpc.WorkerServiceStub(dch)
+            params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+            params.block_size = 2 * BLOCK  # as a prefill engine started with --block-size 8 describes its hold
+            with pytest.raises(RequestFailed) as refused:
+                generate_sync(
+                    dstub,
+                    worker_pb2.GenerateRequest(
+                        request_id="d1", engine_id=dcard.engine_id, token_ids=PROMPT, sampling=_sampling(8),
+                        prefill_result=params,
+                    ),
+                )  # fmt: skip
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert f"has {2 * BLOCK} tokens per block, this engine {BLOCK} (--block-size must match" in (
+                refused.value.message
+            )
+        assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=5.0).active_blocks == 0

@@ -145,6 +145,13 @@ class MockerKv:
         local, seq = core.prompt_hashes(request.prompt, request.cache_salt)
         offered = list(params.block_hashes)
         n = len(offered)
+        block_size = core.config.block_size
+        if n and params.block_size != block_size:  # the hashes cannot match: say what to align
+            raise KvPullFailed(
+                "FAILED_PRECONDITION",
+                f"KV block size differs: prefill engine {source:x} has {params.block_size} tokens per block, this "
+                f"engine {block_size} (--block-size must match between prefill and decode engines of a model)",
+            )
         if n > len(seq) or seq[:n] != offered or len(params.block_ids) != n:
             raise KvPullFailed("INVALID_ARGUMENT", "prefill_result does not describe this request's prompt blocks")
         if n and params.bytes_per_block != arena.bytes_per_block:
