@@ -22,7 +22,7 @@ import pytest
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 from kvmesh_router.engines import EngineInfo
 from kvmesh_router.metrics import RouterMetrics
-from kvmesh_router.replica_sync import ReplicaHub
+from kvmesh_router.replica_sync import Link, ReplicaHub
 from kvmesh_router.service import RouterServicer, add_to_server
 from kvmesh_router.state import RouterState
 
@@ -197,6 +197,52 @@ async def test_peer_bookings_vanish_with_its_link(pair):
     task.cancel()  # a's side of the link dies (as with a kill -9)
     await until(lambda: sum(n for *_, n in b.load()) == 0, what="dropped on b")
     assert 1 not in b.hub.current
+
+
+def _queued_transport() -> tuple[asyncio.Queue, object, object]:
+    """A link's two ends as plain queues: the test delivers the peer's messages one by one, in any order."""
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def send(_message: object) -> None:
+        pass
+
+    async def recv() -> object:
+        return await inbox.get()
+
+    return inbox, send, recv
+
+
+async def test_a_replaced_link_applies_nothing_after_its_successors_snapshot():
+    """Two links with one peer collapse to one; the other may still hold messages read before it lost. A
+    booking the peer added and freed before the new link's snapshot (so not in it) arrives on the old link
+    as 'added' after that snapshot, and its 'freed' never comes: applied, it stayed booked here as load
+    until the 300 s TTL. The replaced link's snapshot is superseded, and so is everything after it."""
+    hub = ReplicaHub(RouterState(metrics=RouterMetrics()), 5, lambda _address: None)  # type: ignore[arg-type, return-value]
+    hub.state.add_engine(EngineInfo(11, "m", "w11", 16, 1000))
+    loop = asyncio.get_running_loop()
+    old_inbox, send, recv = _queued_transport()
+    old = Link(hub, inbound=False, send=send, recv=recv, message_type=router_pb2.ReplicaSyncRequest, expected_peer=2)
+    tasks = [loop.create_task(old.run())]
+    old_inbox.put_nowait(router_pb2.ReplicaSyncResponse(router_id="2"))  # the peer's (empty) snapshot
+    await until(lambda: hub.current.get(2) is old, what="the first link attached")
+    new_inbox, send, recv = _queued_transport()
+    new = Link(hub, inbound=True, send=send, recv=recv, message_type=router_pb2.ReplicaSyncResponse)
+    tasks.append(loop.create_task(new.run()))
+    for _ in range(5):  # both links wait for the peer's next message
+        await asyncio.sleep(0)
+    # In one tick: the new link's snapshot (peer 2 dialed it, so it replaces the old one), then, read by
+    # the old link, the 'added' of a booking that the new snapshot no longer has (freed meanwhile).
+    new_inbox.put_nowait(router_pb2.ReplicaSyncRequest(router_id="2"))
+    booked = router_pb2.ActiveBooking(request_id="s1/Y", engine_id=11, block_hashes=[1, 2], num_tokens=32)
+    old_inbox.put_nowait(router_pb2.ReplicaSyncResponse(router_id="2", events=[router_pb2.BookingEvent(added=booked)]))
+    await until(lambda: hub.current.get(2) is new and old.closed.is_set(), what="the old link replaced")
+    await asyncio.sleep(0.05)
+    assert not hub.state.slots.has_request("p2/s1/Y")
+    assert hub.state.active_load() == [(11, 0, 0, 0)]
+    new.close()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def test_overflowing_link_is_cut_not_silently_lossy():

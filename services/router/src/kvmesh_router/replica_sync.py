@@ -22,7 +22,8 @@ fleet's traffic, every replica also applies its peers' bookings, which arrive ov
   ready). A starting replica dials every peer it sees in its first discovery snapshot (they cannot
   see it yet); afterwards the replica with the **smaller id** dials (and redials with backoff while
   the peer is in discovery and no link is up). If two links between the same pair exist (a race),
-  both sides keep the one dialed by the smaller id (same dialer: the newer), so they agree.
+  both sides keep the one dialed by the smaller id (same dialer: the newer), so they agree. A link
+  that lost applies nothing more, not even a message it read before: the winner's snapshot supersedes it.
 
 Sync lag: an added booking carries its age when it is written on the link; the receiver records that
 age (the sender's queueing delay plus the booking's age at publish time) in a histogram.
@@ -195,6 +196,8 @@ class Link:
             return
         message = first
         while True:
+            if not self.attached:
+                return  # replaced by a newer link (or detached): its snapshot supersedes what this one still reads
             if message.events:
                 lag = hub.state.bookings.apply_peer_events(peer, message.events)
                 hub.received += len(message.events)
