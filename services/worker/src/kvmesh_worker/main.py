@@ -104,8 +104,9 @@ async def serve(cfg: Settings) -> int:
         for runner in runners:
             runner.start()
             runtime.resources.push_async_callback(runner.stop)
-        for index, eid in enumerate(engine_ids):
+        for index, eid in enumerate(engine_ids):  # before the first await: the server answers GetModelCard from here on
             cards[eid] = model_card(runners[index].spec, model, eid, runtime.address)
+        for index, eid in enumerate(engine_ids):
             await runtime.register(
                 runtime.instance_record(
                     "worker",
