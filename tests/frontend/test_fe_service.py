@@ -479,6 +479,11 @@ async def test_model_infer_errors_are_statuses(mesh) -> None:
     )
     await expect_status(stub.ModelInfer(llm_request("x", sampling={"max_tokens": 5000})),
                         grpc.StatusCode.INVALID_ARGUMENT, "exceeds the context length 4096")  # fmt: skip
+    await expect_status(
+        stub.ModelInfer(llm_request("x", sampling={"min_tokens": 100})),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "min_tokens (100) must not exceed max_tokens (16, the default here): set max_tokens",
+    )
     await expect_status(stub.ModelInfer(llm_request("x", params={"kvmesh.worker_id": 99})),
                         grpc.StatusCode.NOT_FOUND, "engine 99 does not serve model 'fake-model'")  # fmt: skip
     router.outcome = router_pb2.DECISION_OUTCOME_REJECTED

@@ -290,6 +290,11 @@ class Frontend:
         max_tokens = sampling.max_tokens
         if max_tokens is None:
             max_tokens = self.default_max_tokens if not limit else min(self.default_max_tokens, limit - num_prompt)
+            if sampling.min_tokens > max_tokens:  # vLLM refuses it too; clamping it would be silent
+                raise invalid(
+                    f"min_tokens ({sampling.min_tokens}) must not exceed max_tokens ({max_tokens}, the default "
+                    "here): set max_tokens"
+                )
         elif limit and num_prompt + max_tokens > limit:
             raise invalid(
                 f"max_tokens {max_tokens} + prompt of {num_prompt} tokens exceeds the context length {limit} of model "
@@ -308,7 +313,7 @@ class Frontend:
             temperature=1.0 if sampling.temperature is None else sampling.temperature,
             top_p=1.0 if sampling.top_p is None else sampling.top_p,
             top_k=sampling.top_k or 0,
-            min_tokens=min(sampling.min_tokens, max_tokens),
+            min_tokens=sampling.min_tokens,
         )
         if sampling.seed is not None:
             options.seed = sampling.seed
