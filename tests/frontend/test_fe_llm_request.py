@@ -141,6 +141,8 @@ def messages_input(doc: object) -> pb.ModelInferRequest.InferInputTensor:
 
 BAD = [
     ("missing prompt", llm_request(None), "missing input: one of 'text_input', 'input_ids' or 'messages' is required"),
+    ("long id", llm_request("x", request_id="i" * 4097),  # echoed in every response of a stream
+     "the request id has 4097 characters; at most 4096 are accepted"),
     ("two prompts", llm_request("x", extra=[ids_input([1])]), "inputs 'text_input' and 'input_ids' are exclusive"),
     ("unknown input", llm_request("x", extra=[bool_input("beam", True)]), "input 'beam' is not an input of this model"),
     ("text datatype", llm_request(None, extra=[int_input("text_input", 3)]),

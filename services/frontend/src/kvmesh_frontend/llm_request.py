@@ -108,6 +108,7 @@ MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request (the worker's bound too:
 MAX_STOP_STRINGS = 64  # stop strings per request (OpenAI takes 4; each costs a search per token)
 MAX_SCALAR_ELEMENTS = 16  # a scalar input must hold 1; a few more still get the precise message
 MAX_PARAMETERS = 64
+MAX_ID_CHARS = 4096  # the request id comes back in every response of its stream
 MAX_PARAMETER_STRING_BYTES = 4096
 MAX_REQUESTED_OUTPUTS = 16
 
@@ -553,6 +554,8 @@ def parse_llm_request(
     """
     if len(request.outputs) > MAX_REQUESTED_OUTPUTS:
         raise invalid(f"the request names {len(request.outputs)} outputs; at most {MAX_REQUESTED_OUTPUTS} are accepted")
+    if len(request.id) > MAX_ID_CHARS:
+        raise invalid(f"the request id has {len(request.id)} characters; at most {MAX_ID_CHARS} are accepted")
     tensors = decode_inputs(request, input_limits(context_length, model))
     for tensor in tensors.values():
         _check_datatype(tensor)
