@@ -148,6 +148,29 @@ async def test_lease_revoked_behind_the_keepers_back_is_regranted(discovery_url:
         await admin.close()
 
 
+async def test_a_put_under_a_lease_the_backend_dropped_is_kept_for_the_new_lease(discovery_url: str, ns: str, tracker):
+    """The lease expired or was revoked before the keeper noticed (a frozen or loaded daemon): a put under it
+    is no failure (the file backend raised, so a daemon's register() crashed; etcd did not): the record is
+    remembered and published with the re-granted lease."""
+    d = await open_discovery(discovery_url, ttl=TTL)
+    admin = await open_discovery(discovery_url, ttl=TTL)
+    try:
+        lease = await d.grant_lease()
+        first, second = (instance_key(ns, "worker", name, lease.id) for name in ("a", "b"))
+        await lease.put(first, b"1")
+        await admin._lease_revoke(lease.id)
+        await lease.put(second, b"2")  # no exception, whichever moment the keeper notices
+        watch = await tracker(admin, instance_prefix(ns))
+        await watch.wait_for(lambda s: s == {first: b"1", second: b"2"}, TTL + 3, "both records, new lease")
+        async with asyncio.timeout(TTL):  # the keeper says it is alive again once every record is back
+            while not lease.alive:
+                await asyncio.sleep(0.01)
+        assert lease.losses == 1
+    finally:
+        await d.close()
+        await admin.close()
+
+
 async def test_records_deleted_behind_a_live_lease_are_published_again(discovery_url: str, ns: str):
     """Someone deletes a serving daemon's records (etcdctl del, a wiped record directory) while its lease
     lives: the keeper puts them back within T, under the same lease. Else the daemon serves on, invisible."""

@@ -77,7 +77,15 @@ def test_settings_are_frozen_and_keyword_only():
         ([], {"KVMESH_NUM_ENGINES": "many"}, "--num-engines (from KVMESH_NUM_ENGINES): Input should be a valid int"),
         (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
         (["--discovery", "redis://x"], {}, "expected etcd://host:port"),
-        (["--discovery", "etcd://nohost"], {}, "is not host:port"),
+        # the backends' own parsers: what the settings take, a backend opens (etcd://host alone is port 2379)
+        (
+            ["--discovery", "etcd://h:99999"],
+            {},
+            "--discovery (from flag): discovery URL 'etcd://h:99999': etcd port out",
+        ),
+        (["--discovery", "file:///d?poll=abc"], {}, "discovery URL 'file:///d?poll=abc': poll must be seconds"),
+        ([], {"KVMESH_DISCOVERY": "file:///d\u0000"}, "--discovery (from KVMESH_DISCOVERY): discovery URL"),
+        (["--lease-ttl", "1e10"], {}, "--lease-ttl (from flag): Input should be less than or equal to 9000000000"),
         ([], {"KVMESH_ENABLE_THING": "maybe"}, "--enable-thing (from KVMESH_ENABLE_THING): Input should be a valid"),
         (["--log-level", "loud"], {}, "invalid choice: 'loud'"),
         ([], {"KVMESH_LOG_LEVEL": "loud"}, "--log-level (from KVMESH_LOG_LEVEL): Input should be 'debug'"),
@@ -155,3 +163,18 @@ def test_a_daemon_names_the_variables_it_reads():
         False,
         False,
     ]
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e400"])
+def test_a_non_finite_engine_bound_in_the_config_file_is_one_line(tmp_path, capsys, value):
+    """The worker derives --max-waiting-requests from --max-num-seqs before validating: int(inf) raised
+    OverflowError there, a traceback, instead of the field's own error."""
+    from kvmesh_worker.settings import Settings as WorkerSettings
+
+    path = tmp_path / "kvmesh.toml"
+    path.write_text(f"[worker]\nmax-num-seqs = {value}\n")
+    with pytest.raises(SystemExit) as exc:
+        WorkerSettings.load("kvmesh-worker", "test", ["--config", str(path)], environ={})
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"kvmesh-worker: error: --max-num-seqs (from {path}): "), err

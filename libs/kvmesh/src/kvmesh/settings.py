@@ -31,6 +31,8 @@ from typing import Annotated, Any, Literal, NoReturn, Self
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
+from kvmesh.discovery.urls import check_discovery_url
+
 EXIT_BAD_CONFIG = 2
 #: sysexits' EX_UNAVAILABLE: something the daemon needs did not answer at start-up (discovery). Unlike a
 #: bad setting, retrying can fix it: the systemd units restart on it and prevent restarts only on 2.
@@ -53,27 +55,12 @@ def default_discovery_url() -> str:
     return f"file://{Path(runtime) / 'kvmesh-discovery'}"
 
 
-def _discovery_url(text: str) -> str:
-    if text.startswith("etcd://"):
-        hosts = text.removeprefix("etcd://").strip("/")
-        if not hosts:
-            raise ValueError("etcd:// needs host:port[,host:port]")
-        for host in hosts.split(","):
-            name, _, port_text = host.rpartition(":")
-            if not name or not port_text.isdigit():
-                raise ValueError(f"etcd endpoint {host!r} is not host:port")
-        return text
-    if text.startswith("file://"):
-        if not text.removeprefix("file://").startswith("/"):
-            raise ValueError("file:// needs an absolute directory, e.g. file:///var/lib/kvmesh")
-        return text
-    raise ValueError(f"expected etcd://host:port[,host:port] or file:///dir, got {text!r}")
-
-
+#: etcd's own bound on a lease TTL (larger grants fail at start-up, after the settings took them).
+MAX_LEASE_TTL_S = 9_000_000_000
 Port = Annotated[int, Field(ge=0, le=65535)]
 Seconds = Annotated[float, Field(ge=0)]
 NonEmpty = Annotated[str, Field(min_length=1)]
-DiscoveryUrl = Annotated[str, AfterValidator(_discovery_url)]
+DiscoveryUrl = Annotated[str, AfterValidator(check_discovery_url)]
 
 
 class DaemonSettings(BaseModel):
@@ -87,7 +74,7 @@ class DaemonSettings(BaseModel):
     """discovery backend: etcd://host:port[,host:port] or file:///dir (one machine, no server)"""
     namespace: NonEmpty = "kvmesh"
     """deployment namespace; daemons only see their own"""
-    lease_ttl: Annotated[float, Field(gt=0)] = 10.0
+    lease_ttl: Annotated[float, Field(gt=0, le=MAX_LEASE_TTL_S)] = 10.0
     """discovery lease TTL in seconds; keepalive runs every TTL/3"""
     host: NonEmpty = "127.0.0.1"
     """address other daemons use to reach this one"""

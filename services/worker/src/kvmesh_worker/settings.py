@@ -63,7 +63,7 @@ class Settings(DaemonSettings):
         if isinstance(data, dict) and "max_waiting_requests" not in data and "max_num_seqs" in data:
             try:
                 return {**data, "max_waiting_requests": 2 * int(data["max_num_seqs"])}
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # e.g. TOML's inf
                 return data  # the max_num_seqs field reports its own error
         return data
 

@@ -64,8 +64,9 @@ from kvmesh.discovery.errors import (
     raise_if_cancelling,
     stray_cancel,
 )
+from kvmesh.discovery.urls import parse_etcd_endpoints
 
-__all__ = ["EtcdDiscovery", "parse_etcd_endpoints"]
+__all__ = ["EtcdDiscovery"]
 
 log = logging.getLogger("kvmesh.discovery.etcd")
 
@@ -99,34 +100,6 @@ _WATCH_BACKOFF_MAX = 1.0
 # from this daemon) stays open and silently misses every change (issue 18: a worker killed during such
 # a partition stayed in every frontend's view).
 REQUIRE_LEADER = (("hasleader", "true"),)
-
-
-def parse_etcd_endpoints(url: str) -> list[tuple[str, int]]:
-    """``etcd://h1:p1,h2:p2`` -> [(h1, p1), (h2, p2)]; port defaults to 2379; IPv6 as ``[::1]:2379``."""
-    rest = url.removeprefix("etcd://")
-    netloc = rest.split("/", 1)[0].split("?", 1)[0]
-    if not netloc:
-        raise ValueError(f"discovery URL {url!r}: etcd:// needs host:port[,host:port]")
-    endpoints: list[tuple[str, int]] = []
-    for item in netloc.split(","):
-        item = item.strip()
-        if item.startswith("["):
-            host, _, tail = item[1:].partition("]")
-            port_text = tail.removeprefix(":")
-        elif item.count(":") == 1:
-            host, _, port_text = item.partition(":")
-        else:
-            host, port_text = item, ""
-        if not host:
-            raise ValueError(f"discovery URL {url!r}: empty etcd host in {item!r}")
-        try:
-            port = int(port_text) if port_text else 2379
-        except ValueError:
-            raise ValueError(f"discovery URL {url!r}: bad etcd port in {item!r}") from None
-        if not 0 < port < 65536:
-            raise ValueError(f"discovery URL {url!r}: etcd port out of range in {item!r}")
-        endpoints.append((host, port))
-    return endpoints
 
 
 def _fmt(ep: tuple[str, int]) -> str:

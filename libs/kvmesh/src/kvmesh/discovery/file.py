@@ -68,7 +68,7 @@ import stat
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from pathlib import Path
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import quote
 
 from kvmesh.discovery.base import (
     Added,
@@ -78,7 +78,13 @@ from kvmesh.discovery.base import (
     WatchEvent,
 )
 from kvmesh.discovery.dir_watch import ChangeSignal
-from kvmesh.discovery.errors import DiscoveryError, DiscoveryRefused, DiscoveryUnavailable, raise_if_cancelling
+from kvmesh.discovery.errors import (
+    DiscoveryRefused,
+    DiscoveryUnavailable,
+    LeaseNotFound,
+    raise_if_cancelling,
+)
+from kvmesh.discovery.urls import DEFAULT_POLL_INTERVAL, parse_file_url
 
 __all__ = ["FileDiscovery", "default_file_root"]
 
@@ -93,7 +99,6 @@ _SETTLED_S = 1.0
 _IDLE_RESCAN_S = 1.0
 _EXPIRY_MARGIN_S = 0.02  # wake this long after a lease's deadline, not before it
 _TMP_MAX_AGE = 60.0
-DEFAULT_POLL_INTERVAL = 0.1
 
 
 def default_file_root() -> Path:
@@ -281,8 +286,8 @@ class _Store:
 
     # -- records -------------------------------------------------------------------------------
     def put(self, key: str, value: bytes, lease_id: int) -> None:
-        if not self.lease_path(lease_id).exists():
-            raise DiscoveryError(f"lease {lease_id:x} not found")
+        if not self.lease_path(lease_id).exists():  # expired or revoked: what etcd answers too
+            raise LeaseNotFound(f"lease {lease_id:x} not found")
         path = self.record_path(key)
         header = json.dumps({"key": key, "lease": f"{lease_id:x}"}, ensure_ascii=True).encode() + b"\n"
         for attempt in range(2):
@@ -644,21 +649,8 @@ class FileDiscovery(Discovery):
     async def open(
         cls, url: str, *, ttl: float, connect_timeout: float, keepalive_interval: float | None = None
     ) -> FileDiscovery:
-        parts = urlsplit(url)
-        if parts.netloc not in ("", "localhost"):
-            raise ValueError(f"discovery URL {url!r}: file URLs need an absolute path, e.g. file:///var/lib/kvmesh")
-        root = Path(parts.path) if parts.path else default_file_root()
-        if not root.is_absolute():
-            raise ValueError(f"discovery URL {url!r}: file URLs need an absolute path, e.g. file:///var/lib/kvmesh")
-        poll = DEFAULT_POLL_INTERVAL
-        query = parse_qs(parts.query)
-        if "poll" in query:
-            try:
-                poll = float(query["poll"][-1])
-            except ValueError:
-                raise ValueError(f"discovery URL {url!r}: poll must be seconds, e.g. ?poll=0.1") from None
-            if not 0 < poll <= 10:
-                raise ValueError(f"discovery URL {url!r}: poll must be in (0, 10] seconds")
+        root, poll = parse_file_url(url)
+        root = root or default_file_root()
         self = cls(
             url, root, ttl=ttl, keepalive_interval=keepalive_interval, op_timeout=connect_timeout, poll_interval=poll
         )
