@@ -17,7 +17,7 @@ from kvmesh.discovery import (
     parse_instance_key,
     parse_model_key,
 )
-from kvmesh.discovery.urls import parse_etcd_endpoints
+from kvmesh.discovery_urls import parse_etcd_endpoints
 
 
 def test_instance_key_layout():

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal, NoReturn, Self
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.fields import FieldInfo
 
-from kvmesh.discovery.urls import check_discovery_url
+from kvmesh.discovery_urls import check_discovery_url
 
 EXIT_BAD_CONFIG = 2
 #: sysexits' EX_UNAVAILABLE: something the daemon needs did not answer at start-up (discovery). Unlike a

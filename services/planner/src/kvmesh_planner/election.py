@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import aetcd
-from kvmesh.discovery.urls import parse_etcd_endpoints
+from kvmesh.discovery_urls import parse_etcd_endpoints
 from kvmesh.v1 import planner_pb2
 
 log = logging.getLogger(__name__)

@@ -64,7 +64,7 @@ from kvmesh.discovery.errors import (
     raise_if_cancelling,
     stray_cancel,
 )
-from kvmesh.discovery.urls import parse_etcd_endpoints
+from kvmesh.discovery_urls import parse_etcd_endpoints
 
 __all__ = ["EtcdDiscovery"]
 

@@ -84,7 +84,7 @@ from kvmesh.discovery.errors import (
     LeaseNotFound,
     raise_if_cancelling,
 )
-from kvmesh.discovery.urls import DEFAULT_POLL_INTERVAL, parse_file_url
+from kvmesh.discovery_urls import DEFAULT_POLL_INTERVAL, parse_file_url
 
 __all__ = ["FileDiscovery", "default_file_root"]
 

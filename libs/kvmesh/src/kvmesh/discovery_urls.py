@@ -1,5 +1,8 @@
 """Discovery URLs, parsed without I/O: the backends open what these accept, and settings check with them.
 
+Outside the ``kvmesh.discovery`` package on purpose: importing that package costs ~0.2 s, and every
+command's settings (``kvmesh --help`` included) import this module.
+
 One parser per scheme, so that a URL the settings take is one the backend can open: a looser check in
 the settings once let ``etcd://host:99999`` or ``file:///d?poll=abc`` through, to a traceback at start-up.
 """
