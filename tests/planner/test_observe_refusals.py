@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvmesh.discovery import open_discovery
-from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh.discovery import instance_key, open_discovery
+from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh_planner.observe import Observer
 
 from tests.support.etcd import free_port
@@ -79,4 +79,45 @@ async def test_a_worker_unreachable_for_long_is_one_warning_with_grpcs_reason(tm
         assert "(UNAVAILABLE: failed to connect to all addresses" in warnings[0]
         assert warnings[0].endswith("its engines are not counted as ready")
     finally:
+        await discovery.close()
+
+
+class _WorkerThatStopsAnswering(worker_pb2_grpc.WorkerServiceServicer):
+    """Reports engine 7 once, ends the stream, then refuses every later watch (a changed role policy)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def WatchLoad(
+        self, request: worker_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WatchLoadResponse]:
+        self.calls += 1
+        if self.calls > 1:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "role planner may not call this method")
+        yield worker_pb2.WatchLoadResponse(loads=[worker_pb2.EngineLoad(engine_id=7, total_blocks=100)])
+
+
+async def test_an_engine_whose_load_can_no_longer_be_watched_is_not_counted_with_its_last_load(tmp_path: Path) -> None:
+    """The warning says its engines are not counted as ready: the load they last reported goes with it
+    (it stayed, an idle reading that drove scale-downs and put that engine first in the drain order)."""
+    discovery = await open_discovery(f"file://{tmp_path / 'disc'}", ttl=5)
+    server = grpc.aio.server()
+    worker = _WorkerThatStopsAnswering()
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    observer = Observer(discovery, "ns")
+    try:
+        lease = await discovery.grant_lease()
+        record = discovery_pb2.InstanceRecord(component="worker", endpoint="engine", instance_id=7, address=address)
+        await lease.put(instance_key("ns", "worker", "engine", 7), record.SerializeToString())
+        await observer.start()
+        async with asyncio.timeout(5):
+            while worker.calls < 2:  # watched once (engine 7 reported), then refused
+                await asyncio.sleep(0.02)
+            while observer.engine_observations():
+                await asyncio.sleep(0.02)
+    finally:
+        await observer.close()
+        await server.stop(None)
         await discovery.close()

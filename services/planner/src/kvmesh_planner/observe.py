@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -65,12 +66,16 @@ _FAMILIES = {
 class _Totals:
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)
+    started: float | None = None  # the frontend process's start time (the default registry's process collector)
 
 
 def parse_frontend_metrics(text: str) -> _Totals:
     """Sum and count of each watched histogram, over every label set."""
     out = _Totals()
     for family in text_string_to_metric_families(text):
+        if family.name == "process_start_time_seconds" and family.samples:
+            out.started = family.samples[0].value
+            continue
         key = _FAMILIES.get(family.name)
         if key is None:
             continue
@@ -82,24 +87,43 @@ def parse_frontend_metrics(text: str) -> _Totals:
     return out
 
 
-def traffic_from(previous: _Totals, current: _Totals, interval_s: float) -> TrafficObservation:
-    """The interval's traffic from two scrapes (counter resets, e.g. a restarted frontend, count as 0)."""
+def growth(before: _Totals, now: _Totals) -> _Totals:
+    """One frontend's histograms' growth between two of its scrapes. A new process start time, or a count
+    that went down, means the frontend restarted in between: all it has counted since is the growth."""
+    restarted = before.started is not None and now.started != before.started
+    if restarted or any(now.counts.get(key, 0.0) < count for key, count in before.counts.items()):
+        return now
+    return _Totals(
+        {key: value - before.sums.get(key, 0.0) for key, value in now.sums.items()},
+        {key: value - before.counts.get(key, 0.0) for key, value in now.counts.items()},
+    )
 
-    def delta(kind: str, key: str) -> float:
-        now = float(getattr(current, kind).get(key, 0.0))
-        before = float(getattr(previous, kind).get(key, 0.0))
-        return now - before if now >= before else now
 
-    n_isl, n_osl = delta("counts", "isl"), delta("counts", "osl")
-    n_ttft, n_itl = delta("counts", "ttft"), delta("counts", "itl")
+def traffic_from(growths: Iterable[_Totals], interval_s: float) -> TrafficObservation:
+    """The interval's traffic: the frontends' growths (each over this interval) summed."""
+    total = _Totals()
+    for g in growths:
+        _add(total, g)
+    sums, counts = total.sums, total.counts
+    n_isl, n_osl = counts.get("isl", 0.0), counts.get("osl", 0.0)
+    n_ttft, n_itl = counts.get("ttft", 0.0), counts.get("itl", 0.0)
     return TrafficObservation(
         interval_s=interval_s,
-        requests=int(n_isl),
-        mean_isl=delta("sums", "isl") / n_isl if n_isl else 0.0,
-        mean_osl=delta("sums", "osl") / n_osl if n_osl else 0.0,
-        ttft_ms=1000 * delta("sums", "ttft") / n_ttft if n_ttft else None,
-        itl_ms=1000 * delta("sums", "itl") / n_itl if n_itl else None,
+        requests=round(n_isl),
+        mean_isl=sums.get("isl", 0.0) / n_isl if n_isl else 0.0,
+        mean_osl=sums.get("osl", 0.0) / n_osl if n_osl else 0.0,
+        ttft_ms=1000 * sums.get("ttft", 0.0) / n_ttft if n_ttft else None,
+        itl_ms=1000 * sums.get("itl", 0.0) / n_itl if n_itl else None,
     )
+
+
+@dataclass(slots=True)
+class _Scrape:
+    """A frontend's last good scrape, when it was taken, and its growth per second up to it."""
+
+    totals: _Totals
+    at: float
+    per_second: _Totals | None = None
 
 
 @dataclass(slots=True)
@@ -118,7 +142,7 @@ class Observer:
         self._cards: dict[int, discovery_pb2.ModelCard] = {}
         self._streams: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._scrapes: dict[str, _Totals] = {}
+        self._scrapes: dict[str, _Scrape] = {}
         self._router_active: dict[int, int] = {}
         self.passes = 0
         """Forward passes reported since start (the FPM stream is alive)."""
@@ -210,6 +234,7 @@ class Observer:
                 failing_since = now if failing_since is None else failing_since
                 if code in _TRANSIENT and warned is None and now - failing_since >= self._unreachable_warn_s:
                     warned = code
+                    self._forget_load(address)
                     log.warning(
                         "cannot watch the load of the worker at %s for %.0f s (%s: %s); its engines are not counted "
                         "as ready",
@@ -222,6 +247,7 @@ class Observer:
                     log.debug("WatchLoad %s: %s", address, code)
                 else:
                     warned = code
+                    self._forget_load(address)
                     log.warning(
                         "cannot watch the load of the worker at %s (%s: %s); its engines are not counted as ready",
                         address,
@@ -229,6 +255,12 @@ class Observer:
                         exc.details(),
                     )
             await asyncio.sleep(0.5)
+
+    def _forget_load(self, address: str) -> None:
+        """The engines at ``address`` are no longer observed: a load they reported before is stale."""
+        for engine in self.engines.values():
+            if engine.record.address == address:
+                engine.load = None
 
     # -- per-interval polls ---------------------------------------------------------------------
     async def poll_router(self) -> None:
@@ -244,28 +276,35 @@ class Observer:
             return
 
     async def scrape_frontends(self, interval_s: float) -> TrafficObservation | None:
-        """Traffic over the interval, summed over every frontend; None until two scrapes exist."""
+        """Traffic over the interval, summed over every frontend; None when no frontend's could be measured.
+
+        Per frontend: its growth since its own last good scrape (a restart resets only its counters),
+        scaled to the interval. A frontend whose scrape failed counts at its last known rate; one never
+        measured yet, not at all. None (the planner holds) when no frontend was measured this interval: a
+        failed scrape is no evidence of zero traffic, and reading it so shrank a busy pool to its minimum."""
         addresses = sorted({r.metrics_address for r in self.records("frontend") if r.metrics_address})
+        for gone in self._scrapes.keys() - set(addresses):
+            del self._scrapes[gone]
         if not addresses:
             return None
         texts = await asyncio.gather(*(asyncio.to_thread(_fetch, a) for a in addresses), return_exceptions=True)
-        previous, current = _Totals(), _Totals()
-        fresh = True
+        now = time.monotonic()
+        growths: list[_Totals] = []
+        measured = False
         for address, text in zip(addresses, texts, strict=True):
+            last = self._scrapes.get(address)
             if isinstance(text, BaseException):
                 log.debug("scrape %s: %s", address, text)
+                if last is not None and last.per_second is not None:
+                    growths.append(_scaled(last.per_second, interval_s))
                 continue
             totals = parse_frontend_metrics(text)
-            before = self._scrapes.get(address)
-            self._scrapes[address] = totals
-            if before is None:
-                fresh = False
-                continue
-            _add(previous, before)
-            _add(current, totals)
-        if not fresh and not current.counts:
-            return None
-        return traffic_from(previous, current, interval_s)
+            scrape = self._scrapes[address] = _Scrape(totals, now)
+            if last is not None and now > last.at:
+                scrape.per_second = _scaled(growth(last.totals, totals), 1.0 / (now - last.at))
+                growths.append(_scaled(scrape.per_second, interval_s))
+                measured = True
+        return traffic_from(growths, interval_s) if measured else None
 
     # -- the core's view ------------------------------------------------------------------------
     def engine_observations(self) -> tuple[EngineObservation, ...]:
@@ -306,6 +345,10 @@ class Observer:
 def _fetch(address: str) -> str:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=2.0) as reply:
         return str(reply.read().decode())
+
+
+def _scaled(totals: _Totals, factor: float) -> _Totals:
+    return _Totals({k: v * factor for k, v in totals.sums.items()}, {k: v * factor for k, v in totals.counts.items()})
 
 
 def _add(into: _Totals, more: _Totals) -> None:
