@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 
 import grpc
 import pytest
 from kvmesh.v1 import planner_pb2, planner_pb2_grpc
+from kvmesh_planner.election import EtcdElection
 
 from tests.support.daemons import Daemon, running
 from tests.support.etcd import EtcdServer, etcd_available, free_port
@@ -97,3 +99,26 @@ def test_file_backend_runs_one_planner_and_the_second_waits(tmp_path):
         while not ((s := status(standby)) and s.leader) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert s is not None and s.leader
+
+
+@pytest.mark.timeout(60)
+async def test_a_planner_that_loses_the_lead_and_wins_it_back_is_in_a_new_term(tmp_path):
+    """Between two ticks a planner can lose the lead and win it back (its lease expired while another led
+    and decided): its state from before is stale, and only a new term says so. The daemon rebuilt its
+    core only when a tick saw it not leading, so it went on with its old next decision id, and the
+    decision log went backwards (review: ids A1, B2, B3, then A2)."""
+    with EtcdServer(tmp_path / "etcd") as etcd:
+        election = EtcdElection(etcd.url, "ns", identity=0xA, ttl=TTL)
+        task = asyncio.get_running_loop().create_task(election.run())
+        try:
+            async with asyncio.timeout(5):
+                while not election.is_leader:
+                    await asyncio.sleep(0.05)
+            assert election.term == 1
+            etcd.etcdctl("lease", "revoke", f"{election._lease.id:x}")  # its lease gone behind its back
+            async with asyncio.timeout(4 * TTL):
+                while not (election.term == 2 and election.is_leader):
+                    await asyncio.sleep(0.05)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

@@ -51,6 +51,12 @@ class Election(Protocol):
     @property
     def is_leader(self) -> bool: ...
 
+    @property
+    def term(self) -> int:
+        """How many times this planner has won leadership: a new term means other leaders may have
+        decided in between, so state built in an earlier term is stale."""
+        ...
+
     async def run(self) -> None:
         """Campaign and keep leadership until cancelled."""
         ...
@@ -76,7 +82,12 @@ class EtcdElection:
         self._lease: Any = None
         self._proof = 0.0
         self._leader = False
+        self._term = 0
         self.changes = asyncio.Event()
+
+    @property
+    def term(self) -> int:
+        return self._term
 
     @property
     def is_leader(self) -> bool:
@@ -114,6 +125,7 @@ class EtcdElection:
         )
         if ok:
             self._lease, self._proof, self._leader = lease, sent, True
+            self._term += 1
             log.info("planner election: leading (lease %x)", lease.id)
             self.changes.set()
         else:
@@ -164,7 +176,12 @@ class FileElection:
         self._log_path = os.path.join(directory, f"planner-{namespace}.decision")
         self._poll = poll_s
         self._fd: int | None = None
+        self._term = 0
         self.changes = asyncio.Event()
+
+    @property
+    def term(self) -> int:
+        return self._term
 
     @property
     def is_leader(self) -> bool:
@@ -181,6 +198,7 @@ class FileElection:
                     await asyncio.sleep(self._poll)
                     continue
                 self._fd = fd
+                self._term += 1
                 log.info("planner election (file backend): leading")
                 self.changes.set()
             await asyncio.Event().wait()

@@ -74,6 +74,7 @@ class Planner:
         self.metrics = PlannerMetrics()
         self.servicer = PlannerServicer(self.status)
         self.core: PlannerCore | None = None
+        self._core_term = 0  # the election term the core was built in
         self._desired: dict[Pool, int] = {}
 
     def status(self) -> planner_pb2.GetStatusResponse:
@@ -123,11 +124,14 @@ class Planner:
         if not self.election.is_leader:
             self.core = None  # a future leadership starts from the decision log, not from stale state
             return
+        if self.core is not None and self._core_term != self.election.term:
+            self.core = None  # lost and won again since the last tick: others may have decided meanwhile
         if self.core is None:
             last = await self.election.last_decision()
             first = last.decision_id + 1 if last is not None else 1
-            self.core = PlannerCore(core_config(self.cfg, self._shape()), self.profile, first_decision_id=first)
-            await self.connector.start()
+            core = PlannerCore(core_config(self.cfg, self._shape()), self.profile, first_decision_id=first)
+            await self.connector.start()  # adopts what runs; if it fails, the next tick tries again
+            self.core, self._core_term = core, self.election.term
             log.info("leading: decisions continue from id %d", first)
         shape = self._shape()  # engines register after the core is built: follow their model cards
         if shape != self.core.config.shape:
