@@ -360,3 +360,26 @@ async def test_local_connector_runs_a_prefill_and_a_decode_pool_and_drains_one_w
     finally:
         await conn.close()
     assert conn.actual() == {"prefill": 0, "decode": 0}
+
+
+async def test_local_connector_kills_a_worker_that_never_registers_within_the_startup_timeout(tmp_path):
+    """A worker stuck before it registers (a model that never loads) counted as 'starting' forever, and the
+    planner holds a pool while any of its engines is starting: --startup-timeout was read but never used."""
+    stuck = tmp_path / "stuck-worker"
+    stuck.write_text("#!/bin/sh\nexec sleep 600\n")  # takes the worker's flags, never registers
+    stuck.chmod(0o755)
+    conn = LocalConnector(str(stuck), f"file://{tmp_path / 'disc'}", "kvmesh", startup_timeout=0.5)
+    try:
+        await conn.apply(1, {"aggregated": 1}, [])
+        (pid,) = conn.pids()
+        assert conn.reap_failed(set()) == 0 and conn.starting(set()) == {"aggregated": 1}
+        await asyncio.sleep(0.7)
+        assert conn.reap_failed(set()) == 1
+        assert conn.starting(set()) == {"aggregated": 0} and conn.actual() == {"aggregated": 0}
+        async with asyncio.timeout(5):
+            while conn.pids():
+                await asyncio.sleep(0.02)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    finally:
+        await conn.close()

@@ -139,12 +139,12 @@ class Planner:
         if isinstance(self.connector, VirtualConnector) and self.connector.pending():
             log.info("waiting for the orchestrator to acknowledge the latest decision")
             return
+        pids = self.observer.registered_pids()
         if isinstance(self.connector, LocalConnector):
-            self.connector.reap_failed()
+            self.connector.reap_failed(pids)
         await self.observer.poll_router()
         traffic = await self.observer.scrape_frontends(interval)
         engines = self.observer.engine_observations()
-        pids = self.observer.registered_pids()
         obs = Observation(
             now=time.monotonic(),
             engines=engines,
@@ -205,6 +205,7 @@ async def serve(cfg: Settings) -> int:
                     cfg.worker_args,
                     drain_timeout=cfg.drain_timeout,
                     pools=cfg.managed_pools,
+                    startup_timeout=cfg.startup_timeout,
                 )
             except ValueError as exc:
                 fail(PROG, f"--worker-command: {exc}")

@@ -56,6 +56,7 @@ class LocalConnector:
         drain_timeout: float = 30.0,
         log_dir: str | None = None,
         pools: Sequence[Pool] = ("aggregated",),
+        startup_timeout: float = 120.0,
     ) -> None:
         command = shlex.split(worker_command)
         if command and not shutil.which(command[0]):  # e.g. a venv's kvmesh-worker, not on PATH
@@ -77,6 +78,7 @@ class LocalConnector:
             *shlex.split(worker_args),
         ]
         self._pools = tuple(pools)
+        self._startup_timeout = startup_timeout
         self._workers: list[_Worker] = []
         self._next = 1
         self._log_dir = log_dir
@@ -165,13 +167,31 @@ class LocalConnector:
         log.info("local connector: worker %d (pid %d) exited with %d", worker.number, worker.proc.pid, code)
         self._workers.remove(worker)
 
-    def reap_failed(self) -> int:
-        """Forget workers that died on their own (not drained); returns how many."""
+    def reap_failed(self, registered_pids: set[int]) -> int:
+        """Forget workers that died on their own (not drained), and kill those that did not register within
+        the startup timeout (counted as starting, they held the pool's scaling forever); returns how many."""
         dead = [w for w in self._workers if not w.draining and w.proc.returncode is not None]
         for w in dead:
             log.warning("local connector: worker %d (pid %d) exited with %s", w.number, w.proc.pid, w.proc.returncode)
             self._workers.remove(w)
-        return len(dead)
+        now = time.monotonic()
+        stuck = [
+            w for w in self._live() if w.proc.pid not in registered_pids and now - w.started > self._startup_timeout
+        ]
+        for w in stuck:
+            log.warning(
+                "local connector: worker %d (pid %d) did not register within --startup-timeout %gs: killing it",
+                w.number,
+                w.proc.pid,
+                self._startup_timeout,
+            )
+            w.draining, w.stopped_at = True, now  # nothing in flight on an unregistered worker: no drain
+            with contextlib.suppress(ProcessLookupError):
+                w.proc.kill()
+            task = asyncio.get_running_loop().create_task(self._reap(w))
+            self._reapers.add(task)
+            task.add_done_callback(self._reapers.discard)
+        return len(dead) + len(stuck)
 
     async def close(self) -> None:
         """Drain every worker this planner started (they are its children) and wait for them."""
