@@ -383,3 +383,23 @@ async def test_local_connector_kills_a_worker_that_never_registers_within_the_st
             os.kill(pid, 0)
     finally:
         await conn.close()
+
+
+async def test_systemd_connector_follows_a_unit_that_systemd_restarted_with_a_new_main_pid(fake_systemctl):
+    """The units restart on failure: a unit's engine comes back under a new pid. Cached, the old pid made it
+    count as starting forever, and a scale-down drained it first as 'unregistered', busiest or not."""
+    conn = SystemdConnector("systemctl")
+    try:
+        await conn.start()
+        await conn.apply(1, {"aggregated": 2}, [])
+        assert conn.starting({1000, 1001}) == {"aggregated": 0}
+        (fake_systemctl / "units" / "kvmesh-worker@1.service").write_text("2000\n")  # restarted by systemd
+        registered = {2000, 1001}
+        await conn.refresh_pids(registered)
+        assert conn.starting(registered) == {"aggregated": 0}
+        engines = [EngineRef(8, "aggregated", 1001, "h", 0.0), EngineRef(9, "aggregated", 2000, "h", 0.9)]
+        await conn.apply(2, {"aggregated": 1}, engines)  # the idle one goes, not the restarted busy one
+        assert "stop --no-block kvmesh-worker@2.service" in calls(fake_systemctl)
+        assert "stop --no-block kvmesh-worker@1.service" not in calls(fake_systemctl)
+    finally:
+        await conn.close()

@@ -142,6 +142,8 @@ class Planner:
         pids = self.observer.registered_pids()
         if isinstance(self.connector, LocalConnector):
             self.connector.reap_failed(pids)
+        elif isinstance(self.connector, SystemdConnector):
+            await self.connector.refresh_pids(pids)
         await self.observer.poll_router()
         traffic = await self.observer.scrape_frontends(interval)
         engines = self.observer.engine_observations()

@@ -114,11 +114,17 @@ class SystemdConnector:
         order = {p: i for i, p in enumerate(self._prefix)}
         return sorted(self._units.values(), key=lambda u: (order[u.pool], u.number))
 
-    async def _refresh_pids(self) -> None:
+    async def _refresh_pids(self, registered: set[int] | None = None) -> None:
         for u in self._sorted():
-            if not u.pid:
+            if not u.pid or (registered is not None and not u.draining and u.pid not in registered):
                 text = (await self._run("show", "--property", "MainPID", "--value", self._name(u))).strip()
                 u.pid = int(text) if text.isdigit() else 0
+
+    async def refresh_pids(self, registered: set[int]) -> None:
+        """Look again at the main pid of every unit whose pid is unknown or not a registered engine's: a
+        unit that systemd restarted (``Restart=on-failure``) has a new one. Cached, it counted as starting
+        forever and was drained first as 'unregistered', even when it was the busiest engine."""
+        await self._refresh_pids(registered)
 
     def _live(self, pool: Pool) -> list[_Unit]:
         return [u for u in self._sorted() if u.pool == pool and not u.draining]
