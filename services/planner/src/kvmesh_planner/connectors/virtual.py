@@ -79,8 +79,11 @@ class VirtualState:
         return from_pool_sizes(self.published.target) if self.published is not None else dict(self._actual)
 
     def actual(self) -> dict[Pool, int]:
-        """While a decision is pending, what it asked for (the engines are being brought up or drained)."""
-        return self.desired() if self.published is not None else dict(self._actual)
+        """While the latest decision is unacknowledged, what it asked for (the engines are being brought up or
+        drained); once acknowledged, what the orchestrator says it runs (it may not have done it all)."""
+        if self.published is not None and (self.acked is None or self.acked.decision_id < self.published.decision_id):
+            return self.desired()
+        return dict(self._actual)
 
 
 class VirtualConnector:
