@@ -18,7 +18,7 @@ import pytest
 from inference import grpc_service_pb2_grpc as pb_grpc
 
 from tests.frontend.frontend_fakes import llm_request
-from tests.support.daemons import running_pid, script
+from tests.support.daemons import run_cli, running_pid, script
 from tests.support.etcd import free_port
 
 pytestmark = pytest.mark.e2e
@@ -198,3 +198,14 @@ def test_a_second_ctrl_c_cancels_what_is_in_flight_and_still_revokes_every_lease
     assert ended.get(timeout=10) != "OK"
     assert _wait_gone(daemons) == []
     assert [name for name in _leases(tmp_path) if name.endswith(".lease")] == [], "every lease revoked"
+
+
+@pytest.mark.parametrize("flags", [["--engine", "vllm"], ["--tls", "--prefill-workers", "1"]])
+def test_refused_arguments_leave_no_log_directory_and_no_ca_key_behind(tmp_path: Path, flags: list[str]) -> None:
+    """Two argument checks came after the temporary log directory (and, with --tls, a fresh CA's private
+    key in it) was made, and returned without removing it."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = run_cli("kvmesh", "up", "--no-demo", "--grpc-port", str(free_port()), *flags, env={"TMPDIR": str(scratch)})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert list(scratch.iterdir()) == []

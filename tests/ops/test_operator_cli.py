@@ -90,12 +90,42 @@ def test_operator_cli_refuses_half_a_tls_config(tmp_path: Path) -> None:
         assert result.stderr.endswith("error: TLS needs --tls-cert, --tls-key and --tls-ca together\n")
 
 
-def test_a_file_discovery_directory_that_does_not_exist_is_an_error_not_an_empty_fleet(tmp_path: Path) -> None:
-    """A typo in the path must not read as 'no daemon registered', nor leave a directory behind."""
-    result = run_cli("kvmesh", "status", "--discovery", f"file://{tmp_path}/typo")
+@pytest.mark.parametrize(
+    ("command", "prog"),
+    [
+        (["status"], "kvmesh"),
+        (["planner", "status"], "kvmesh planner status"),
+        (["model", "files", "m"], "kvmesh model files"),
+    ],
+)
+def test_a_file_discovery_directory_that_does_not_exist_is_an_error_not_an_empty_fleet(
+    tmp_path: Path, command: list[str], prog: str
+) -> None:
+    """A typo in the path must not read as 'no daemon registered' (or 'no planner', 'no model'), nor leave
+    a directory behind: planner status and model files opened it, which made it."""
+    out = ["--out", str(tmp_path / "o")] if command[0] == "model" else []
+    result = run_cli("kvmesh", *command, *out, "--discovery", f"file://{tmp_path}/typo")
     assert result.returncode == 2
     assert (
         result.stderr.strip()
-        == f"kvmesh: error: --discovery file://{tmp_path}/typo: no such directory: no daemon on this machine uses it"
+        == f"{prog}: error: --discovery file://{tmp_path}/typo: no such directory: no daemon on this machine uses it"
     )
-    assert not (tmp_path / "typo").exists()
+    assert not (tmp_path / "typo").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--san", "ü.example"], "--san 'ü.example': not an IP address nor an ASCII DNS name"),
+        (["--days", "3000000"], "--days 3000000: a certificate cannot be valid past the year 9999"),
+        (["--name", "a/b"], "--name 'a/b': use letters, digits, '.', '_' and '-'"),
+    ],
+)
+def test_certs_init_checks_its_arguments_before_it_writes_anything(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
+    """These failed half-way, with a traceback, after the CA was written (a rerun then said ca.key exists)."""
+    result = run_cli("kvmesh", "certs", "init", str(tmp_path / "certs"), *flags)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"kvmesh certs: error: {message}")
+    assert not (tmp_path / "certs").exists()

@@ -13,9 +13,11 @@ For production use your own CA; the SAN layout is what matters (docs/security.md
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import ipaddress
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -37,8 +39,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     init.set_defaults(func=run_init)
 
 
+def _bad_argument(args: argparse.Namespace) -> str | None:
+    """What ``init`` would fail on half-way (after writing the CA), checked before anything is written."""
+    latest = (datetime.date(9999, 12, 31) - datetime.date.today()).days
+    if args.days > latest:
+        return f"--days {args.days}: a certificate cannot be valid past the year 9999 (at most {latest})"
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", args.name):
+        return f"--name {args.name!r}: use letters, digits, '.', '_' and '-' (it is a SPIFFE path segment)"
+    for san in args.san:
+        with contextlib.suppress(ValueError):
+            ipaddress.ip_address(san)
+            continue
+        if not re.fullmatch(r"[A-Za-z0-9*]([A-Za-z0-9.*-]*[A-Za-z0-9])?", san):
+            return f"--san {san!r}: not an IP address nor an ASCII DNS name (give an internationalized name as xn--...)"
+    return None
+
+
 def run_init(args: argparse.Namespace) -> int:
     out = Path(args.dir)
+    if problem := _bad_argument(args):
+        print(f"kvmesh certs: error: {problem}", file=sys.stderr)
+        return 2
     if not args.force and (out / "ca.key").exists():
         print(f"kvmesh certs: error: {out}/ca.key exists (use --force to replace)", file=sys.stderr)
         return 2

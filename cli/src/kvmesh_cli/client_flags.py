@@ -52,3 +52,12 @@ def configure_tls(args: argparse.Namespace) -> str | None:
     if args.etcd_tls:
         tls.configure_etcd(material)
     return None
+
+
+def missing_discovery_directory(url: str) -> str | None:
+    """The one-line problem with a ``file://`` discovery URL whose directory does not exist, else None.
+
+    Opening it would create it: a typo would read as an empty mesh and leave a directory behind."""
+    if url.startswith("file://") and not os.path.isdir(url.removeprefix("file://").split("?", 1)[0]):
+        return f"--discovery {url}: no such directory: no daemon on this machine uses it"
+    return None

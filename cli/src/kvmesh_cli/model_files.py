@@ -19,8 +19,9 @@ from kvmesh.channels import open_channel
 from kvmesh.discovery import DiscoveryError, model_prefix, open_discovery, parse_model_key
 from kvmesh.settings import default_discovery_url
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh_bench.argtypes import positive_float
 
-from kvmesh_cli.client_flags import add_mesh_flags, configure_tls
+from kvmesh_cli.client_flags import add_mesh_flags, configure_tls, missing_discovery_directory
 
 
 class ModelFilesError(Exception):
@@ -39,7 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="model name, as clients send it (e.g. kvmesh-mock)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory to write the files to (created if missing)")
     add_mesh_flags(p, namespace="kvmesh-local")  # kvmesh up's: the mesh genai-perf users start with
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds for discovery and each download (default: 10)")
+    p.add_argument(
+        "--timeout", type=positive_float, default=10.0, help="seconds for discovery and each download (default: 10)"
+    )
     p.set_defaults(func=run)
 
 
@@ -62,6 +65,8 @@ async def _cards(url: str, namespace: str, timeout: float) -> list[discovery_pb2
 
 async def fetch(url: str, namespace: str, model: str, out: Path, timeout: float) -> list[Path]:
     """Write MODEL's files into ``out``; returns the paths written."""
+    if problem := missing_discovery_directory(url):
+        raise ModelFilesError(problem)
     try:
         cards = await _cards(url, namespace, timeout)
     except (DiscoveryError, ValueError) as exc:

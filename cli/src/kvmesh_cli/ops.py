@@ -13,17 +13,17 @@ import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
+from kvmesh_bench.argtypes import positive_float
 
-from kvmesh_cli.client_flags import add_mesh_flags, configure_tls
+from kvmesh_cli.client_flags import add_mesh_flags, configure_tls, missing_discovery_directory
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     add_mesh_flags(p)
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default: 5)")
+    p.add_argument("--timeout", type=positive_float, default=5.0, help="seconds per call (default: 5)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,9 +76,8 @@ async def _fleet(args: argparse.Namespace) -> _Fleet:
     from kvmesh.v1 import discovery_pb2
 
     url = args.discovery or default_discovery_url()
-    if url.startswith("file://") and not Path(url.removeprefix("file://")).is_dir():
-        # Opening it would make it: a typo would read as an empty fleet (and leave a directory behind).
-        raise _Problem(f"--discovery {url}: no such directory: no daemon on this machine uses it")
+    if problem := missing_discovery_directory(url):
+        raise _Problem(problem)
     try:
         discovery = await open_discovery(url, ttl=10, connect_timeout=args.timeout)
     except (DiscoveryUnavailable, ValueError) as exc:

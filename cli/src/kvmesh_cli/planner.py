@@ -17,7 +17,7 @@ from typing import Any
 from kvmesh_bench.argtypes import positive_int, shell_words
 from kvmesh_planner.settings import Settings as PlannerSettings
 
-from kvmesh_cli.client_flags import add_mesh_flags, configure_tls
+from kvmesh_cli.client_flags import add_mesh_flags, configure_tls, missing_discovery_directory
 
 __all__ = ["PlannerSettings", "add_up_flags", "planner_argv", "register"]
 
@@ -118,8 +118,11 @@ async def _fetch(args: argparse.Namespace) -> list[tuple[str, Any]]:
 
     addresses = [args.address] if args.address else []
     if not addresses:
+        url = args.discovery or default_discovery_url()
+        if problem := missing_discovery_directory(url):
+            raise RuntimeError(problem)
         try:
-            disc = await open_discovery(args.discovery or default_discovery_url(), ttl=10.0, connect_timeout=3.0)
+            disc = await open_discovery(url, ttl=10.0, connect_timeout=3.0)
         except (ValueError, DiscoveryUnavailable) as exc:
             raise RuntimeError(f"--discovery: {exc}") from None
         try:

@@ -9,7 +9,6 @@ everything on Ctrl-C (or when the terminal closes).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import signal
@@ -230,21 +229,25 @@ def _spawn(
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     """SIGTERM: each daemon drains. A second Ctrl-C sends SIGTERM again, on which each daemon cancels
     what it still serves and leaves at once, its lease revoked (a SIGKILL would leave it to expire).
-    SIGKILL whatever still runs after 15 s, 5 s after a second Ctrl-C, or at once on a third."""
-    _signal(procs, signal.SIGTERM)
+    SIGKILL whatever still runs after 15 s, 5 s after a second Ctrl-C, or at once on a third.
+
+    Ctrl-C only counts here (no KeyboardInterrupt): one raised inside ``Popen.wait`` could leave its
+    internal lock taken, and every later wait then hung for good (seen once in five double Ctrl-Cs)."""
+    presses = [0]
+    previous = signal.signal(signal.SIGINT, lambda *_: presses.__setitem__(0, presses[0] + 1))
     try:
-        _wait(procs, 15)
-    except KeyboardInterrupt:
-        print("kvmesh up: second Ctrl-C: cancelling what the daemons still serve", file=sys.stderr, flush=True)
         _signal(procs, signal.SIGTERM)
-        try:
-            _wait(procs, 5)
-        except KeyboardInterrupt:
-            print("kvmesh up: third Ctrl-C: killing the daemons", file=sys.stderr, flush=True)
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if not _wait(procs, 15, presses):
+            print("kvmesh up: second Ctrl-C: cancelling what the daemons still serve", file=sys.stderr, flush=True)
+            _signal(procs, signal.SIGTERM)
+            if not _wait(procs, 5, presses):
+                print("kvmesh up: third Ctrl-C: killing the daemons", file=sys.stderr, flush=True)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        _wait(procs, 5, [0])
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _signal(procs: list[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
@@ -253,11 +256,14 @@ def _signal(procs: list[subprocess.Popen[bytes]], sig: signal.Signals) -> None:
             proc.send_signal(sig)
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(0.1, deadline - time.monotonic()))
+def _wait(procs: list[subprocess.Popen[bytes]], seconds: float, presses: list[int]) -> bool:
+    """Until every process ended or ``seconds`` passed (True), or a Ctrl-C came meanwhile (False)."""
+    deadline, seen = time.monotonic() + seconds, presses[0]
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+        if presses[0] != seen:
+            return False
+        time.sleep(0.05)
+    return presses[0] == seen
 
 
 def run(args: argparse.Namespace) -> int:
@@ -282,6 +288,13 @@ def run(args: argparse.Namespace) -> int:
     if args.tls and (missing := tls_dir_missing(Path(args.tls))):
         print(f"kvmesh up: error: --tls {args.tls}: {missing} (make one with kvmesh certs init DIR)", file=sys.stderr)
         return 2
+    vllm = args.engine == "vllm"
+    if vllm and not args.model_path:  # every check of the arguments before anything is made on disk
+        print("kvmesh up: error: --engine vllm needs --model-path DIR", file=sys.stderr)
+        return 2
+    if args.prefill_workers and not args.decode_workers:
+        print("kvmesh up: error: --prefill-workers needs --decode-workers", file=sys.stderr)
+        return 2
     temporary = args.log_dir is None
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvmesh-up-"))
     try:
@@ -295,10 +308,6 @@ def run(args: argparse.Namespace) -> int:
     credentials = kserve_credentials(tls_dir)
     if args.config:
         common += ["--config", args.config]
-    vllm = args.engine == "vllm"
-    if vllm and not args.model_path:
-        print("kvmesh up: error: --engine vllm needs --model-path DIR", file=sys.stderr)
-        return 2
     if args.num_engines is None:
         args.num_engines = 1 if vllm else 2
     if args.ready_timeout is None:
@@ -340,16 +349,16 @@ def run(args: argparse.Namespace) -> int:
     # SIGHUP: the terminal closed. Stop the mesh like Ctrl-C instead of orphaning live daemons.
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda *_: stop.update(now=True))
-    if args.prefill_workers and not args.decode_workers:
-        print("kvmesh up: error: --prefill-workers needs --decode-workers", file=sys.stderr)
-        return 2
     clean = False
     try:
         worker_args += daemon_tls_args(tls_dir, "worker")
         router_args += daemon_tls_args(tls_dir, "router")
         frontend_args += daemon_tls_args(tls_dir, "frontend")
         if args.planner:  # the planner starts (and stops) the workers itself, one engine each
-            procs.append(_spawn("kvmesh-planner", up_planner.planner_argv(args, common, worker_args), log_dir))
+            planner_argv = up_planner.planner_argv(args, common, worker_args)
+            if "kvmesh-planner" in metrics:
+                planner_argv += ["--metrics-port", str(metrics["kvmesh-planner"])]
+            procs.append(_spawn("kvmesh-planner", planner_argv, log_dir))
         elif args.decode_workers:
             # several vLLM engines on one machine: each gets its own cores (see kvmesh_cli.vllm_cores)
             envs = iter(worker_environments(args.decode_workers + args.prefill_workers) if vllm else [])
@@ -389,7 +398,9 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"kvmesh is up: KServe gRPC on localhost:{args.grpc_port}, model {model!r}, "
             + (
-                f"{args.prefill_workers} prefill + {args.decode_workers} decode worker(s)"
+                f"{args.engine} engines started by the planner"
+                if args.planner
+                else f"{args.prefill_workers} prefill + {args.decode_workers} decode worker(s)"
                 if args.decode_workers
                 else f"{args.num_engines} {args.engine} engine(s)"
             )
@@ -404,8 +415,13 @@ def run(args: argparse.Namespace) -> int:
                 "(--share-model-cores keeps them everywhere)",
                 flush=True,
             )
-        if metrics:
-            where = ", ".join(f"{n.removeprefix('kvmesh-')} http://localhost:{p}/metrics" for n, p in metrics.items())
+        if metrics:  # what listens: the planner's workers have none, and a planner runs only with --planner
+            listening = {"kvmesh-router", "kvmesh-frontend", "kvmesh-planner" if args.planner else "kvmesh-worker"}
+            where = ", ".join(
+                f"{n.removeprefix('kvmesh-')} http://localhost:{p}/metrics"
+                for n, p in metrics.items()
+                if n in listening
+            )
             print(f"Prometheus metrics: {where}", flush=True)
         example = EXAMPLE.format(port=args.grpc_port, model=model)
         if tls_dir is not None:  # stock tritonclient over TLS: the mesh CA verifies the frontend
