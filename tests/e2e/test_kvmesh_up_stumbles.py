@@ -209,3 +209,12 @@ def test_refused_arguments_leave_no_log_directory_and_no_ca_key_behind(tmp_path:
     result = run_cli("kvmesh", "up", "--no-demo", "--grpc-port", str(free_port()), *flags, env={"TMPDIR": str(scratch)})
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert list(scratch.iterdir()) == []
+
+
+def test_a_demo_request_whose_call_fails_is_reported_not_raised() -> None:
+    """The frontend gone during kvmesh up's demo request: one line (kvmesh up retries it while it says
+    UNAVAILABLE), where the call's RpcError escaped as a traceback."""
+    from kvmesh_cli.kserve_demo import demo_request
+
+    outcome = demo_request(f"127.0.0.1:{free_port()}", "kvmesh-mock")  # nobody listens there
+    assert outcome.startswith("demo request failed: UNAVAILABLE: "), outcome

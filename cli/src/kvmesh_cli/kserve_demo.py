@@ -66,26 +66,29 @@ def demo_request(
     first = None
     with _channel(address, credentials) as channel:
         stub = kserve_grpc.GRPCInferenceServiceStub(channel)
-        for reply in stub.ModelStreamInfer(iter([request]), timeout=60):
-            if reply.error_message:
-                return f"demo request failed: {reply.error_message}"
-            response = reply.infer_response
-            for i, output in enumerate(response.outputs):
-                if output.name == "text_output" and i < len(response.raw_output_contents):
-                    blob = response.raw_output_contents[i]
-                    pieces.append(blob[4:].decode(errors="replace") if len(blob) >= 4 else "")
-                elif output.name == "text_output" and output.contents.bytes_contents:
-                    pieces.append(output.contents.bytes_contents[0].decode(errors="replace"))
-            if first is None and pieces:
-                first = time.perf_counter() - started
-            for key, param in response.parameters.items():
-                if (choice := param.WhichOneof("parameter_choice")) is not None:
-                    params[key] = getattr(param, choice)
-            if (
-                response.parameters.get("triton_final_response")
-                and response.parameters["triton_final_response"].bool_param
-            ):
-                break
+        try:
+            for reply in stub.ModelStreamInfer(iter([request]), timeout=60):
+                if reply.error_message:
+                    return f"demo request failed: {reply.error_message}"
+                response = reply.infer_response
+                for i, output in enumerate(response.outputs):
+                    if output.name == "text_output" and i < len(response.raw_output_contents):
+                        blob = response.raw_output_contents[i]
+                        pieces.append(blob[4:].decode(errors="replace") if len(blob) >= 4 else "")
+                    elif output.name == "text_output" and output.contents.bytes_contents:
+                        pieces.append(output.contents.bytes_contents[0].decode(errors="replace"))
+                if first is None and pieces:
+                    first = time.perf_counter() - started
+                for key, param in response.parameters.items():
+                    if (choice := param.WhichOneof("parameter_choice")) is not None:
+                        params[key] = getattr(param, choice)
+                if (
+                    response.parameters.get("triton_final_response")
+                    and response.parameters["triton_final_response"].bool_param
+                ):
+                    break
+        except grpc.RpcError as exc:  # the call itself failed (the frontend went away): say so, no traceback
+            return f"demo request failed: {exc.code().name}: {exc.details()}"
     total = time.perf_counter() - started
     routing = {k: v for k, v in params.items() if k.startswith("kvmesh.")}
     return (

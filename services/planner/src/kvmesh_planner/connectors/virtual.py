@@ -97,6 +97,8 @@ class VirtualConnector:
         self._acked = asyncio.Event()
 
     async def start(self) -> None:
+        """Watch the acknowledgements; called at every leadership term, so a previous watch ends first."""
+        await self.close()
         self._watch = asyncio.get_running_loop().create_task(self._watch_acks())
 
     async def _watch_acks(self) -> None:
