@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,32 +146,50 @@ async def run_direct(args: argparse.Namespace, prompts: list[list[int]]) -> dict
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     request_amx_permission()
-    llm = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=str(args.model_path), skip_tokenizer_init=True, enable_prefix_caching=True, **engine_kwargs(args)
+    with _ipc_directory():
+        llm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=str(args.model_path), skip_tokenizer_init=True, enable_prefix_caching=True, **engine_kwargs(args)
+            )
         )
-    )
-    params = SamplingParams(output_kind=RequestOutputKind.DELTA, **direct_sampling(args))
+        params = SamplingParams(output_kind=RequestOutputKind.DELTA, **direct_sampling(args))
 
-    async def one(prompt: list[int]) -> tuple[float, int]:
-        start = time.monotonic()
-        first = None
-        n = 0
-        async for out in llm.generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
-            got = len(out.outputs[0].token_ids)
-            if got and first is None:
-                first = time.monotonic() - start
-            n += got
-        return first or 0.0, n
+        async def one(prompt: list[int]) -> tuple[float, int]:
+            start = time.monotonic()
+            first = None
+            n = 0
+            async for out in llm.generate({"prompt_token_ids": prompt}, params, uuid.uuid4().hex):
+                got = len(out.outputs[0].token_ids)
+                if got and first is None:
+                    first = time.monotonic() - start
+                n += got
+            return first or 0.0, n
 
-    try:
-        _keep_off_model_cores(args, [])
-        await one(prompts[0][:16])  # warm-up
-        ttfts, tokens, wall = await _closed_loop(prompts, args.concurrency, one)
-    finally:
-        llm.shutdown()
-        _unconfine()
+        try:
+            _keep_off_model_cores(args, [])
+            await one(prompts[0][:16])  # warm-up
+            ttfts, tokens, wall = await _closed_loop(prompts, args.concurrency, one)
+        finally:
+            llm.shutdown()
+            _unconfine()
     return _summary("direct AsyncLLM", ttfts, tokens, wall)
+
+
+@contextlib.contextmanager
+def _ipc_directory() -> Iterator[None]:
+    """vLLM's ZMQ IPC sockets (seven per engine) stay in the temp dir even after a clean stop: give them
+    a directory of ours, removed after the run (the worker does the same for its engine)."""
+    previous = os.environ.get("VLLM_RPC_BASE_PATH")
+    scratch = tempfile.mkdtemp(prefix="kvmesh-overhead-ipc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = scratch
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = previous
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _spawn(name: str, argv: list[str], log_dir: Path) -> subprocess.Popen[bytes]:
