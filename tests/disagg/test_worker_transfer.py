@@ -51,6 +51,18 @@ def _prefill(stub, engine_id, prompt, rid, address):
     return params
 
 
+def _failed_decode(dstub, engine_id, params) -> RequestFailed:
+    """The decode leg of PROMPT with ``params`` as its prefill_result, which must fail: how it failed."""
+    with pytest.raises(RequestFailed) as failed:
+        generate_sync(
+            dstub,
+            worker_pb2.GenerateRequest(
+                request_id="d1", engine_id=engine_id, token_ids=PROMPT, sampling=_sampling(8), prefill_result=params
+            ),
+        )
+    return failed.value
+
+
 def test_decode_pulls_only_missing_blocks_verifies_them_and_nothing_stays_held(tmp_path):
     discovery, prefill, decode = _pair(tmp_path)
     with running(prefill, decode):
@@ -121,16 +133,9 @@ def test_a_corrupted_block_fails_the_request_with_data_loss(tmp_path):
         with grpc.insecure_channel(prefill.address) as pch, grpc.insecure_channel(decode.address) as dch:
             pstub, dstub = worker_pb2_grpc.WorkerServiceStub(pch), worker_pb2_grpc.WorkerServiceStub(dch)
             params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
-            with pytest.raises(RequestFailed) as failed:
-                generate_sync(
-                    dstub,
-                    worker_pb2.GenerateRequest(
-                        request_id="d1", engine_id=dcard.engine_id, token_ids=PROMPT, sampling=_sampling(8),
-                        prefill_result=params,
-                    ),
-                )  # fmt: skip
-            assert failed.value.code == grpc.StatusCode.DATA_LOSS
-            assert "failed verification" in failed.value.message
+            failed = _failed_decode(dstub, dcard.engine_id, params)
+            assert failed.code == grpc.StatusCode.DATA_LOSS
+            assert "failed verification" in failed.message
         assert wait_no_active_blocks(prefill.address, pcard.engine_id).active_blocks == 0
         assert wait_no_active_blocks(decode.address, dcard.engine_id).active_blocks == 0
 
@@ -164,15 +169,8 @@ def test_a_decode_leg_refused_before_its_pull_releases_the_prefill_engines_hold(
             pstub, dstub = worker_pb2_grpc.WorkerServiceStub(pch), worker_pb2_grpc.WorkerServiceStub(dch)
             params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
             assert load(prefill.address, pcard.engine_id).active_blocks == 10
-            with pytest.raises(RequestFailed) as refused:
-                generate_sync(
-                    dstub,
-                    worker_pb2.GenerateRequest(
-                        request_id="d1", engine_id=dcard.engine_id + 1, token_ids=PROMPT, sampling=_sampling(8),
-                        prefill_result=params,
-                    ),
-                )  # fmt: skip
-            assert refused.value.code == grpc.StatusCode.NOT_FOUND
+            refused = _failed_decode(dstub, dcard.engine_id + 1, params)
+            assert refused.code == grpc.StatusCode.NOT_FOUND
         assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=5.0).active_blocks == 0
 
 
@@ -188,16 +186,9 @@ def test_a_pull_from_an_engine_of_another_block_size_is_refused_naming_both(tmp_
             pstub, dstub = worker_pb2_grpc.WorkerServiceStub(pch), worker_pb2_grpc.WorkerServiceStub(dch)
             params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
             params.block_size = 2 * BLOCK  # as a prefill engine started with --block-size 8 describes its hold
-            with pytest.raises(RequestFailed) as refused:
-                generate_sync(
-                    dstub,
-                    worker_pb2.GenerateRequest(
-                        request_id="d1", engine_id=dcard.engine_id, token_ids=PROMPT, sampling=_sampling(8),
-                        prefill_result=params,
-                    ),
-                )  # fmt: skip
-            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            refused = _failed_decode(dstub, dcard.engine_id, params)
+            assert refused.code == grpc.StatusCode.FAILED_PRECONDITION
             assert f"has {2 * BLOCK} tokens per block, this engine {BLOCK} (--block-size must match" in (
-                refused.value.message
+                refused.message
             )
         assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=5.0).active_blocks == 0
