@@ -9,9 +9,11 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.discovery import DiscoveryError, instance_prefix, open_discovery
 from kvmesh.runtime import DaemonRuntime
 from kvmesh.settings import DaemonSettings
@@ -166,3 +168,22 @@ async def test_one_stop_signal_after_a_drain_request_still_drains(tmp_path, monk
         release.set()
         assert await asyncio.wait_for(call, 5) == b"done"
         await asyncio.wait_for(task, 5)
+
+
+async def test_a_bound_port_is_held_through_a_long_start_up_and_answers_once_started(tmp_path):
+    """A worker binds before loading its engines (a minute with vLLM): nothing else can take the port
+    meanwhile (the engines' own rendezvous sockets once did), and a call made then is answered on start."""
+    async with DaemonRuntime("kvmesh-test", settings(tmp_path)) as runtime:
+        port = runtime.bind(0, "127.0.0.1")
+        with socket.socket() as other:
+            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            check = asyncio.ensure_future(
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+            )
+            await asyncio.sleep(0.5)  # start-up work
+            assert not check.done(), "no answer before the server starts"
+            assert await runtime.start(port) == port
+            assert (await check).status == health_pb2.HealthCheckResponse.SERVING

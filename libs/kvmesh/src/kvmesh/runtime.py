@@ -235,6 +235,7 @@ class DaemonRuntime:
         """What the daemon built on top of the runtime; closed after the drain, newest first."""
         self.instance_id = 0
         self.address = ""
+        self._bound = 0  # the gRPC port, once bound
         self.metrics_address = ""
         self.server = grpc.aio.server(
             interceptors=[
@@ -350,20 +351,25 @@ class DaemonRuntime:
 
     def _open_tls_and_watchdog(self, stack: AsyncExitStack) -> None:
         """Load this daemon's mesh identity (client and server side) and start systemd's watchdog pings."""
-        settings = self.settings
-        if settings.tls_enabled:
-            try:
-                self.tls = tls.load(settings.tls_cert, settings.tls_key, settings.tls_ca)
-                etcd_ca = Path(settings.etcd_ca).read_bytes() if settings.etcd_ca else self.tls.ca
-            except OSError as exc:
-                fail(self.name, f"--tls-*/--etcd-ca: cannot read {exc.filename}: {exc.strerror}")
-            tls.configure_client(self.tls)
-            if settings.etcd_tls:
-                tls.configure_etcd(tls.TlsMaterial(self.tls.cert, self.tls.key, etcd_ca))
+        self._load_tls()
         interval = sd_notify.watchdog_interval()
         if interval is not None:
             task = asyncio.get_running_loop().create_task(sd_notify.watchdog_loop(interval))
             stack.callback(task.cancel)
+
+    def _load_tls(self) -> None:
+        """The mesh identity, once: on entering the block, or earlier by a :meth:`bind` before it."""
+        settings = self.settings
+        if not settings.tls_enabled or self.tls is not None:
+            return
+        try:
+            self.tls = tls.load(settings.tls_cert, settings.tls_key, settings.tls_ca)
+            etcd_ca = Path(settings.etcd_ca).read_bytes() if settings.etcd_ca else self.tls.ca
+        except OSError as exc:
+            fail(self.name, f"--tls-*/--etcd-ca: cannot read {exc.filename}: {exc.strerror}")
+        tls.configure_client(self.tls)
+        if settings.etcd_tls:
+            tls.configure_etcd(tls.TlsMaterial(self.tls.cert, self.tls.key, etcd_ca))
 
     async def _drain(self) -> None:
         """Deregister at once (while ``on_draining`` hooks end endless streams), then drain in-flight calls."""
@@ -390,21 +396,20 @@ class DaemonRuntime:
         grpc_services.add_service(self.server, service, servicer, in_band=in_band)
         self._service_names.append(service.full_name)
 
-    async def start(
-        self, port: int, bind_host: str | None = None, *, ready: bool = True, require_client_cert: bool = True
-    ) -> int:
-        """Bind ``bind_host`` (default ``--bind-host``) and start serving; returns the bound port (0 picks one).
+    def bind(self, port: int, bind_host: str | None = None, *, require_client_cert: bool = True) -> int:
+        """Take ``bind_host:port`` now (default ``--bind-host``; 0 picks one) and return the bound port.
+
+        The port listens from here on, but calls wait in the backlog until :meth:`start`. A daemon
+        whose start-up is long (a worker loading its engines) binds first, before the block if it loads
+        before taking its lease: its engines' own sockets (vLLM's rendezvous ports) can then never take
+        the port meanwhile, and a port in use fails the daemon at once instead of after the load.
 
         With TLS on the port is TLS only; ``require_client_cert=False`` is for the frontend's KServe
         port alone (external clients), every daemon-to-daemon port requires a mesh client certificate.
-
-        ``ready=False`` starts with health NOT_SERVING (a daemon that must warm up first, e.g. a
-        router rebuilding its index); it turns SERVING on ``set_ready()``.
         """
-        self._ready = ready
-        await self._set_health(False)  # before the port opens: no probe ever sees SERVING too early
-        grpc_services.add_service(self.server, health_pb2.DESCRIPTOR.services_by_name["Health"], self.health)
-        kvmesh_reflection.enable_server_reflection(self._service_names, self.server)  # v1 and v1alpha
+        if self._bound:
+            raise RuntimeError("the gRPC port is already bound")
+        self._load_tls()
         host = bind_host or self.settings.bind_host
         target = f"{host}:{port}"
         unbindable = _why_unbindable(host, port)
@@ -420,6 +425,22 @@ class DaemonRuntime:
             fail(self.name, f"--grpc-port {port}: cannot bind {target} ({exc})")
         if bound == 0:
             fail(self.name, f"--grpc-port {port}: cannot bind {target} (address in use, or not one of this host's?)")
+        self._bound = bound
+        return bound
+
+    async def start(
+        self, port: int, bind_host: str | None = None, *, ready: bool = True, require_client_cert: bool = True
+    ) -> int:
+        """Start serving, binding first as :meth:`bind` does unless that was done; returns the bound port.
+
+        ``ready=False`` starts with health NOT_SERVING (a daemon that must warm up first, e.g. a
+        router rebuilding its index); it turns SERVING on ``set_ready()``.
+        """
+        self._ready = ready
+        await self._set_health(False)  # before the port opens: no probe ever sees SERVING too early
+        grpc_services.add_service(self.server, health_pb2.DESCRIPTOR.services_by_name["Health"], self.health)
+        kvmesh_reflection.enable_server_reflection(self._service_names, self.server)  # v1 and v1alpha
+        bound = self._bound or self.bind(port, bind_host, require_client_cert=require_client_cert)
         await self.server.start()
         self.address = f"{self.settings.host}:{bound}"
         await self._set_health(True)

@@ -86,12 +86,15 @@ async def serve(cfg: Settings) -> int:
         model = load_model_files(cfg.model_path, cfg.served_model_name)
     except ModelFilesError as exc:
         fail(PROG, f"--model-path: {exc}")
+    runtime = DaemonRuntime(PROG, cfg)
+    # The port first: loading the engines takes up to a minute, and their own sockets must not take it meanwhile.
+    port = runtime.bind(cfg.grpc_port)
     try:
         make_engine = registry.build(cfg.engine, cfg, model)
     except registry.EngineBuildError as exc:
         fail(PROG, str(exc))
 
-    async with DaemonRuntime(PROG, cfg) as runtime:
+    async with runtime:
         engine_ids = [engine_id_for(runtime.instance_id, i) for i in range(cfg.num_engines)]
         runners: list[Engine] = [make_engine(eid) for eid in engine_ids]
         cards: dict[int, discovery_pb2.ModelCard] = {}
@@ -100,7 +103,7 @@ async def serve(cfg: Settings) -> int:
         runtime.on_draining(servicer.drain)
         runtime.add_service(worker_pb2.DESCRIPTOR.services_by_name["WorkerService"], servicer, in_band=IN_BAND)
         runtime.resources.callback(EngineCollector.register(runners, model.name).unregister)
-        await runtime.start(cfg.grpc_port)
+        await runtime.start(port)
         for runner in runners:
             runner.start()
             runtime.resources.push_async_callback(runner.stop)
