@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import kvmesh_cli.main as kvmesh_cli_main
 from inference import grpc_service_pb2_grpc as pb_grpc
 
 from tests.frontend.frontend_fakes import llm_request
@@ -218,3 +219,16 @@ def test_a_demo_request_whose_call_fails_is_reported_not_raised() -> None:
 
     outcome = demo_request(f"127.0.0.1:{free_port()}", "kvmesh-mock")  # nobody listens there
     assert outcome.startswith("demo request failed: UNAVAILABLE: "), outcome
+
+
+def test_ctrl_c_while_a_command_loads_is_one_line_and_exit_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvmesh up`` imports every daemon's settings first (seconds): a Ctrl-C then was a traceback."""
+
+    def interrupted_import(name: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvmesh_cli_main.importlib, "import_module", interrupted_import)
+    assert kvmesh_cli_main.main(["up"]) == 130
+    assert capsys.readouterr().err == "kvmesh: interrupted\n"

@@ -51,14 +51,19 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; Ctrl-C wherever no command handles it (its imports take seconds) exits 130, quietly."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(argv)
-    args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "benchmark", None) is None:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if extra:  # benchmark flags belong to the benchmark's own parser
-        args.args = [*extra, *args.args]
-    return int(args.func(args) or 0)
+    try:
+        parser = build_parser(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra and getattr(args, "benchmark", None) is None:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if extra:  # benchmark flags belong to the benchmark's own parser
+            args.args = [*extra, *args.args]
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("kvmesh: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
