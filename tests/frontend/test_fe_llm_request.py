@@ -173,8 +173,13 @@ BAD = [
     ("temperature beyond any float", llm_request("x", sampling={"temperature": 10**400}),
      "input 'sampling_parameters': 'temperature' is out of range, got 1000"),
     ("temperature negative", llm_request("x", sampling={"temperature": -1}),
-     "input 'sampling_parameters': 'temperature' must be >= 0, got -1.0"),
-    ("top_p zero", llm_request("x", sampling={"top_p": 0}), "'top_p' must be in (0, 1], got 0.0"),
+     "input 'sampling_parameters': 'temperature' must be >= 0 and at most 3.40282e+38 (a 32-bit float), got -1.0"),
+    ("temperature infinite", llm_request("x", params={"temperature": "inf"}), "'temperature' must be >= 0 and at"),
+    # SamplingOptions carries a float32: 1e39 would reach the engine as inf, a value the client never sent.
+    ("temperature past float32", llm_request("x", sampling={"temperature": 1e39}), "at most 3.40282e+38"),
+    ("top_p zero", llm_request("x", sampling={"top_p": 0}), "'top_p' must be in (0, 1] and at least 1.4013e-45"),
+    # ...and a top_p of 1e-46 as 0.0, which the engines read as "no top-p": near-greedy turned unfiltered.
+    ("top_p below float32", llm_request("x", sampling={"top_p": 1e-46}), "got 1e-46"),
     ("top_k", llm_request("x", sampling={"top_k": -5}), "'top_k' must be -1 (disabled), 0 (disabled) or a positive"),
     ("stop type", llm_request("x", sampling={"stop": 5}), "'stop' must be a string or a list of strings, got 5"),
     ("stop empty", llm_request("x", sampling={"stop": [""]}), "'stop' must not contain an empty string"),

@@ -314,17 +314,21 @@ def _int_at_least(minimum: int, *, lenient: bool = False, maximum: int = U32_MAX
     return parse
 
 
+F32_MAX = float(np.finfo(np.float32).max)  # SamplingOptions' floats are 32-bit: a larger value becomes inf there
+F32_TINY = float(np.finfo(np.float32).smallest_subnormal)  # a positive value below it becomes 0 there
+
+
 def _temperature(where: str, value: Any) -> float:
     number = _as_float(where, value)
-    if not number >= 0:
-        raise invalid(f"{where} must be >= 0, got {number}")
+    if not 0 <= number <= F32_MAX:
+        raise invalid(f"{where} must be >= 0 and at most {F32_MAX:.6g} (a 32-bit float), got {number}")
     return number
 
 
 def _top_p(where: str, value: Any) -> float:
     number = _as_float(where, value)
-    if not 0 < number <= 1:
-        raise invalid(f"{where} must be in (0, 1], got {number}")
+    if not F32_TINY <= number <= 1:  # 0 means "no top-p" to the engines: a tiny top_p must not turn into it
+        raise invalid(f"{where} must be in (0, 1] and at least {F32_TINY:.6g} (a 32-bit float), got {number}")
     return number
 
 
