@@ -196,3 +196,23 @@ async def test_sigterm_ends_an_idle_stream_instead_of_waiting_out_the_drain_time
             assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
     finally:
         dep.close()
+
+
+async def test_a_dead_router_is_unavailable_to_clients_without_its_address_or_grpcs_diagnostics(
+    deployment: tuple[Deployment, Daemon, Daemon],
+) -> None:
+    """The only router replica killed before its lease expires: the client is told UNAVAILABLE, retryable,
+    and nothing of the mesh's insides (the replica's address, gRPC's connect error): those go to the log."""
+    dep, _, frontend = deployment
+    router = next(d for d in dep.daemons if d.name == "kvmesh-router")
+    async with grpc.aio.insecure_channel(frontend.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        await wait_ready(stub)
+        await stub.ModelInfer(llm_request("hello", model=MODEL, sampling={"max_tokens": 2}), timeout=30)
+        router.signal(signal.SIGKILL)
+        router.wait()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.ModelInfer(llm_request("hello", model=MODEL, sampling={"max_tokens": 2}), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.value.details() == "no router replica could route the request (1 tried)"
+    frontend.wait_log(rf"router session to \w+ at 127\.0\.0\.1:{router.port} broke")

@@ -879,6 +879,32 @@ async def test_tokenizer_less_model_needs_input_ids() -> None:
         await worker.stop()
 
 
+async def test_tokenizer_files_that_do_not_load_are_unavailable_without_the_engines_address() -> None:
+    """Why the files failed (which engine, at which address, the parser's words) is for the log only."""
+    worker = FakeWorker([0x34], files={"tokenizer.json": b"{not json"})
+    await worker.start()
+    router = FakeRouter({0x34: worker.address})
+    await router.start()
+    fe = FrontendHarness()
+    await fe.start()
+    try:
+        fe.add_cards(worker)
+        fe.add_router(router, 1)
+        await fe.wait_ready()
+        await expect_status(
+            fe.stub.ModelInfer(llm_request("x")),
+            grpc.StatusCode.UNAVAILABLE,
+            "model 'fake-model': its tokenizer files could not be loaded from any of its engines (retried within 5 s)",
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fe.stub.ModelInfer(llm_request("x"))
+        assert worker.address not in (refused.value.details() or "")
+    finally:
+        await fe.stop()
+        await router.stop()
+        await worker.stop()
+
+
 async def test_models_appear_live_and_share_tokenizer_downloads() -> None:
     worker = FakeWorker([0x41, 0x42])
     await worker.start()

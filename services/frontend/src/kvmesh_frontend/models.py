@@ -276,7 +276,10 @@ class ModelRegistry:
         if not assets.done and assets.task is not None:
             await asyncio.shield(assets.task)
         if assets.error is not None:
-            raise unavailable(f"model '{entry.name}': tokenizer files could not be loaded: {assets.error}")
+            raise unavailable(  # which engine failed how is in the log: addresses and parser text stay inside
+                f"model '{entry.name}': its tokenizer files could not be loaded from any of its engines "
+                f"(retried within {_RETRY_FAILED_LOAD_S:g} s)"
+            )
         return assets.tokenizer
 
     # -- tokenizer loading ----------------------------------------------------------------------

@@ -314,7 +314,8 @@ class RouterClient:
             while True:
                 if not attempts:
                     if broken is not None and not [rid for rid in self._replicas if rid not in tried]:
-                        raise unavailable(f"no router replica could route the request: {broken}")
+                        # why each broke (addresses, gRPC's diagnostics) is in the log, never in the reply
+                        raise unavailable(f"no router replica could route the request ({len(tried)} tried)")
                     session = self._current(tried)
                     tried.add(session.replica_id)
                     attempts[await session.submit(query)] = session
