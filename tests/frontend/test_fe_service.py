@@ -131,6 +131,24 @@ async def test_metadata_and_decoupled_config(mesh) -> None:
         assert "model 'nope' is not served here (known models: fake-model)" in info.value.details()
 
 
+async def test_a_served_model_whose_engines_are_gone_is_unavailable_on_every_model_call(mesh) -> None:
+    """A worker restarting: inference said UNAVAILABLE (retry) while the metadata, config and statistics
+    a client reads first said NOT_FOUND "not served here (known models: none)", a wrong name's answer."""
+    fe, worker, _ = mesh
+    fe.remove_cards(worker)
+    calls = (
+        fe.stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL)),
+        fe.stub.ModelConfig(pb.ModelConfigRequest(name=MODEL)),
+        fe.stub.ModelStatistics(pb.ModelStatisticsRequest(name=MODEL)),
+        fe.stub.ModelInfer(llm_request("x")),
+    )
+    for call in calls:
+        await expect_status(call, grpc.StatusCode.UNAVAILABLE, f"model '{MODEL}' has no live engine")
+    fe.add_cards(worker)
+    await fe.wait_ready()
+    await fe.stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL))
+
+
 async def test_a_model_has_one_version_and_any_other_is_not_found(mesh) -> None:
     """As Triton answers for a version it does not have; "" and "1" name the one there is."""
     fe, _, _ = mesh

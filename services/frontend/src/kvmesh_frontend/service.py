@@ -30,8 +30,8 @@ from inference import grpc_service_pb2_grpc as pb_grpc
 from inference import model_config_pb2 as mc
 from kvmesh import grpc_services
 
-from kvmesh_frontend.errors import FrontendError, clip, invalid, not_found, unavailable
-from kvmesh_frontend.models import MODEL_VERSION, is_served_version, version_not_found
+from kvmesh_frontend.errors import FrontendError, invalid, unavailable
+from kvmesh_frontend.models import MODEL_VERSION, is_served_version
 from kvmesh_frontend.pipeline import Frontend
 
 log = logging.getLogger(__name__)
@@ -157,18 +157,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=self._version, extensions=EXTENSIONS)
 
     def _known(self, name: str, context: grpc.aio.ServicerContext[Any, Any], version: str = "") -> Any:
-        """The model's entry, or None with NOT_FOUND set on the call (the caller returns at once)."""
-        if not is_served_version(version):
-            _refuse(context, not_found(version_not_found(name, version)))
+        """The model's entry, or None with the call's status set (the caller returns at once).
+
+        The same answer as inference gets (``ModelRegistry.resolve``): NOT_FOUND for a name never served,
+        UNAVAILABLE while a served model has no live engine (a worker restarting), so a client that reads
+        the metadata before inferring (perf_analyzer, genai-perf) is told to retry, not that it is wrong.
+        """
+        try:
+            return self._registry.resolve(name, version)
+        except FrontendError as error:
+            _refuse(context, error)
             return None
-        entry = self._registry.get(name)
-        if entry is None or not entry.cards:
-            # The name is clipped: a status message travels in a trailer, and a client refuses
-            # trailers over its metadata limit (RESOURCE_EXHAUSTED instead of this NOT_FOUND).
-            names = self._registry.known_names()
-            _refuse(context, not_found(f"model '{clip(name)}' is not served here (known models: {names})"))
-            return None
-        return entry
 
     async def ModelMetadata(
         self,
