@@ -72,15 +72,19 @@ def mesh_1p1d(request, tmp_path_factory) -> Iterator[Mesh]:
 
 
 def test_1p1d_one_ordinary_stream_remote_prefill_then_only_new_blocks(mesh_1p1d):
-    out = stream_requests(mesh_1p1d.url_frontend, [request("a", LONG)])["a"]
+    prompt = f"{uuid.uuid4().hex} {LONG}"  # in no engine's cache yet
+    out = stream_requests(mesh_1p1d.url_frontend, [request("a", prompt)])["a"]
     assert out.num_tokens == 12 and out.finish_reason == "length"
     assert param(out.final, "kvmesh.disagg") == "remote"
     first_blocks = param(out.final, "kvmesh.kv_transferred_blocks")
     assert param(out.final, "kvmesh.prefill_worker_id") != 0 and first_blocks > 0
+    # Computed by the prefill engine and pulled: not a prefix-cache hit (the decode engine counts them in).
+    assert param(out.final, "kvmesh.cached_tokens") == 0
     # The same prompt again: the decode engine holds its blocks already, so nothing (or nearly) moves.
-    again = stream_requests(mesh_1p1d.url_frontend, [request("b", LONG)])["b"]
+    again = stream_requests(mesh_1p1d.url_frontend, [request("b", prompt)])["b"]
     assert again.num_tokens == 12
     assert param(again.final, "kvmesh.kv_transferred_blocks") < first_blocks
+    assert param(again.final, "kvmesh.cached_tokens") > 0
     moved, everything = (param(again.final, f"kvmesh.kv_{k}_bytes") for k in ("transferred", "pull_everything"))
     assert moved < everything and everything == param(out.final, "kvmesh.kv_pull_everything_bytes")
     assert again.text == out.text  # deterministic mocker: same prompt, same tokens, whichever path

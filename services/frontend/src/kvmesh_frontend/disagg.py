@@ -63,6 +63,7 @@ class DisaggState:
 
     decision: str = ""  # "remote" or "local: <why>"
     prefill_engine_id: int = 0
+    prefill_cached_tokens: int = 0  # the prefill engine's own prefix-cache hit
     transferred_blocks: int = 0
     transferred_bytes: int = 0
     pull_everything_bytes: int = 0
@@ -130,6 +131,8 @@ class Disaggregator:
                 ),
             )
             async for response in call:
+                if response.num_prompt_tokens:
+                    state.prefill_cached_tokens = response.num_cached_tokens
                 if response.finish_reason:
                     finished = True
                     session.first_token(prefill_id)

@@ -191,6 +191,10 @@ class Generator:
                         state.cached_tokens = response.num_cached_tokens
                     if first and kv is not None:
                         self.disagg.observe(response, state.disagg)
+                        if response.HasField("kv_report"):  # pulled blocks were computed, not found in a cache
+                            state.cached_tokens = max(
+                                state.disagg.prefill_cached_tokens, response.kv_report.local_hit_blocks * req.block_size
+                            )
                     if response.token_ids:
                         if first:
                             first = False
