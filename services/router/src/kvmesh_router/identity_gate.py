@@ -6,6 +6,10 @@ channel pinned to ``worker.kvmesh`` (``kvmesh.channels``), which only a process 
 certificate from the mesh CA can complete. Until then the engine is not routable; a failed proof is
 retried with backoff for as long as the record lives (a real worker may just be slow to start).
 Without TLS there is nothing to prove and engines join at once, as before.
+
+An admitted engine whose record changes at the same address (a re-published model card) is the same
+proven process: the update passes straight through, its bookings kept. The fleet removes an engine
+before re-adding it whenever its address (or geometry) changes, and that one is proven again.
 """
 
 from __future__ import annotations
@@ -43,10 +47,13 @@ class IdentityGate:
         self._timeout = timeout
         self._max_backoff = max_backoff
         self._pending: dict[int, asyncio.Task[None]] = {}
-        self._admitted: set[int] = set()
+        self._admitted: dict[int, str] = {}  # engine id -> the address its identity was proven at
 
     def added(self, info: EngineInfo) -> None:
-        self.removed(info.engine_id)  # a re-registration is proven again
+        if self._admitted.get(info.engine_id) == info.address:
+            self._on_added(info)  # an update of a proven engine: removing it would drop its bookings
+            return
+        self.removed(info.engine_id)  # a re-registration elsewhere is proven again
         self._pending[info.engine_id] = asyncio.get_running_loop().create_task(
             self._prove(info), name=f"identity {info.engine_id:x}"
         )
@@ -55,8 +62,7 @@ class IdentityGate:
         task = self._pending.pop(engine_id, None)
         if task is not None:
             task.cancel()
-        if engine_id in self._admitted:
-            self._admitted.discard(engine_id)
+        if self._admitted.pop(engine_id, None) is not None:
             self._on_removed(engine_id)
 
     async def _prove(self, info: EngineInfo) -> None:
@@ -80,7 +86,7 @@ class IdentityGate:
                 continue
             break
         self._pending.pop(info.engine_id, None)
-        self._admitted.add(info.engine_id)
+        self._admitted[info.engine_id] = info.address
         self._on_added(info)
 
     async def close(self) -> None:
