@@ -34,9 +34,20 @@ ENGINES = (11, 22)
 # ---------------------------------------------------------------------- in process
 
 
+class Clock:
+    """A replica's clock, moved by the test (the booking TTL is 300 s)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Replica:
     def __init__(self, replica_id: int, queue_size: int = 1000) -> None:
-        self.state = RouterState(metrics=RouterMetrics())
+        self.clock = Clock()
+        self.state = RouterState(metrics=RouterMetrics(), clock=self.clock)
         for e in ENGINES:
             self.state.add_engine(EngineInfo(e, "m", f"w{e}", 16, 1000))
         self.pool: dict[str, grpc.aio.Channel] = {}
@@ -197,6 +208,43 @@ async def test_peer_bookings_vanish_with_its_link(pair):
     task.cancel()  # a's side of the link dies (as with a kill -9)
     await until(lambda: sum(n for *_, n in b.load()) == 0, what="dropped on b")
     assert 1 not in b.hub.current
+
+
+async def test_bookings_whose_free_never_came_expire_on_both_replicas_and_leave_nothing(pair):
+    """A frontend that died holding requests never sends their FINISHED: the TTL frees them. The owner
+    kept their keys and the peer kept them, block hashes and all, for as long as the link lived."""
+    a, b = pair
+    a.dial(b)
+    await until(lambda: 1 in b.hub.current and 2 in a.hub.current, what="linked")
+    for i in range(50):
+        a.book(f"lost{i}", letters="ABCDEFGH")
+    await until(lambda: len(b.state.bookings.peer_bookings.get(1, {})) == 50, what="synced")
+    a.clock.now += 301
+    a.state.active_load()  # the TTL runs lazily: on a decision or a load query
+    assert not a.state.bookings.local_keys
+    await until(lambda: not b.state.bookings.peer_bookings.get(1), what="the owner's expiry reached the peer")
+    # The peer's own TTL, if the owner's word is lost too, forgets them the same way.
+    a.book("lost-again")
+    await until(lambda: len(b.state.bookings.peer_bookings.get(1, {})) == 1, what="synced")
+    b.clock.now += 301
+    assert all(blocks == 0 for _, blocks, _, _ in b.load()) and not b.state.bookings.peer_bookings.get(1)
+
+
+async def test_bookings_dropped_with_a_departed_engine_are_freed_on_peers_that_parked_them(pair):
+    """A lease flap seen by the two replicas in turn: b sees the engine leave first, then a books on it
+    (b parks those), then a sees it leave and dropped them silently. b kept them parked for good, and
+    booked them as fresh load for another whole TTL when the engine came back."""
+    a, b = pair
+    a.dial(b)
+    await until(lambda: 1 in b.hub.current and 2 in a.hub.current, what="linked")
+    b.state.remove_engine(11)
+    for i in range(20):
+        a.book(f"r{i}")
+    await until(lambda: len(b.state.bookings.peer_bookings.get(1, {})) == 20, what="parked on b")
+    a.state.remove_engine(11)
+    await until(lambda: not b.state.bookings.peer_bookings.get(1), what="a's frees reached b")
+    b.state.add_engine(EngineInfo(11, "m", "w11", 16, 1000))
+    assert b.load() == [(11, 0, 0, 0), (22, 0, 0, 0)]
 
 
 def _queued_transport() -> tuple[asyncio.Queue, object, object]:

@@ -12,7 +12,9 @@ Invariants:
   backstop);
 - a peer booking for an engine this replica has not seen yet is *parked* and booked when the engine
   appears (:meth:`Bookings.engine_added`); one for an engine that leaves is forgotten;
-- an own booking that expired still announces its FINISHED, so peers forget it too.
+- every own booking that ends is announced freed, however it ends: FINISHED, the booking TTL, or its
+  engine leaving (a peer that saw the engine leave first has parked it, and would keep it for good);
+- a peer booking this replica's TTL expired is forgotten with it: a lost free costs no memory.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Bookings:
         # peer id -> {peer's booking key -> what the peer told us} (parked ones included)
         self.peer_bookings: dict[int, dict[str, router_pb2.ActiveBooking]] = {}
         self._listeners: list[BookingListener] = []
+        slots.on_expired = self._expired
 
     def add_listener(self, listener: BookingListener) -> None:
         self._listeners.append(listener)
@@ -88,6 +91,25 @@ class Bookings:
                 listener.booking_freed(key)
         return freed
 
+    def _expired(self, keys: list[str]) -> None:
+        """The slot tracker's TTL freed ``keys``: announce own ones, forget peers' ones."""
+        for key in keys:
+            if key in self.local_keys:
+                self._forget_own(key)
+                continue
+            peer, _, rid = key.partition("/")
+            try:
+                mine = self.peer_bookings.get(int(peer.removeprefix("p"), 16)) if peer.startswith("p") else None
+            except ValueError:
+                continue
+            if mine is not None:
+                mine.pop(rid, None)
+
+    def _forget_own(self, key: str) -> None:
+        self.local_keys.discard(key)
+        for listener in self._listeners:
+            listener.booking_freed(key)
+
     def local_snapshot(self) -> list[router_pb2.ActiveBooking]:
         """This replica's own bookings, as sent first on every sync link."""
         now = self.clock()
@@ -108,15 +130,15 @@ class Bookings:
     def engine_added(self, engine_id: int) -> None:
         """Book the parked peer bookings of a newly seen engine."""
         now = self.clock()
-        for peer, mine in self.peer_bookings.items():
-            for ab in mine.values():
-                if ab.engine_id == engine_id:
-                    self._book_peer(peer, ab, now)
+        for peer, mine in list(self.peer_bookings.items()):
+            for ab in [ab for ab in mine.values() if ab.engine_id == engine_id]:  # booking may expire others
+                self._book_peer(peer, ab, now)
 
     def engine_removed(self, engine_id: int, dropped: Iterable[str]) -> None:
         """Forget the bookings of an engine that left (``dropped``: the slot tracker's keys of it)."""
         for key in dropped:
-            self.local_keys.discard(key)
+            if key in self.local_keys:
+                self._forget_own(key)
         for mine in self.peer_bookings.values():  # peers drop these too when they see the engine go
             for rid in [rid for rid, ab in mine.items() if ab.engine_id == engine_id]:
                 del mine[rid]

@@ -25,7 +25,7 @@ as the indexer's ``find_matches``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from typing import NamedTuple
@@ -101,6 +101,8 @@ class SlotTracker:
         self.expiry_s = expiry_s
         self.expiry_check_interval_s = expiry_check_interval_s
         self._next_check = float("-inf")
+        self.on_expired: Callable[[list[str]], None] | None = None
+        """Told the ids each :meth:`expire` freed (replication tells peers, and forgets theirs)."""
         self._slots = EngineSlots()
         self._engines: dict[int, _Engine] = {}
         self._active: dict[int, int] = {}  # seq hash -> mask of engines where it is active
@@ -217,6 +219,8 @@ class SlotTracker:
         stale = [rid for rid, b in self._bookings.items() if b.started_at <= deadline]
         for rid in stale:
             self.free(rid)
+        if stale and self.on_expired is not None:
+            self.on_expired(stale)
         return stale
 
     # ------------------------------------------------------------------ queries
