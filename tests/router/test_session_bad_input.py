@@ -15,6 +15,7 @@ import pytest
 from kvmesh.v1 import discovery_pb2, router_pb2, router_pb2_grpc
 from kvmesh_router.engines import EngineInfo
 from kvmesh_router.metrics import RouterMetrics
+from kvmesh_router.replication import BookingListener
 from kvmesh_router.service import RouterServicer, add_to_server
 from kvmesh_router.state import RouterState
 from kvmesh_router.translate import MAX_QUERY_BLOCKS
@@ -151,6 +152,55 @@ async def test_a_prefill_whose_id_the_session_already_uses_is_local_and_says_why
     assert decisions[2].prefill.reason == (
         "local: request 'b/prefill' is active, and a remote prefill of this one needs that id"
     )
+
+
+def disagg_router() -> RouterState:
+    state = RouterState(metrics=RouterMetrics())
+    state.add_engine(EngineInfo(11, "m", "w11", 16, 1000, role="decode"))
+    state.add_engine(EngineInfo(22, "m", "w22", 16, 1000, role="prefill"))
+    return state
+
+
+def disagg_query(rid: str) -> bytes:
+    tokens = prompt(*"ABCDEFGH")
+    route = router_pb2.RouteQuery(
+        request_id=rid,
+        model="m",
+        block_hashes=seq_hashes(tokens),
+        num_tokens=len(tokens),
+        overrides=router_pb2.RouterConfigOverride(role=discovery_pb2.WORKER_ROLE_DECODE),
+    )
+    route.disagg.SetInParent()
+    return router_pb2.SessionRequest(route=route).SerializeToString()
+
+
+class FailsOn(BookingListener):
+    """A bug in whatever follows a booking (a listener, metrics, a trace span), for the keys ending so."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+
+    def booking_added(self, key: str, booking: object) -> None:
+        if key.endswith(self.suffix):
+            raise RuntimeError("a bug")
+
+
+async def test_a_bug_after_the_remote_prefill_was_booked_leaves_neither_booking() -> None:
+    """The INVALID answer names no prefill, so nobody would ever free it: it held its engine for the TTL."""
+    state = disagg_router()
+    state.bookings.add_listener(FailsOn("/c/prefill"))
+    decisions, booked = await decide(state, [disagg_query("c"), disagg_query("d")])
+    assert decisions[0].outcome == INVALID and decisions[1].prefill.place == router_pb2.PREFILL_PLACE_REMOTE
+    assert booked == 2  # d and d's prefill
+
+
+async def test_a_bug_in_a_decision_frees_no_other_request_of_the_session() -> None:
+    """Freeing the failed decision's prefill key must not free the session's own request of that id."""
+    state = disagg_router()
+    state.bookings.add_listener(FailsOn("/b"))
+    decisions, booked = await decide(state, [disagg_query("b/prefill"), disagg_query("b")])
+    assert decisions[0].outcome == ROUTED and decisions[1].outcome == INVALID
+    assert booked == 2  # "b/prefill" and its own remote prefill, "b/prefill/prefill"
 
 
 async def test_dumping_an_engine_the_router_does_not_know_is_not_found() -> None:

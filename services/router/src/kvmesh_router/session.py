@@ -40,6 +40,7 @@ import grpc
 from kvmesh import grpc_services
 from kvmesh.v1 import router_pb2
 
+from kvmesh_router.disagg import PREFILL_SUFFIX
 from kvmesh_router.state import RouterState
 from kvmesh_router.translate import INVALID, ROUTED
 
@@ -148,6 +149,8 @@ class SessionHandler:
         except Exception:  # a bug must not take the frontend's whole session down, nor show its text to clients
             log.exception("route query %s failed", rid)
             state.finish(key)
+            if rid + PREFILL_SUFFIX not in active:  # (else that key is the session's own request of the id)
+                state.finish(key + PREFILL_SUFFIX)  # a remote prefill booked before the failure
             decision.Clear()
             decision.request_id = rid
             decision.outcome = INVALID
