@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import pytest
 import kvmesh_cli.main as kvmesh_cli_main
+import pytest
 from inference import grpc_service_pb2_grpc as pb_grpc
 
 from tests.frontend.frontend_fakes import llm_request
