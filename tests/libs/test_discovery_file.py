@@ -144,12 +144,16 @@ async def test_a_dead_lease_whose_mtime_is_in_the_future_still_dies_within_its_t
         await d.close()
 
 
-async def test_lease_files_that_do_not_parse_are_collected(tmp_path: Path):
+async def test_lease_files_that_do_not_parse_or_never_expire_are_collected(tmp_path: Path):
     d = await open_discovery(f"file://{tmp_path}", ttl=1)
     try:
         junk = [tmp_path / "leases" / "notalease.lease", tmp_path / "leases" / f"{0xFF:016x}.lease"]
         for path in junk:
             path.write_text("xx")
+        # A TTL that no expiry check can fail (NaN, Infinity, as Python's json writes them): it lived for good.
+        for lease_id, ttl in ((0xFC, "NaN"), (0xFD, "Infinity")):
+            junk.append(tmp_path / "leases" / f"{lease_id:016x}.lease")
+            junk[-1].write_text(f'{{"ttl": {ttl}}}')
         fresh = tmp_path / "leases" / f"{0xFE:016x}.lease"  # as torn as the others, but maybe being written
         fresh.write_text("{")
         old = time.time() - 120

@@ -92,7 +92,9 @@ def test_settings_are_frozen_and_keyword_only():
         ([], {"KVMESH_NUM_ENGINE": "2"}, "KVMESH_NUM_ENGINE: unknown setting (environment)"),
         (["--speedup-ratio", "inf"], {}, "--speedup-ratio (from flag): Input should be a finite number"),
         (["--drain-timeout", "nan"], {}, "--drain-timeout (from flag): Input should be a finite number"),
-        (["--lease-ttl", "0"], {}, "--lease-ttl (from flag): Input should be greater than 0"),
+        (["--lease-ttl", "0"], {}, "--lease-ttl (from flag): Input should be greater than or equal to 1"),
+        # A keepalive every 0.3 ms: 60 % of a core and the lease flapping (file), etcd rounding it up anyway.
+        (["--lease-ttl", "0.001"], {}, "--lease-ttl (from flag): Input should be greater than or equal to 1"),
         (["--namespace", ""], {}, "--namespace (from flag): String should have at least 1 character"),
         (["--host", ""], {}, "--host (from flag): String should have at least 1 character"),
         (["--config", ""], {}, "--config: empty path"),

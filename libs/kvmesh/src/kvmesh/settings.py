@@ -74,8 +74,8 @@ class DaemonSettings(BaseModel):
     """discovery backend: etcd://host:port[,host:port] or file:///dir (one machine, no server)"""
     namespace: NonEmpty = "kvmesh"
     """deployment namespace; daemons only see their own"""
-    lease_ttl: Annotated[float, Field(gt=0, le=MAX_LEASE_TTL_S)] = 10.0
-    """discovery lease TTL in seconds; keepalive runs every TTL/3"""
+    lease_ttl: Annotated[float, Field(ge=1, le=MAX_LEASE_TTL_S)] = 10.0
+    """discovery lease TTL in seconds (1 or more: etcd counts in seconds); keepalive runs every TTL/3"""
     host: NonEmpty = "127.0.0.1"
     """address other daemons use to reach this one"""
     bind_host: NonEmpty = "127.0.0.1"

@@ -273,6 +273,8 @@ class _Store:
             if ttl is None:
                 try:
                     ttl = float(json.loads(Path(entry.path).read_bytes())["ttl"])
+                    if not (math.isfinite(ttl) and ttl > 0):  # NaN, inf: every expiry check says "alive"
+                        raise ValueError(f"ttl {ttl}")
                 except (OSError, ValueError, KeyError, TypeError):
                     if corrupt is not None:
                         corrupt.append(entry)
