@@ -433,3 +433,19 @@ def test_capacity_is_monotone_in_the_targets():
     ttft, itl, _ = p.latency(tight, 3000, 300, shape)
     assert ttft <= 300 + 1e-6 and itl <= 20 + 1e-6
     assert p.max_rate(3000, 300, 10, 20, shape) == 0.0  # a prompt alone takes longer than 10 ms
+
+
+@pytest.mark.parametrize("predictor", ["constant", "moving_average", "kalman"])
+def test_traffic_that_is_no_number_is_no_observation(predictor: str):
+    """One NaN mean ISL raised in some predictors (a failed tick) and poisoned the Kalman one for good:
+    a steady pool of 5 shrank to 1. It is ignored, as an interval with no figure is."""
+    profile = load_profile(None)
+    steady, poisoned = (
+        PlannerCore(sla_cfg(predictor=predictor), profile),
+        PlannerCore(sla_cfg(predictor=predictor), profile),
+    )
+    fleet = [eng(i) for i in range(5)]
+    for k in range(12):
+        bad = traffic(20, isl=math.nan) if k == 4 else traffic(20)
+        expected = steady.decide(obs(10 * k, *fleet, traffic=None if k == 4 else traffic(20)))
+        assert poisoned.decide(obs(10 * k, *fleet, traffic=bad)).target == expected.target

@@ -10,7 +10,9 @@ holds) rather than zero traffic (which shrank a busy pool to its minimum).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -69,21 +71,32 @@ class _Planner:
         return await self.scrape()
 
 
-async def test_traffic_is_measured_per_frontend_and_a_failed_scrape_is_no_traffic_figure(tmp_path: Path) -> None:
+@contextlib.asynccontextmanager
+async def observing(tmp_path: Path, *fronts: _Frontend) -> AsyncIterator[_Planner]:
+    """A planner's observer of ``fronts``, registered in discovery as frontends."""
     discovery = await open_discovery(f"file://{tmp_path / 'disc'}", ttl=5)
-    a, b = _Frontend(free_port()), _Frontend(free_port())
     observer = Observer(discovery, "ns")
     try:
         lease = await discovery.grant_lease()
-        for i, front in enumerate((a, b)):
+        for i, front in enumerate(fronts):
             record = discovery_pb2.InstanceRecord(component="frontend", metrics_address=front.address)
             await lease.put(instance_key("ns", "frontend", f"kserve{i}", lease.id), record.SerializeToString())
         await observer.start()
         async with asyncio.timeout(5):
-            while len(observer.records("frontend")) < 2:
+            while len(observer.records("frontend")) < len(fronts):
                 await asyncio.sleep(0.02)
-        a.serve(5000)  # lifetime traffic before the planner started: not this interval's
-        planner = _Planner(observer)
+        yield _Planner(observer)
+    finally:
+        await observer.close()
+        for front in fronts:
+            front.stop()
+        await discovery.close()
+
+
+async def test_traffic_is_measured_per_frontend_and_a_failed_scrape_is_no_traffic_figure(tmp_path: Path) -> None:
+    a, b = _Frontend(free_port()), _Frontend(free_port())
+    a.serve(5000)  # lifetime traffic before the planner started: not this interval's
+    async with observing(tmp_path, a, b) as planner:
         assert await planner.scrape() is None  # a first scrape measures nothing
 
         both = await planner.tick((a, 100), (b, 100))
@@ -102,8 +115,14 @@ async def test_traffic_is_measured_per_frontend_and_a_failed_scrape_is_no_traffi
         a.stop()
         b.stop()  # nothing answers: no figure, so the planner holds its pools
         assert await planner.tick() is None
-    finally:
-        await observer.close()
-        for front in (a, b):
-            front.stop()
-        await discovery.close()
+
+
+async def test_a_frontend_exporting_a_figure_that_is_no_number_counts_as_a_failed_scrape(tmp_path: Path) -> None:
+    """A NaN sum (one NaN observed) made the mean ISL NaN: ticks failed ("cannot convert float NaN to
+    integer") or, through the Kalman predictor, poisoned the forecast for good and shrank a steady pool 5 to 1."""
+    a = _Frontend(free_port())
+    async with observing(tmp_path, a) as planner:
+        await planner.scrape()
+        assert (await planner.tick((a, 100))).requests == pytest.approx(100, rel=0.25)
+        a.histograms[0].observe(float("nan"))
+        assert await planner.tick((a, 100)) is None  # as when its scrape fails: no figure, the planner holds

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import urllib.request
 from collections.abc import Iterable
@@ -70,16 +71,24 @@ class _Totals:
 
 
 def parse_frontend_metrics(text: str) -> _Totals:
-    """Sum and count of each watched histogram, over every label set."""
+    """Sum and count of each watched histogram, over every label set.
+
+    ValueError if the text does not parse or a watched figure is no finite number: one NaN would make the
+    interval's means NaN, and a predictor that learns a NaN forecasts nonsense from then on.
+    """
     out = _Totals()
     for family in text_string_to_metric_families(text):
         if family.name == "process_start_time_seconds" and family.samples:
             out.started = family.samples[0].value
+            if not math.isfinite(out.started):  # NaN differs from itself: a restart every interval
+                raise ValueError(f"process_start_time_seconds is {out.started}")
             continue
         key = _FAMILIES.get(family.name)
         if key is None:
             continue
         for sample in family.samples:
+            if not math.isfinite(sample.value) and not sample.name.endswith("_bucket"):
+                raise ValueError(f"{sample.name} is {sample.value}")
             if sample.name.endswith("_sum"):
                 out.sums[key] = out.sums.get(key, 0.0) + sample.value
             elif sample.name.endswith("_count"):
@@ -293,12 +302,17 @@ class Observer:
         measured = False
         for address, text in zip(addresses, texts, strict=True):
             last = self._scrapes.get(address)
+            if not isinstance(text, BaseException):
+                try:
+                    totals = parse_frontend_metrics(text)
+                except ValueError as exc:  # what it exports cannot be read: a failed scrape
+                    log.warning("frontend metrics at %s are unusable: %s", address, exc)
+                    text = exc
             if isinstance(text, BaseException):
                 log.debug("scrape %s: %s", address, text)
                 if last is not None and last.per_second is not None:
                     growths.append(_scaled(last.per_second, interval_s))
                 continue
-            totals = parse_frontend_metrics(text)
             scrape = self._scrapes[address] = _Scrape(totals, now)
             if last is not None and now > last.at:
                 scrape.per_second = _scaled(growth(last.totals, totals), 1.0 / (now - last.at))

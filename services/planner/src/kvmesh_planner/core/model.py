@@ -6,6 +6,7 @@ simulation from its engine cores; both hand them to :class:`~kvmesh_planner.core
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -71,6 +72,11 @@ class TrafficObservation:
     @property
     def request_rate(self) -> float:
         return self.requests / self.interval_s if self.interval_s > 0 else 0.0
+
+    def is_finite(self) -> bool:
+        """Every figure a number: a predictor that learned one NaN would forecast NaN from then on."""
+        figures = (self.interval_s, self.requests, self.mean_isl, self.mean_osl, self.ttft_ms, self.itl_ms)
+        return all(math.isfinite(f) for f in figures if f is not None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -180,7 +180,7 @@ class PlannerCore:
         target = dict(previous)
         inputs: dict[str, float] = {}
         traffic = obs.traffic
-        if traffic is not None and traffic.interval_s > 0:
+        if traffic is not None and traffic.interval_s > 0 and traffic.is_finite():  # else no observation
             inputs.update(
                 requests=traffic.requests,
                 request_rate=traffic.request_rate,
