@@ -200,6 +200,25 @@ async def test_frozen_etcd_is_survived_and_the_record_comes_back_under_its_key(e
         await disc.close()
 
 
+async def test_a_revoke_with_etcd_frozen_waits_one_call_timeout_not_a_beats_too(etcd_server: EtcdServer):
+    """A daemon's drain revokes its lease: with etcd hung and a keepalive in flight, the revoke waited for
+    the beat to time out first, then timed out itself, overrunning --drain-timeout by both (6 s here)."""
+    disc = await open_discovery(etcd_server.url, ttl=9.0, connect_timeout=3.0)  # a beat every 3 s, 3 s timeout
+    try:
+        lease = await disc.grant_lease()
+        granted = time.monotonic()
+        etcd_server.freeze()
+        try:
+            await asyncio.sleep(granted + 3.5 - time.monotonic())  # the first beat is in flight, unanswered
+            started = time.monotonic()
+            await lease.revoke()  # never raises: the records then expire within the TTL
+            assert time.monotonic() - started < 4.0  # the revoke's own 3 s (it was 4.5-6 s)
+        finally:
+            etcd_server.thaw()
+    finally:
+        await disc.close()
+
+
 async def test_mass_expiry_after_a_frozen_etcd_is_invisible_to_watchers(etcd_server: EtcdServer, ns: str, tracker):
     """A SIGSTOPped etcd expires every lease at once when it resumes; the owners, all alive, re-register
     within a second. A watcher that lost contact meanwhile holds those removals for ``removal_grace``:

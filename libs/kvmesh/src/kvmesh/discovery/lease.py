@@ -248,6 +248,11 @@ class Lease:
         self._alive = False
         await self._cancel_tasks()
         self._disc._forget_lease(self)
+        # The revoke does not wait for a beat in flight to end: with the backend hung, the two timeouts
+        # one after the other overran a daemon's --drain-timeout by up to 6 s. A beat answered late is moot.
+        await asyncio.gather(self._join_heart(), self._revoke_on_backend())
+
+    async def _revoke_on_backend(self) -> None:
         if not self._id:
             return
         try:
@@ -524,6 +529,8 @@ class Lease:
             if pending:
                 log.error("lease %x: %d keeper task(s) ignored cancellation", self._id, len(pending))
         self._task = None
+
+    async def _join_heart(self) -> None:
         heart, self._heart = self._heart, None
         if heart is not None:  # a beat in flight ends within its timeout; never block the loop on it
             await asyncio.to_thread(heart.join, self._beat_timeout + 1.0)
