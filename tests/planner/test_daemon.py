@@ -35,6 +35,11 @@ pytestmark = pytest.mark.e2e
             ["--pools", "decode", "--connector", "systemd", "--decode-unit-template", "x.service"],
             "--decode-unit-template (from flag): 'x.service' is not a template",
         ),
+        # Each flag's own mistake named (the shell words of --systemctl were blamed on --unit-template) and
+        # found at start (a missing systemctl was a traceback at every tick).
+        (["--connector", "systemd", "--systemctl", "'x"], '--systemctl: "\'x": No closing quotation'),
+        (["--connector", "systemd", "--systemctl", "/nonexistent/systemctl"], "'/nonexistent/systemctl' is not an"),
+        (["--connector", "local", "--worker-args", "'x"], '--worker-args: "\'x": No closing quotation'),
     ],
 )
 def test_bad_settings_exit_2_with_one_line(args, message):
@@ -42,6 +47,17 @@ def test_bad_settings_exit_2_with_one_line(args, message):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_a_profile_that_is_no_npz_exits_2_with_one_line(tmp_path):
+    """It was an EOFError traceback (an empty file); the profile's other flaws: tests/libs/test_perf_profile.py."""
+    empty = tmp_path / "profile.npz"
+    empty.touch()
+    result = run_cli("kvmesh-planner", "--profile", str(empty), "--ttft-ms", "500", "--itl-ms", "50")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"kvmesh-planner: error: --profile {empty}: not an NPZ profile (No data left in file)"
+    ]
 
 
 @pytest.mark.timeout(60)

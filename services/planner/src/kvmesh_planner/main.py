@@ -209,15 +209,15 @@ async def serve(cfg: Settings) -> int:
                     pools=cfg.managed_pools,
                     startup_timeout=cfg.startup_timeout,
                 )
-            except ValueError as exc:
-                fail(PROG, f"--worker-command: {exc}")
+            except ValueError as exc:  # its message names the flag
+                fail(PROG, str(exc))
         elif cfg.connector == "systemd":
             try:
                 connector = SystemdConnector(
                     cfg.systemctl, templates={p: cfg.unit_template_of(p) for p in cfg.managed_pools}
                 )
-            except ValueError as exc:
-                fail(PROG, f"--unit-template: {exc}")
+            except ValueError as exc:  # its message names the flag
+                fail(PROG, str(exc))
         else:
             connector = VirtualConnector(runtime.discovery, runtime.lease, cfg.namespace, cfg.ack_timeout)
         runtime.resources.push_async_callback(connector.close)

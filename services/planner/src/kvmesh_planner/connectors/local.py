@@ -58,13 +58,14 @@ class LocalConnector:
         pools: Sequence[Pool] = ("aggregated",),
         startup_timeout: float = 120.0,
     ) -> None:
-        command = shlex.split(worker_command)
+        command = _split("--worker-command", worker_command)
+        extra = _split("--worker-args", worker_args)
         if command and not shutil.which(command[0]):  # e.g. a venv's kvmesh-worker, not on PATH
             beside = Path(sys.executable).parent / command[0]
             if beside.exists():
                 command[0] = str(beside)
         if not command or not shutil.which(command[0]):  # fail at start, not at the first scale-up
-            raise ValueError(f"{worker_command!r} is not an executable")
+            raise ValueError(f"--worker-command: {worker_command!r} is not an executable")
         self._argv = [
             *command,
             "--discovery",
@@ -75,7 +76,7 @@ class LocalConnector:
             "1",
             "--drain-timeout",
             str(drain_timeout),
-            *shlex.split(worker_args),
+            *extra,
         ]
         self._pools = tuple(pools)
         self._startup_timeout = startup_timeout
@@ -201,3 +202,11 @@ class LocalConnector:
                     w.proc.send_signal(signal.SIGTERM)
         await asyncio.gather(*(w.proc.wait() for w in self._workers), return_exceptions=True)
         self._workers.clear()
+
+
+def _split(flag: str, value: str) -> list[str]:
+    """``value`` as a shell would split it; ValueError naming ``flag`` (an unclosed quote, say)."""
+    try:
+        return shlex.split(value)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {value!r}: {exc}") from None

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import re
 import shlex
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -72,8 +73,13 @@ class SystemdConnector:
         templates = dict(templates) if templates is not None else {"aggregated": template}
         for t in templates.values():
             if not t.endswith("@.service"):
-                raise ValueError(f"{t!r} is not a template unit (NAME@.service)")
-        self._systemctl = shlex.split(systemctl)
+                raise ValueError(f"--unit-template: {t!r} is not a template unit (NAME@.service)")
+        try:
+            self._systemctl = shlex.split(systemctl)
+        except ValueError as exc:
+            raise ValueError(f"--systemctl: {systemctl!r}: {exc}") from None
+        if not self._systemctl or shutil.which(self._systemctl[0]) is None:  # at start, not at every tick
+            raise ValueError(f"--systemctl: {systemctl!r} is not an executable")
         self._prefix = {pool: t.removesuffix(".service") for pool, t in templates.items()}  # "kvmesh-worker@"
         self._units: dict[tuple[Pool, int], _Unit] = {}
         self._watchers: set[asyncio.Task[None]] = set()
@@ -85,13 +91,16 @@ class SystemdConnector:
         return self.unit(u.number, u.pool)
 
     async def _run(self, *args: str, check: bool = True) -> str:
-        proc = await asyncio.create_subprocess_exec(
-            *self._systemctl,
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._systemctl,
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+        except OSError as exc:  # systemctl removed (or made unrunnable) since start-up
+            raise SystemctlError(f"{shlex.join([*self._systemctl, *args])}: {exc}") from None
         out, err = await proc.communicate()
         if check and proc.returncode != 0:
             raise SystemctlError(f"{shlex.join([*self._systemctl, *args])}: {err.decode().strip() or proc.returncode}")
