@@ -183,7 +183,11 @@ BAD = [
     ("top_k", llm_request("x", sampling={"top_k": -5}), "'top_k' must be -1 (disabled), 0 (disabled) or a positive"),
     ("stop type", llm_request("x", sampling={"stop": 5}), "'stop' must be a string or a list of strings, got 5"),
     ("stop empty", llm_request("x", sampling={"stop": [""]}), "'stop' must not contain an empty string"),
-    ("stop ids", llm_request("x", sampling={"stop_token_ids": [-1]}), "'stop_token_ids'[0] must be a token id >= 0"),
+    ("stop ids", llm_request("x", sampling={"stop_token_ids": [-1]}),
+     "'stop_token_ids'[0] must be a token id in [0, 2**32), got -1"),
+    # A number echoed back is clipped like any other value (it was 301 digits here).
+    ("stop ids huge", llm_request("x", sampling={"stop_token_ids": [10**300]}), "... (301 characters)"),
+    ("seed huge", llm_request("x", sampling={"seed": 10**300}), "'seed' must be in [0, 2**64), got 1000"),
     ("ignore_eos", llm_request("x", sampling={"ignore_eos": "maybe"}), "'ignore_eos' must be a boolean"),
     ("n", llm_request("x", sampling={"n": 2}), "'n'=2 is not supported by kvmesh (one completion per request)"),
     ("penalty", llm_request("x", sampling={"presence_penalty": 0.5}), "'presence_penalty'=0.5 is not supported"),

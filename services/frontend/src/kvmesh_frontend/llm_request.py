@@ -306,7 +306,7 @@ def _int_at_least(minimum: int, *, lenient: bool = False, maximum: int = U32_MAX
     def parse(where: str, value: Any) -> int:
         number = _vllm_int(where, value) if lenient else _as_int(where, value)
         if number < minimum:
-            raise invalid(f"{where} must be >= {minimum}, got {number}")
+            raise invalid(f"{where} must be >= {minimum}, got {clip(str(number))}")
         if number > maximum:
             raise invalid(f"{where} must be <= {maximum}, got {clip(str(number))}")
         return number
@@ -345,7 +345,7 @@ def _top_k(where: str, value: Any) -> int:
 def _seed(where: str, value: Any) -> int:
     number = _as_int(where, value)
     if not 0 <= number < 2**64:
-        raise invalid(f"{where} must be in [0, 2**64), got {number}")
+        raise invalid(f"{where} must be in [0, 2**64), got {clip(str(number))}")
     return number
 
 
@@ -372,7 +372,7 @@ def _stop_token_ids(where: str, value: Any) -> tuple[int, ...]:
     ids = tuple(_as_int(f"{where}[{i}]", item) for i, item in enumerate(value))
     for i, token in enumerate(ids):
         if not 0 <= token < 2**32:
-            raise invalid(f"{where}[{i}] must be a token id >= 0, got {token}")
+            raise invalid(f"{where}[{i}] must be a token id in [0, 2**32), got {clip(str(token))}")
     return ids
 
 
@@ -512,7 +512,7 @@ def _worker_id(value: Any) -> int:
     else:
         raise invalid(f"{where} must be an engine id (integer), got {clip(value)!r}")
     if not 0 <= number < 2**64:
-        raise invalid(f"{where} must be in [0, 2**64), got {number}")
+        raise invalid(f"{where} must be in [0, 2**64), got {clip(str(number))}")
     return number
 
 
