@@ -700,3 +700,32 @@ def test_a_draining_worker_finishes_its_stream_requests_then_ends_the_stream(tmp
         assert daemon.wait(10) == 0
     finally:
         daemon.close()
+
+
+def test_a_draining_worker_ends_its_kv_event_and_load_watches_at_once(tmp_path):
+    """A router's KV subscription and load watch never end by themselves: each held a SIGTERM'd worker
+    for its whole --drain-timeout (a router that has not yet seen the record go, or cannot)."""
+
+    async def scenario(daemon: Daemon) -> None:
+        async with grpc.aio.insecure_channel(daemon.address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            engine = (await engine_ids(stub))[0]
+            events = stub.SubscribeKvEvents(worker_pb2.SubscribeKvEventsRequest(engine_id=engine))
+            loads = stub.WatchLoad(worker_pb2.WatchLoadRequest())
+            await events.read()  # the snapshot: subscribed
+            await loads.read()  # the first loads: watching
+            started = time.monotonic()
+            daemon.signal(signal.SIGTERM)
+            for call in (events, loads):
+                async with asyncio.timeout(5):  # well before --drain-timeout 20
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                assert await call.code() == grpc.StatusCode.OK
+            assert time.monotonic() - started < 5
+
+    daemon = start(tmp_path, "drain", "wwatch", "--drain-timeout", "20").wait_serving()
+    try:
+        asyncio.run(scenario(daemon))
+        assert daemon.wait(10) == 0
+    finally:
+        daemon.close()

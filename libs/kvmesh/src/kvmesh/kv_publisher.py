@@ -26,6 +26,7 @@ touches asyncio.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from array import array
 from collections import deque
@@ -134,9 +135,17 @@ class KvSubscription:
     next_event_id: int = 0
     queue: asyncio.Queue[list[KvEvent]] = field(default_factory=lambda: asyncio.Queue(SUBSCRIBER_QUEUE_PASSES))
     overflowed: bool = False
+    ended: bool = False
+
+    def end(self) -> None:
+        """Its stream is to end (the engine's process drains): :meth:`next` returns ``[]`` once the
+        events queued so far are read."""
+        self.ended = True
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait([])  # wakes a reader waiting on the queue
 
     def push(self, events: list[KvEvent]) -> None:
-        if self.overflowed:
+        if self.overflowed or self.ended:
             return
         if events[0].event_id < self.next_event_id:  # already in the replay or snapshot (the pass was in progress)
             events = [e for e in events if e.event_id >= self.next_event_id]
@@ -149,8 +158,12 @@ class KvSubscription:
             self.overflowed = True  # the reader drains what is queued, then sees the flag
 
     async def next(self) -> list[KvEvent]:
-        if self.overflowed and self.queue.empty():
-            raise SubscriberTooSlow
+        """The next events, coalesced; ``[]`` once the subscription has ended (see :meth:`end`)."""
+        if self.queue.empty():
+            if self.ended:
+                return []
+            if self.overflowed:
+                raise SubscriberTooSlow
         events = await self.queue.get()
         if self.queue.empty():
             return events

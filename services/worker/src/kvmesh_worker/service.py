@@ -17,7 +17,7 @@ import grpc
 from kvmesh import kv_events_pb
 from kvmesh.channels import ChannelPool
 from kvmesh.kv_events import CacheDump
-from kvmesh.kv_publisher import EventIdTooNew, SubscriberTooSlow
+from kvmesh.kv_publisher import EventIdTooNew, KvSubscription, SubscriberTooSlow
 from kvmesh.kv_release import KvReleases
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
@@ -47,7 +47,12 @@ class _LoadWatcher:
         self.dirty: set[int] = set()
         self.passes: list[worker_pb2.ForwardPassMetrics] = []
         self.too_slow = False  # MAX_UNSENT_PASSES piled up: the watch ends with RESOURCE_EXHAUSTED
+        self.ended = False  # the worker drains: the watch ends (OK) instead of holding the drain open
         self.changed = asyncio.Event()
+
+    def end(self) -> None:
+        self.ended = True
+        self.changed.set()
 
     def on_pass(self, engine_id: int, metrics: ForwardPassMetrics, wall_s: float) -> None:
         if self.engine_ids is not None and engine_id not in self.engine_ids:
@@ -97,6 +102,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.model = model
         self._refusal = refusal
         self._watchers: set[_LoadWatcher] = set()
+        self._subscriptions: set[KvSubscription] = set()
         self._sessions: set[GenerateStreamSession] = set()
         self._draining = False
         self._pool = ChannelPool()  # to other workers, for ReleaseKv after a pull
@@ -148,10 +154,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self._sessions.discard(session)
 
     def drain(self) -> None:
-        """The worker is shutting down: open GenerateStreams end as soon as their requests are done."""
+        """The worker is shutting down: open GenerateStreams end as soon as their requests are done, and
+        the endless ones (KV events, load) at once: each held the drain open for all of --drain-timeout."""
         self._draining = True
         for session in self._sessions:
             session.stop_when_idle()
+        for subscription in self._subscriptions:
+            subscription.end()
+        for watcher in self._watchers:
+            watcher.end()
 
     def _release_remote(self, params: KvTransferParams) -> None:
         """Tell a transfer's source to drop its hold (fire and forget: its lease is the backstop)."""
@@ -183,6 +194,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             initial, subscription = engine.subscribe(start)
         except EventIdTooNew as exc:
             await context.abort(grpc.StatusCode.OUT_OF_RANGE, str(exc))
+        self._subscriptions.add(subscription)
+        if self._draining:
+            subscription.end()
         try:
             if isinstance(initial, CacheDump):
                 yield worker_pb2.SubscribeKvEventsResponse(
@@ -190,8 +204,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 )
             else:  # the missed events, maybe none: either way the subscriber learns at once that it is live
                 yield worker_pb2.SubscribeKvEventsResponse(events=kv_events_pb.batch_to_proto(initial))
-            while True:
-                events = await subscription.next()
+            while events := await subscription.next():
                 yield worker_pb2.SubscribeKvEventsResponse(events=kv_events_pb.batch_to_proto(events))
         except SubscriberTooSlow:
             await context.abort(
@@ -199,6 +212,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 "KV event subscriber fell too far behind; resubscribe from your next event id",
             )
         finally:
+            self._subscriptions.discard(subscription)
             engine.unsubscribe(subscription)
 
     async def DumpKvIndex(
@@ -236,10 +250,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             )
         watcher = _LoadWatcher(wanted, request.forward_pass_metrics)
         self._watchers.add(watcher)
+        if self._draining:
+            watcher.end()
         try:
             yield worker_pb2.WatchLoadResponse(loads=[self._load(e) for e in (wanted or self.engines)])
             while True:
                 await watcher.changed.wait()
+                if watcher.ended:
+                    return
                 await asyncio.sleep(LOAD_COALESCE_S)  # one message per burst of passes
                 if watcher.too_slow:
                     await context.abort(
