@@ -356,21 +356,44 @@ def test_model_path_dot_is_named_after_the_directory(tmp_path, monkeypatch):
     assert load_model_files(".", "alias").name == "alias"
 
 
-@pytest.mark.parametrize("breakage", ["missing-tokenizer", "invalid-json"])
-def test_broken_model_path_exits_2_with_one_line(tmp_path, breakage):
+@pytest.mark.parametrize(
+    ("breakage", "says"),
+    [
+        ("missing-tokenizer", "missing tokenizer.json"),
+        ("invalid-json", "not valid JSON"),
+        ("a list", "not a JSON object"),  # these two were tracebacks (AttributeError, ValueError)
+        ("vocab text", 'vocab_size must be a non-negative integer, got "lots"'),
+    ],
+)
+def test_broken_model_path_exits_2_with_one_line(tmp_path, breakage, says):
     model_dir = tmp_path / "broken"
     shutil.copytree(BUILTIN, model_dir)
     if breakage == "missing-tokenizer":
         (model_dir / "tokenizer.json").unlink()
-    else:
+    elif breakage == "invalid-json":
         (model_dir / "config.json").write_text("{not json")
+    elif breakage == "a list":
+        (model_dir / "config.json").write_text("[1, 2]")
+    else:
+        (model_dir / "config.json").write_text('{"vocab_size": "lots"}')
     result = run_cli(
         "kvmesh-worker", "--discovery", f"file://{tmp_path / 'discovery'}", "--model-path", str(model_dir), timeout=60
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvmesh-worker: error: --model-path"), result.stderr
-    assert str(model_dir) in lines[0]
+    assert str(model_dir) in lines[0] and says in lines[0]
+
+
+def test_a_kv_arena_larger_than_the_machine_exits_2_with_one_line(tmp_path):
+    """It was numpy's _ArrayMemoryError traceback, once the worker was already serving."""
+    result = run_cli(
+        "kvmesh-worker", "--discovery", f"file://{tmp_path / 'discovery'}", "--role", "prefill",
+        "--kv-bytes-per-block", "99999999999999", timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "GiB of KV arena, more than this machine's" in lines[0], result.stderr
 
 
 # -- load and metrics ------------------------------------------------------------------------------

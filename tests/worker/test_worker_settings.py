@@ -17,3 +17,26 @@ def test_a_non_finite_engine_bound_in_the_config_file_is_one_line(tmp_path, caps
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"kvmesh-worker: error: --max-num-seqs (from {path}): "), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        # The model card and the load reports carry these as uint32: past it, a traceback once serving.
+        (
+            ["--max-num-seqs", "5000000000"],
+            "--max-num-seqs (from flag): Input should be less than or equal to 4294967295",
+        ),
+        (["--num-gpu-blocks", "5000000000"], "--num-gpu-blocks (from flag): Input should be less than or equal to"),
+        (["--max-model-len", "5000000000"], "--max-model-len (from flag): Input should be less than or equal to"),
+        (["--max-waiting-requests", "5000000000"], "--max-waiting-requests (from flag): Input should be less than"),
+        # A hold's expiry time overflowed its uint64 field inside the engine loop, which died silently.
+        (["--kv-hold-timeout", "1e300"], "--kv-hold-timeout (from flag): Input should be less than or equal to 86400"),
+    ],
+)
+def test_a_bound_the_contracts_cannot_carry_is_one_line(capsys, flags, says):
+    with pytest.raises(SystemExit) as exc:
+        Settings.load("kvmesh-worker", "test", flags, environ={})
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err

@@ -36,12 +36,26 @@ class ModelFiles:
 
 def _json(path: Path) -> dict[str, Any]:
     try:
-        data: dict[str, Any] = json.loads(path.read_text())  # HF config files are JSON objects
-        return data
+        data = json.loads(path.read_text())
     except OSError as exc:
         raise ModelFilesError(f"{path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ModelFilesError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):  # HF config files are JSON objects
+        raise ModelFilesError(f"{path}: not a JSON object")
+    return data
+
+
+def _count(path: Path, config: dict[str, Any], *keys: str) -> int:
+    """The first of ``keys`` set in ``config``, as a count (0 when none is set)."""
+    for key in keys:
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ModelFilesError(f"{path}: {key} must be a non-negative integer, got {json.dumps(value)[:40]}")
+        return value
+    return 0
 
 
 def load_model_files(model_path: str | None, served_name: str | None = None) -> ModelFiles:
@@ -68,10 +82,12 @@ def load_model_files(model_path: str | None, served_name: str | None = None) -> 
             eos_id = eos_id[0] if eos_id else None
     if not isinstance(eos_id, int):
         raise ModelFilesError(f"{directory}: no eos_token in tokenizer_config.json or eos_token_id in config.json")
-    vocab_size = max(int(config.get("vocab_size") or 0), tokenizer.get_vocab_size(with_added_tokens=True))
+    vocab_size = max(
+        _count(directory / "config.json", config, "vocab_size"), tokenizer.get_vocab_size(with_added_tokens=True)
+    )
     files = {name: (directory / name).read_bytes() for name in SERVED_FILES}
     digest = hashlib.sha256(b"".join(hashlib.sha256(files[n]).digest() for n in SERVED_FILES)).hexdigest()
-    max_context = int(config.get("max_position_embeddings") or tok_config.get("model_max_length") or 0)
+    max_context = _count(directory / "config.json", config, "max_position_embeddings") or _model_max_length(tok_config)
     return ModelFiles(
         name=served_name or (DEFAULT_MODEL if not model_path else directory.resolve().name),  # '.' has no name
         files=files,
@@ -80,3 +96,9 @@ def load_model_files(model_path: str | None, served_name: str | None = None) -> 
         max_context=max_context,
         digest=digest,
     )
+
+
+def _model_max_length(tok_config: dict[str, Any]) -> int:
+    """tokenizer_config.json's model_max_length: transformers writes 1e30 there for "no limit" (a float)."""
+    value = tok_config.get("model_max_length")
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < 2**63 else 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from kvmesh.settings import DaemonSettings, Port
-from pydantic import AfterValidator, Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import AfterValidator, Field, PositiveInt, model_validator
 
 from kvmesh_worker.engines import registry
 from kvmesh_worker.engines.vllm.user_args import parse_engine_args
@@ -22,6 +22,11 @@ def _bytes_per_block(value: str) -> str:
     return value
 
 
+U32_MAX = 2**32 - 1  # model cards and load reports carry these as uint32
+Count32 = Annotated[int, Field(ge=1, le=U32_MAX)]
+Size32 = Annotated[int, Field(ge=0, le=U32_MAX)]
+
+
 class Settings(DaemonSettings):
     """The common daemon settings plus the engines this process hosts."""
 
@@ -36,13 +41,13 @@ class Settings(DaemonSettings):
     kvmesh-mock model"""
     served_model_name: str | None = None
     """model name clients use (default: the model directory's name)"""
-    num_gpu_blocks: PositiveInt = 16384
+    num_gpu_blocks: Count32 = 16384
     """KV cache blocks per engine"""
-    block_size: PositiveInt = 64
+    block_size: Count32 = 64
     """tokens per KV block"""
-    max_num_seqs: PositiveInt = 256
+    max_num_seqs: Count32 = 256
     """running sequences per engine"""
-    max_num_batched_tokens: PositiveInt = 8192
+    max_num_batched_tokens: Count32 = 8192
     """token budget per forward pass"""
     watermark: Annotated[float, Field(ge=0)] = 0.01
     """fraction of KV blocks kept free when admitting"""
@@ -50,9 +55,9 @@ class Settings(DaemonSettings):
     """which running request is preempted when blocks run out"""
     enable_chunked_prefill: bool = True
     """split long prompts across passes"""
-    max_model_len: NonNegativeInt = 0
+    max_model_len: Size32 = 0
     """longest prompt + max_tokens accepted (0 = what the cache can hold)"""
-    max_waiting_requests: NonNegativeInt = 512
+    max_waiting_requests: Size32 = 512
     """waiting-queue bound per engine; beyond it RESOURCE_EXHAUSTED at once (default: 2 x max_num_seqs, so
     queueing adds about two batches' worth of latency, never minutes; 0 = unbounded)"""
 
@@ -94,5 +99,5 @@ class Settings(DaemonSettings):
     kv_transfer_gbps: Annotated[float, Field(ge=0)] = 0.0
     """modelled KV transfer bandwidth, GB/s: decode starts after max(real NIXL time, model-true bytes / this);
     0 = real time only"""
-    kv_hold_timeout: Annotated[float, Field(gt=0)] = 30.0
+    kv_hold_timeout: Annotated[float, Field(gt=0, le=86400)] = 30.0
     """seconds a prefill engine holds a prompt's KV for a decode engine that never releases it"""

@@ -95,4 +95,4 @@ class EngineConfig:
             limit = min(limit, self.max_model_len)
         if not self.enable_chunked_prefill:
             limit = min(limit, self.max_num_batched_tokens)
-        return limit
+        return min(limit, 2**32 - 1)  # a uint32 in the model card: 4 billion tokens is no limit anyway

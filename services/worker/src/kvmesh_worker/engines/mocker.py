@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,14 @@ def _kv_config(settings: Any, model: ModelFiles, block_size: int) -> KvConfig:
         stored = true_size
     else:
         stored = int(settings.kv_bytes_per_block)
+    arena = stored * settings.num_gpu_blocks * settings.num_engines  # host memory, allocated per engine
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if arena > memory:
+        raise EngineBuildError(
+            f"--kv-bytes-per-block {stored} x --num-gpu-blocks {settings.num_gpu_blocks} x --num-engines "
+            f"{settings.num_engines}: {arena / 2**30:.3g} GiB of KV arena, more than this machine's "
+            f"{memory / 2**30:.3g} GiB"
+        )
     try:
         import nixl._api  # noqa: F401  (checked here: a missing NIXL is a one-line startup error)
     except ImportError as exc:
