@@ -8,13 +8,15 @@ exactly the tokens an aggregated engine would produce, pulls only what it lacks,
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
 from tests.disagg.support import BLOCK, cards_sync, load, wait_no_active_blocks, worker
 from tests.support.daemons import running
-from tests.support.generate import RequestFailed, generate_sync, tokens_of
+from tests.support.generate import RequestFailed, StreamClient, generate_sync, tokens_of
 
 pytestmark = pytest.mark.e2e
 
@@ -192,3 +194,51 @@ def test_a_pull_from_an_engine_of_another_block_size_is_refused_naming_both(tmp_
                 refused.message
             )
         assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=5.0).active_blocks == 0
+
+
+def test_a_cancelled_pull_lets_the_request_queued_behind_its_blocks_run(tmp_path):
+    """A pull pins the blocks it lands; cancelled mid-transfer it gave them back without waking the engine,
+    so a request waiting for those blocks stayed queued until some other request happened along."""
+    discovery = f"file://{tmp_path / 'disc'}"
+    prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0")
+    # 16 blocks: the pull's 10 leave too few for the local request; a slow modelled link keeps them pinned.
+    decode = worker(tmp_path, discovery, "xfer", "decode", "--num-gpu-blocks", "16", "--kv-transfer-gbps", "0.00001")
+
+    async def scenario(pstub, dstub, pcard, dcard) -> None:
+        params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+        client = StreamClient(dstub)
+        try:
+            pull = worker_pb2.GenerateRequest(
+                request_id="pull", engine_id=dcard.engine_id, token_ids=PROMPT, sampling=_sampling(4),
+                prefill_result=params,
+            )  # fmt: skip
+            await client.send([pull])
+            async with asyncio.timeout(10):
+                while (await asyncio.to_thread(load, decode.address, dcard.engine_id)).active_blocks < 10:
+                    await asyncio.sleep(0.05)
+            local = worker_pb2.GenerateRequest(
+                request_id="local", engine_id=dcard.engine_id, token_ids=list(range(2000, 2000 + 8 * BLOCK)),
+                sampling=_sampling(2),
+            )  # fmt: skip
+            await client.send([local])
+            await asyncio.sleep(0.5)
+            assert client.final("local") is None, "the local request should wait for the pulled blocks"
+            await client.send(cancel=["pull"])
+            (final,) = await client.wait_final("local", timeout=5)
+            assert not final.error_code and len(client.tokens("local")) == 2
+        finally:
+            await client.close()
+
+    with running(prefill, decode):
+        prefill.wait_serving(30)
+        decode.wait_serving(30)
+        pcard, dcard = _engines(discovery)
+        with grpc.insecure_channel(prefill.address) as pch:
+            pstub = worker_pb2_grpc.WorkerServiceStub(pch)
+
+            async def run() -> None:
+                async with grpc.aio.insecure_channel(decode.address) as dch:
+                    await scenario(pstub, worker_pb2_grpc.WorkerServiceStub(dch), pcard, dcard)
+
+            asyncio.run(run())
+        assert wait_no_active_blocks(decode.address, dcard.engine_id, timeout=5.0).active_blocks == 0

@@ -212,8 +212,10 @@ class MockerKv:
                 if wait > 0:
                     await asyncio.sleep(wait)
             self._pins[request.request_id] = seq[:pinned]
-        except BaseException:
-            core.unpin(seq[:pinned])
+        except BaseException:  # failed or cancelled: its blocks go back, and a request queued behind them may run
+            if pinned:
+                core.unpin(seq[:pinned])
+                self.on_unpinned()
             raise
         finally:
             arena.give_back(slots)
@@ -233,4 +235,5 @@ class MockerKv:
         pinned = self._pins.pop(request_id, None)
         if pinned is not None:
             self.core.unpin(pinned)
+            self.on_unpinned()
             self.on_unpinned()
