@@ -242,3 +242,46 @@ def test_a_cancelled_pull_lets_the_request_queued_behind_its_blocks_run(tmp_path
 
             asyncio.run(run())
         assert wait_no_active_blocks(decode.address, dcard.engine_id, timeout=5.0).active_blocks == 0
+
+
+def test_a_pulled_request_refused_as_a_duplicate_gives_its_pulled_blocks_back(tmp_path):
+    """An id already running on another stream is refused after its pull: the blocks it pinned stayed
+    pinned for good (and a later pull of that id failed with "already pulled KV")."""
+    discovery = f"file://{tmp_path / 'disc'}"
+    prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0")
+    decode = worker(tmp_path, discovery, "xfer", "decode", "--speedup-ratio", "1")  # real time: x stays running
+
+    async def scenario(pstub, dstub, pcard, dcard) -> None:
+        params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+        first, second = StreamClient(dstub), StreamClient(dstub)
+        try:
+            running_x = worker_pb2.GenerateRequest(
+                request_id="x", engine_id=dcard.engine_id, token_ids=[7, 8, 9], sampling=_sampling(100)
+            )
+            await first.send([running_x])
+            await first.wait_first("x")
+            pulled_x = worker_pb2.GenerateRequest(
+                request_id="x", engine_id=dcard.engine_id, token_ids=PROMPT, sampling=_sampling(4),
+                prefill_result=params,
+            )  # fmt: skip
+            await second.send([pulled_x])
+            (refused,) = await second.wait_final("x")
+            assert refused.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            await first.wait_final("x", timeout=30)  # the running x ends too: nothing is left to hold a block
+        finally:
+            await first.close()
+            await second.close()
+
+    with running(prefill, decode):
+        prefill.wait_serving(30)
+        decode.wait_serving(30)
+        pcard, dcard = _engines(discovery)
+        with grpc.insecure_channel(prefill.address) as pch:
+            pstub = worker_pb2_grpc.WorkerServiceStub(pch)
+
+            async def run() -> None:
+                async with grpc.aio.insecure_channel(decode.address) as dch:
+                    await scenario(pstub, worker_pb2_grpc.WorkerServiceStub(dch), pcard, dcard)
+
+            asyncio.run(run())
+        assert wait_no_active_blocks(decode.address, dcard.engine_id, timeout=5.0).active_blocks == 0

@@ -270,11 +270,11 @@ class EngineRunner:
         kv = self.kv
         if request.hold_kv and kv is None:
             raise InvalidRequest(f"engine {self.engine_id:x} is aggregated: it cannot hold KV for a transfer")
-        if request.request_id in self._streams:  # running, or finished with its last output not delivered yet
-            raise DuplicateRequest(f"request id {request.request_id!r} is already in the engine")
         try:
+            if request.request_id in self._streams:  # running, or finished with its last output not delivered yet
+                raise DuplicateRequest(f"request id {request.request_id!r} is already in the engine")
             self.core.add_request(request)
-        except BaseException:
+        except BaseException:  # refused: the blocks its pull pinned go back
             if kv is not None:
                 kv.unpin_request(request.request_id)
             raise
