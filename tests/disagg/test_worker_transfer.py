@@ -285,3 +285,52 @@ def test_a_pulled_request_refused_as_a_duplicate_gives_its_pulled_blocks_back(tm
 
             asyncio.run(run())
         assert wait_no_active_blocks(decode.address, dcard.engine_id, timeout=5.0).active_blocks == 0
+
+
+def test_a_request_resent_while_its_pull_runs_gets_only_its_own_tokens(tmp_path):
+    """A frontend's retry: cancel and resend one id while its pull runs, twice. The first resend's pull,
+    cancelled in turn, took the second's place in the books and its outputs reached the live request (5
+    tokens for a request of 7), which the worker contract rules out."""
+    discovery = f"file://{tmp_path / 'disc'}"
+    prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0")
+    decode = worker(
+        tmp_path, discovery, "xfer", "decode", "--speedup-ratio", "0", env={"KVMESH_TEST_PULL_DELAY_S": "1"}
+    )
+
+    async def scenario(pstub, dstub, pcard, dcard) -> None:
+        holds = [_prefill(pstub, pcard.engine_id, PROMPT, f"p{i}", prefill.address) for i in range(3)]
+
+        def leg(i: int, max_tokens: int) -> worker_pb2.GenerateRequest:
+            return worker_pb2.GenerateRequest(
+                request_id="x", engine_id=dcard.engine_id, token_ids=PROMPT, sampling=_sampling(max_tokens),
+                prefill_result=holds[i],
+            )  # fmt: skip
+
+        client = StreamClient(dstub)
+        try:
+            await client.send([leg(0, 3)])
+            await asyncio.sleep(0.3)
+            await client.send([leg(1, 5)], cancel=["x"])
+            await asyncio.sleep(0.3)
+            await client.send([leg(2, 7)], cancel=["x"])
+            (final,) = await client.wait_final("x", timeout=20)
+            assert not final.error_code
+            await asyncio.sleep(1.5)  # the cancelled pulls end meanwhile: nothing of theirs may arrive
+            assert len(client.tokens("x")) == 7
+        finally:
+            await client.close()
+
+    with running(prefill, decode):
+        prefill.wait_serving(30)
+        decode.wait_serving(30)
+        pcard, dcard = _engines(discovery)
+        with grpc.insecure_channel(prefill.address) as pch:
+            pstub = worker_pb2_grpc.WorkerServiceStub(pch)
+
+            async def run() -> None:
+                async with grpc.aio.insecure_channel(decode.address) as dch:
+                    await scenario(pstub, worker_pb2_grpc.WorkerServiceStub(dch), pcard, dcard)
+
+            asyncio.run(run())
+        assert wait_no_active_blocks(decode.address, dcard.engine_id, timeout=5.0).active_blocks == 0
+        assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=5.0).active_blocks == 0

@@ -439,24 +439,32 @@ class GenerateStreamSession:
             self._active[request_id] = _Active(engine, len(ereq.prompt), span, logprobs, self._model)
 
     async def _pull_then_submit(self, engine: Engine, request: worker_pb2.GenerateRequest, ereq: EngineRequest) -> None:
-        """Pull the prompt's KV, then submit; the source is released whatever happens."""
+        """Pull the prompt's KV, then submit; the source is released whatever happens.
+
+        The request may be cancelled meanwhile and its id sent again (a retry): what this pull finds under
+        the id is then the retry's, which it must neither submit for nor take off the books.
+        """
         request_id = request.request_id
         params = request.prefill_result
+        mine = self._active.get(request_id)
         try:
             report = await engine.pull_kv(ereq, params)
         except KvPullFailed as exc:
-            self._fail_active(request_id, grpc.StatusCode[exc.code], str(exc))
+            if self._active.get(request_id) is mine:
+                self._fail_active(request_id, grpc.StatusCode[exc.code], str(exc))
             return
         except Exception:  # never leave the request hanging; the client sees no internals
             log.exception("KV pull for %s failed", request_id)
-            self._fail_active(
-                request_id, grpc.StatusCode.INTERNAL, "KV pull failed (an internal error, logged by the worker)"
-            )
+            if self._active.get(request_id) is mine:
+                self._fail_active(
+                    request_id, grpc.StatusCode.INTERNAL, "KV pull failed (an internal error, logged by the worker)"
+                )
             return
         finally:
-            self._pulls.pop(request_id, None)
+            if self._pulls.get(request_id) is asyncio.current_task():
+                del self._pulls[request_id]
             self._release_remote(params)
-        if request_id not in self._active:  # cancelled right as the pull ended
+        if self._active.get(request_id) is not mine:  # cancelled right as the pull ended (and maybe resent)
             engine.abort(request_id, self)
             return
         try:
