@@ -269,3 +269,19 @@ async def test_a_request_kept_out_by_held_kv_waits_without_spinning_and_runs_onc
         assert len(await _finish(blocked)) == 2
     finally:
         await runner.stop()
+
+
+@pytest.mark.parametrize("speedup_ratio", [0.0, 1.0])
+async def test_a_pass_that_raises_ends_the_engine_loudly(speedup_ratio, monkeypatch, caplog):
+    """The loop's task died with the error and nobody looked: the engine answered nothing more while its
+    worker said SERVING. ``wait_dead`` returns the error (logged), and the worker exits on it."""
+    async with _running(0x51, speedup_ratio) as (core, runner):
+
+        def broken_step():
+            raise ValueError("Value out of range")  # as a hold's uint64 expiry once overflowed inside a pass
+
+        monkeypatch.setattr(core, "step", broken_step)
+        _submit(runner, EngineRequest("r", list(range(3, 20)), max_tokens=2))
+        error = await asyncio.wait_for(runner.wait_dead(), 5)
+    assert isinstance(error, ValueError)
+    assert any(r.levelname == "CRITICAL" and r.exc_info for r in caplog.records)

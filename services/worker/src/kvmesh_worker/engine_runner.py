@@ -250,6 +250,19 @@ class EngineRunner:
         self._timer = DeadlineTimer.acquire(loop)
         self._task = loop.create_task(self._run(), name=f"engine-{self.engine_id:x}")
 
+    async def wait_dead(self) -> BaseException:
+        """Until the engine's loop ends by an error, which it returns (logged). It ends no other way while
+        the worker serves, so the worker then exits (``main``) rather than go on SERVING an engine that
+        answers nothing: a bug in a pass once left every request of the engine hanging, silently."""
+        task = self._task
+        assert task is not None, "start() first"
+        await asyncio.wait([task])
+        error = task.exception() if not task.cancelled() else None
+        if error is None:
+            error = RuntimeError("the engine loop ended")
+        log.critical("engine %x: its loop failed", self.engine_id, exc_info=error)
+        return error
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()

@@ -142,7 +142,8 @@ async def serve(cfg: Settings) -> int:
 async def _serve_until_stop_or_engine_death(runtime: DaemonRuntime, runners: list[Engine]) -> bool:
     """Serve until SIGTERM/SIGINT (True) or until an engine that can die does (False).
 
-    An engine with ``wait_dead`` (vLLM) may die under us. Then the worker stops serving at once:
+    An engine with ``wait_dead`` (vLLM; the mocker's runner, whose loop ends only by a bug) may die under
+    us. Then the worker stops serving at once:
     the gRPC server closes every call (the frontends' streams break, so their requests migrate to
     other engines) before the lease is revoked and the rest shuts down.
     """
