@@ -334,3 +334,32 @@ def test_a_request_resent_while_its_pull_runs_gets_only_its_own_tokens(tmp_path)
             asyncio.run(run())
         assert wait_no_active_blocks(decode.address, dcard.engine_id, timeout=5.0).active_blocks == 0
         assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=5.0).active_blocks == 0
+
+
+def test_a_hold_that_expires_is_reported_free_to_load_watchers(tmp_path):
+    """An idle engine runs no pass, and the load watch learned of changes from passes: a router kept
+    seeing the expired hold's blocks as in use for as long as nothing else ran there."""
+    discovery = f"file://{tmp_path / 'disc'}"
+    prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0", "--kv-hold-timeout", "1")
+
+    async def scenario(stub, sync_stub, pcard) -> None:
+        watch = stub.WatchLoad(worker_pb2.WatchLoadRequest(engine_ids=[pcard.engine_id]))
+        seen = [(await watch.read()).loads[0].active_blocks]
+        await asyncio.to_thread(_prefill, sync_stub, pcard.engine_id, PROMPT, "p1", prefill.address)
+        async with asyncio.timeout(5):  # the hold lasts 1 s
+            while seen[-1:] != [0] or 10 not in seen:
+                for engine_load in (await watch.read()).loads:
+                    seen.append(engine_load.active_blocks)
+        watch.cancel()
+
+    with running(prefill):
+        prefill.wait_serving(30)
+        (pcard,) = cards_sync(discovery, "xfer", 1)
+        with grpc.insecure_channel(prefill.address) as pch:
+            sync_stub = worker_pb2_grpc.WorkerServiceStub(pch)
+
+            async def run() -> None:
+                async with grpc.aio.insecure_channel(prefill.address) as ch:
+                    await scenario(worker_pb2_grpc.WorkerServiceStub(ch), sync_stub, pcard)
+
+            asyncio.run(run())

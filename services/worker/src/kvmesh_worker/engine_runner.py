@@ -228,8 +228,9 @@ class EngineRunner:
         self.publisher = KvEventPublisher(core.journal, core.dump_cache)
         self._wakeup = Wakeup()
         self._poked = False  # see ``_poke``
+        self._load_listeners: list[Callable[[int], None]] = []
         if kv is not None:
-            kv.on_unpinned = self._poke  # a hold released or expired may let a queued request in
+            kv.on_unpinned = self._unpinned
         self._streams: dict[str, OutputSink] = {}
         # A paced pass is computed, then delivered at its deadline: ids aborted in between may be reused by
         # then, so their outputs in that pass are stale and must reach no one (see ``_complete``).
@@ -276,6 +277,15 @@ class EngineRunner:
 
     def add_observer(self, observer: PassObserver) -> None:
         self._observers.append(observer)
+
+    def add_load_listener(self, listener: Callable[[int], None]) -> None:
+        """Told of load changes no pass reports: KV held for a transfer or pinned by a pull, let go."""
+        self._load_listeners.append(listener)
+
+    def _unpinned(self) -> None:
+        self._poke()  # a hold released or expired may let a queued request in
+        for listener in self._load_listeners:  # and an idle engine runs no pass to say its blocks are free
+            listener(self.engine_id)
 
     # -- requests -------------------------------------------------------------------------------
     def submit(self, request: EngineRequest, sink: OutputSink) -> None:
