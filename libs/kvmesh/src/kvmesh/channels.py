@@ -13,27 +13,46 @@ address discovery advertised for it.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from kvmesh import telemetry, tls
 from kvmesh.grpc_options import CLIENT_OPTIONS
 
+RETIRE_GRACE_S = 10.0  # an evicted channel's calls get this long to finish before it closes
+
 
 class ChannelPool:
-    def __init__(self) -> None:
+    def __init__(self, max_channels: int | None = None) -> None:
+        """``max_channels``: keep at most this many, closing the least recently used (once its calls end,
+        at most ``RETIRE_GRACE_S``). For a pool keyed by addresses a peer hands over (a KV transfer's
+        source): unbounded, every address ever named cost a channel and a file descriptor for good."""
         self._channels: dict[int | str, tuple[str, grpc.aio.Channel]] = {}
         self._stale: list[grpc.aio.Channel] = []  # replaced while calls may still use them
+        self._max = max_channels
+        self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
 
     def get(self, instance_id: int | str, address: str, *, role: str | None = None) -> grpc.aio.Channel:
         """The channel to ``instance_id`` at ``address``; ``role`` (e.g. "worker") pins the peer's certificate role."""
         entry = self._channels.get(instance_id)
         if entry is not None and entry[0] == address:
+            if self._max is not None:  # the most recently used go last
+                self._channels[instance_id] = self._channels.pop(instance_id)
             return entry[1]
         channel = open_channel(address, role=role)
         if entry is not None:
             self._stale.append(entry[1])
         self._channels[instance_id] = (address, channel)
+        if self._max is not None and len(self._channels) > self._max:
+            _, evicted = self._channels.pop(next(iter(self._channels)))
+            self._retire(evicted)
         return channel
+
+    def _retire(self, channel: grpc.aio.Channel) -> None:
+        task = asyncio.get_running_loop().create_task(channel.close(grace=RETIRE_GRACE_S))
+        self._retiring[task] = channel
+        task.add_done_callback(self._retiring.pop)
 
     async def drop(self, instance_id: int | str) -> None:
         entry = self._channels.pop(instance_id, None)
@@ -41,9 +60,11 @@ class ChannelPool:
             await entry[1].close(grace=None)
 
     async def close(self) -> None:
-        channels = [channel for _, channel in self._channels.values()] + self._stale
+        channels = [channel for _, channel in self._channels.values()] + self._stale + list(self._retiring.values())
         self._channels.clear()
         self._stale.clear()
+        for task in list(self._retiring):
+            task.cancel()
         for channel in channels:
             await channel.close(grace=None)
 

@@ -16,6 +16,8 @@ from kvmesh.channels import ChannelPool
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
 
+RELEASE_CHANNELS = 64  # prefill workers kept a channel to (the pool of a KvReleases is keyed by their addresses)
+
 
 class KvReleases:
     """Starts ``ReleaseKv`` calls in the background; ``wait`` lets the ones under way finish."""
@@ -33,7 +35,8 @@ class KvReleases:
 
     async def _release(self, params: KvTransferParams) -> None:
         try:
-            stub = worker_pb2_grpc.WorkerServiceStub(self._pool.get(params.source_address, params.source_address))
+            channel = self._pool.get(params.source_address, params.source_address, role="worker")
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
             await stub.ReleaseKv(
                 worker_pb2.ReleaseKvRequest(engine_id=params.source_engine_id, transfer_id=params.transfer_id),
                 timeout=2.0,

@@ -34,7 +34,7 @@ from typing import Literal
 
 import grpc
 from kvmesh.channels import ChannelPool
-from kvmesh.kv_release import KvReleases
+from kvmesh.kv_release import RELEASE_CHANNELS, KvReleases
 from kvmesh.v1 import discovery_pb2, router_pb2, worker_pb2
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
 
@@ -80,7 +80,7 @@ class Disaggregator:
         self._engines = engines
         self.policy = policy
         self._model_roles = model_roles
-        self._pool = ChannelPool()
+        self._pool = ChannelPool(RELEASE_CHANNELS)  # keyed by the sources' addresses
         self._releases = KvReleases(self._pool, log, logging.DEBUG)
 
     def applies(self, model: str) -> bool:

@@ -18,7 +18,7 @@ from kvmesh import kv_events_pb
 from kvmesh.channels import ChannelPool
 from kvmesh.kv_events import CacheDump
 from kvmesh.kv_publisher import EventIdTooNew, KvSubscription, SubscriberTooSlow
-from kvmesh.kv_release import KvReleases
+from kvmesh.kv_release import RELEASE_CHANNELS, KvReleases
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.v1.kv_transfer_pb2 import KvTransferParams
 
@@ -105,7 +105,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._subscriptions: set[KvSubscription] = set()
         self._sessions: set[GenerateStreamSession] = set()
         self._draining = False
-        self._pool = ChannelPool()  # to other workers, for ReleaseKv after a pull
+        self._pool = ChannelPool(RELEASE_CHANNELS)  # to other workers, for ReleaseKv after a pull
         self._releases = KvReleases(self._pool, log, logging.INFO)
         for engine in self.engines.values():
             engine.add_observer(self._on_pass)
