@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,17 @@ def test_certs_init_into_a_place_that_cannot_be_a_directory_is_one_line(tmp_path
     result = run_cli("kvmesh", "certs", "init", where.format(tmp=tmp_path))
     assert result.returncode == 2
     assert result.stderr.strip() == f"kvmesh certs: error: {says.format(tmp=tmp_path)}"
+
+
+def test_certs_init_into_an_existing_directory_leaves_its_mode_and_keeps_the_keys_private(tmp_path: Path) -> None:
+    """``kvmesh certs init .`` (or ``~``) made the user's own directory 0700."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    result = run_cli("kvmesh", "certs", "init", str(shared))
+    assert result.returncode == 0, result.stderr
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755
+    assert stat.S_IMODE((shared / "ca.key").stat().st_mode) == 0o600
+    fresh = tmp_path / "fresh" / "pki"
+    assert run_cli("kvmesh", "certs", "init", str(fresh)).returncode == 0
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700  # one it made is private

@@ -79,8 +79,9 @@ def init(out: Path, *, days: int = 365, name: str = "dev", extra_sans: list[str]
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    out.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(out, 0o700)
+    if not out.is_dir():  # a directory of the user's (``.``, ``~``) keeps its mode: the keys are 0600 anyway
+        out.mkdir(mode=0o700, parents=True)
+        os.chmod(out, 0o700)  # whatever the umask
     now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
