@@ -64,8 +64,16 @@ def test_profile_of_a_running_engine_is_a_perf_model_the_mocker_loads(tmp_path) 
             str(tmp_path / "p.json"),
             timeout=120,
         )
+        # An engine the worker does not host (ids as `kvmesh status` shows them, in hex): it was a traceback.
+        wrong = run_cli(
+            "kvmesh", "profile", "--engine-address", worker.address, "--engine-id", "7b", "--isl", "32",
+            "--batch", "1", "--context", "64", "--repeats", "1", "--rounds", "1", "--out", str(tmp_path / "q.npz"),
+            timeout=60,
+        )  # fmt: skip
     finally:
         worker.close()
+    assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1, wrong.stderr
+    assert "engine 7b is not hosted by this worker" in wrong.stderr and not (tmp_path / "q.npz").exists()
     assert out.returncode == 0, out.stderr
     assert "perf model written to" in out.stdout
     model = load_perf_model(tmp_path / "p.npz")
@@ -102,7 +110,7 @@ def test_a_sweep_of_zero_rounds_is_refused_with_exit_2(tmp_path) -> None:
 
 def test_an_engine_that_cannot_be_reached_is_one_line_not_a_traceback(tmp_path) -> None:
     out = run_cli("kvmesh", "profile", "--engine-address", "127.0.0.1:1", "--out", str(tmp_path / "p.npz"))
-    assert out.returncode == 1
+    assert out.returncode == 2  # as every kvmesh command's unreachable target
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
     assert out.stderr.startswith("kvmesh profile: error: 127.0.0.1:1: UNAVAILABLE: ")
     assert not (tmp_path / "p.npz").exists()

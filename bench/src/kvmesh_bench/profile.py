@@ -39,10 +39,22 @@ from dataclasses import asdict, dataclass
 import grpc
 import numpy as np
 
-from kvmesh_bench.argtypes import CommandParser, fractions, output_file, positive_int, positive_ints
+from kvmesh_bench.argtypes import CommandParser, fractions, non_negative_int, output_file, positive_int, positive_ints
 from kvmesh_bench.tables import format_table, write_json
 
 _OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+class ProfileFailed(Exception):
+    """The engine (or frontend) refused a measuring request: the profile cannot be taken."""
+
+
+def engine_id(text: str) -> int:
+    """An engine id as ``kvmesh status`` shows it (hex) or as a number (``0x2a``, ``42``)."""
+    try:
+        return int(text, 16) if not text.startswith(("0x", "0X")) and not text.isdigit() else int(text, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an engine id (hex, or 0x.., or decimal), got {text!r}") from None
 
 
 class Client:
@@ -96,7 +108,7 @@ class EngineClient(Client):
             now = time.monotonic() - start
             for output in reply.outputs:
                 if output.error_code:
-                    raise RuntimeError(f"{output.request_id}: {output.error_message}")
+                    raise ProfileFailed(f"{output.request_id}: {output.error_message}")
                 if output.response.token_ids:
                     times[output.request_id].append((now, len(output.response.token_ids)))
         return [times[rid] for rid in ids]
@@ -128,7 +140,7 @@ class FrontendClient(Client):
         async for reply in call:
             now = time.monotonic() - start
             if reply.error_message:
-                raise RuntimeError(reply.error_message)
+                raise ProfileFailed(reply.error_message)
             response = reply.infer_response
             n = _num_tokens(response)
             if n:
@@ -284,9 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--engine-address", metavar="HOST:PORT", help="a worker's WorkerService (GenerateStream)")
     where.add_argument("--frontend", metavar="HOST:PORT", help="a frontend's KServe gRPC address")
-    p.add_argument(
-        "--engine-id", type=lambda s: int(s, 0), default=None, help="engine of the worker (default: its first)"
-    )
+    p.add_argument("--engine-id", type=engine_id, default=None, help="engine of the worker (default: its first)")
     p.add_argument("--model", default="kvmesh-mock", help="--frontend: the model name")
     p.add_argument("--isl", type=positive_ints, default="32,64,128,256,512,1024", help="prefill ISLs")
     p.add_argument("--cached", type=fractions, default="0,0.5", help="cached fractions of the ISL (0 = none)")
@@ -304,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-size", type=positive_int, default=32, help="the engine's block size (cached prefixes align to it)"
     )
     p.add_argument("--vocab-size", type=positive_int, default=2000, help="token ids drawn below it")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", type=output_file, metavar="NPZ", required=True, help="where the mocker's perf model goes")
     p.add_argument(
         "--net-prefill",
@@ -338,7 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grpc.aio.AioRpcError as exc:
         target = args.engine_address or args.frontend
         print(f"kvmesh profile: error: {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+        return 2
+    except ProfileFailed as exc:  # a request refused (an engine the worker does not host, say)
+        print(f"kvmesh profile: error: {exc}", file=sys.stderr)
+        return 2
     arrays = perf_model_arrays(prefill, decode, args.net_prefill)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "wb") as out:
