@@ -6,6 +6,7 @@ The CLIs run in-process through their ``main`` (the same code the ``kvmesh`` con
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,14 @@ def _refused(capsys: pytest.CaptureFixture[str], code: int, needle: str) -> None
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2, err
     assert len(err) == 1 and needle in err[0], err
+
+
+def _exit_code(main: Callable[[list[str]], int], argv: list[str]) -> int:
+    """``main``'s exit code, whether it returns it or its argument parser exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
 
 
 @pytest.mark.parametrize(
@@ -80,3 +89,88 @@ def test_block_sizes_have_distinct_names(trace: Path, tmp_path: Path, capsys: py
     report = tmp_path / "other" / "a.json"
     assert datagen_main(["datagen", "analyze", str(trace), "--trace-block-size", "300", "--json", str(report)]) == 0
     assert json.loads(report.read_text())
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        # Tracebacks from inside the simulation, once (cost.py, numpy's default_rng, the engine config):
+        (["--overlap-weight", "nan"], "argument --overlap-weight: must be a finite number, 0 or more, got nan"),
+        (["--temperature", "-1"], "argument --temperature: must be a finite number, 0 or more, got -1"),
+        (["--seed", "-1"], "argument --seed: must be non-negative, got -1"),
+        (["--vocab-size", "1"], "--vocab-size 1: eos_token_id=2 outside vocabulary [0, 1)"),
+        # A P/D fleet of one pool ran labelled "-1P2D" or "0P-2D" and failed every request; P/D flags
+        # without a P/D fleet were silently ignored.
+        (["--prefill-engines", "3"], "a P/D fleet needs both --prefill-engines and --decode-engines"),
+        (["--kv-transfer-gbps", "1"], "--kv-transfer-gbps apply to a P/D fleet: give --prefill-engines and"),
+        # Refused at once, not after the run (the results lost to a traceback), nor written under a name
+        # matplotlib made up.
+        (["--json", "/proc/x.json"], "argument --json: cannot write /proc/x.json"),
+        (["--plot", "plot-without-suffix"], "argument --plot: 'plot-without-suffix': a PNG file's name ends in .png"),
+    ],
+)
+def test_replay_flags_that_cannot_work_are_one_line(
+    trace: Path, capsys: pytest.CaptureFixture[str], flags: list[str], needle: str
+) -> None:
+    _refused(capsys, _exit_code(replay_main, [str(trace), "--offline", "--engines", "2", *flags]), needle)
+
+
+def test_a_figure_of_nothing_is_null_in_the_json(trace: Path, tmp_path: Path, capsys) -> None:
+    """Every request failed (2 KV blocks hold none): per-engine percentiles of nothing were NaN, which is
+    no JSON; a strict parser refused the file."""
+    out = tmp_path / "r.json"
+    args = [str(trace), "--offline", "--engines", "2", "--num-gpu-blocks", "2", "--json", str(out), "--no-plot"]
+    assert replay_main(args) == 0
+    figures = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert any(engine["ttft_p50_ms"] is None for engine in figures["per_engine"])
+
+
+def test_compare_with_no_plot_writes_no_png(trace: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "c.json"
+    args = [str(trace), "--offline", "--engines", "2", "--modes", "kv,round_robin", "--json", str(out), "--no-plot"]
+    assert compare_main(args) == 0
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize(
+    ("profile", "needle"),
+    [
+        ("ramp:0:0:10", "its rates are all 0: no request would arrive"),  # an empty trace, every tool refused
+        ("points:0=nan,10=1", "needs increasing finite times and finite non-negative rates"),
+        ("points:0=inf,10=1", "needs increasing finite times"),  # every timestamp became 0
+        ("ramp:1:5:1e9", "at most 604800 s (a week) of arrivals"),  # 298 GiB of arrival grid
+    ],
+)
+def test_a_rate_profile_that_cannot_work_is_one_line(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], profile: str, needle: str
+) -> None:
+    code = kvmesh_main(
+        ["datagen", "synthesize", str(trace), "-o", str(tmp_path / "s.jsonl"), "--rate-profile", profile]
+    )
+    _refused(capsys, code, needle)
+
+
+def test_a_speedup_ratio_with_a_rate_profile_is_refused_not_ignored(trace: Path, tmp_path: Path, capsys) -> None:
+    args = ["datagen", "synthesize", str(trace), "-o", str(tmp_path / "s.jsonl"), "--rate-profile", "ramp:1:5:10"]
+    _refused(capsys, kvmesh_main([*args, "--speedup-ratio", "100"]), "--speedup-ratio and --rate-profile do not go")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (
+            ["bench", "planner-sim", "{trace}", "--interval", "0"],
+            "argument --interval: must be a positive number",
+        ),  # hung
+        (["bench", "planner-sim", "{trace}", "--min-engines", "5", "--max-engines", "2"], "--min-engines must not"),
+        (
+            ["bench", "policy-matrix", "{trace}", "--tolerance", "nan"],
+            "argument --tolerance: must be a finite",
+        ),  # all held
+        (["bench", "indexer", "--trace", "{trace}", "--block-size", "0"], "argument --block-size: must be at least 1"),
+    ],
+)
+def test_bench_numbers_that_cannot_work_are_one_line(
+    trace: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    _refused(capsys, _exit_code(kvmesh_main, [a.format(trace=trace) for a in argv]), needle)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -13,14 +14,17 @@ from typing import NoReturn, TypeVar
 __all__ = [
     "CommandParser",
     "fractions",
+    "non_negative_float",
     "non_negative_int",
     "output_file",
+    "png_file",
     "positive_float",
     "positive_floats",
     "positive_int",
     "positive_ints",
     "shell_words",
     "tcp_port",
+    "unit_fraction",
 ]
 
 N = TypeVar("N", int, float)
@@ -50,6 +54,8 @@ def _checked(parse: Callable[[str], N], ok: Callable[[N], bool], expected: str, 
 positive_int = _checked(int, lambda v: v >= 1, "an integer", "at least 1")
 non_negative_int = _checked(int, lambda v: v >= 0, "an integer", "non-negative")
 positive_float = _checked(float, lambda v: v > 0 and not math.isinf(v), "a number", "a positive number")
+non_negative_float = _checked(float, lambda v: 0 <= v < math.inf, "a number", "a finite number, 0 or more")
+unit_fraction = _checked(float, lambda v: 0 < v <= 1, "a number", "above 0 and at most 1")
 tcp_port = _checked(int, lambda v: 1 <= v <= 65535, "a port number", "1-65535")
 
 
@@ -87,15 +93,32 @@ fractions = _comma_list(float, lambda v: 0 <= v < 1, "numbers", "from 0 up to (n
 def output_file(text: str) -> Path:
     """A file a command will write (``--json``): refused at once if it cannot be one, not after the run.
 
-    Missing parent directories are fine (the writers create them); an existing directory, or a parent
-    that is a file, is not.
+    Missing parent directories are fine (the writers create them); an existing directory, a parent that
+    is a file, or one this process cannot write in, is not: the run would end in a traceback, its results
+    lost.
     """
     path = Path(text)
-    if not text or path.is_dir():
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path is no file to write")
+    if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file to write")
     for parent in path.absolute().parents:
         if parent.exists():
             if not parent.is_dir():
                 raise argparse.ArgumentTypeError(f"cannot write {text}: {parent} is not a directory")
+            try:  # the one sure test (root passes every permission check, yet cannot write in /proc)
+                with tempfile.TemporaryFile(dir=parent):
+                    pass
+            except OSError as exc:
+                raise argparse.ArgumentTypeError(f"cannot write {text}: {exc.strerror or exc}") from None
             break
+    return path
+
+
+def png_file(text: str) -> Path:
+    """A PNG a command will write (``--plot``): an :func:`output_file` named ``*.png`` (matplotlib would
+    otherwise add the suffix itself, and the command name a file it never wrote)."""
+    path = output_file(text)
+    if path.suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"{text!r}: a PNG file's name ends in .png")
     return path

@@ -45,7 +45,7 @@ from inference import grpc_service_pb2 as kserve
 from inference import grpc_service_pb2_grpc as kserve_grpc
 from kvmesh.ports import free_port
 
-from kvmesh_bench.argtypes import CommandParser, output_file
+from kvmesh_bench.argtypes import CommandParser, output_file, positive_float, positive_int
 from kvmesh_bench.chaos_multihost import MultiHostMesh
 from kvmesh_bench.frontend_bench import kserve_request as streamed_request
 from kvmesh_bench.local_procs import process_cpu_s, script
@@ -780,15 +780,17 @@ def parser() -> argparse.ArgumentParser:
         "(root; docs/reliability.md)",
     )
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    p.add_argument("--duration", type=float, default=20.0, help="seconds of load (soak: its length)")
-    p.add_argument("--rate", type=float, default=4.0, help="requests per second")
-    p.add_argument("--tokens", type=int, default=48, help="tokens per request")
-    p.add_argument("--background-tokens", type=int, default=200, help="tokens per background-stream request")
-    p.add_argument("--speedup", type=float, default=4.0, help="mocker --speedup-ratio (1 = real-time vLLM)")
-    p.add_argument("--lease-ttl", type=float, default=10.0, help="every daemon's --lease-ttl")
-    p.add_argument("--outage", type=float, default=60.0, help="etcd-outage / etcd-frozen: seconds etcd is down")
-    p.add_argument("--burst", type=int, default=2000, help="overload: requests in the burst")
-    p.add_argument("--concurrency", type=int, default=500, help="overload: requests in flight")
+    p.add_argument("--duration", type=positive_float, default=20.0, help="seconds of load (soak: its length)")
+    p.add_argument("--rate", type=positive_float, default=4.0, help="requests per second")
+    p.add_argument("--tokens", type=positive_int, default=48, help="tokens per request")
+    p.add_argument("--background-tokens", type=positive_int, default=200, help="tokens per background-stream request")
+    p.add_argument("--speedup", type=positive_float, default=4.0, help="mocker --speedup-ratio (1 = real-time vLLM)")
+    p.add_argument("--lease-ttl", type=positive_float, default=10.0, help="every daemon's --lease-ttl")
+    p.add_argument(
+        "--outage", type=positive_float, default=60.0, help="etcd-outage / etcd-frozen: seconds etcd is down"
+    )
+    p.add_argument("--burst", type=positive_int, default=2000, help="overload: requests in the burst")
+    p.add_argument("--concurrency", type=positive_int, default=500, help="overload: requests in flight")
     p.add_argument(
         "--frontend-flags",
         default="",

@@ -63,7 +63,7 @@ from kvmesh.ports import free_port
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 from tokenizers import Tokenizer
 
-from kvmesh_bench.argtypes import CommandParser, output_file
+from kvmesh_bench.argtypes import CommandParser, non_negative_int, output_file, positive_float, positive_int
 from kvmesh_bench.local_procs import script
 from kvmesh_bench.streams import drain, read_message
 from kvmesh_bench.tables import write_json
@@ -611,15 +611,15 @@ def _table(r: Result) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = CommandParser(prog="kvmesh bench frontend", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
-    parser.add_argument("--engines", type=int, default=2, help="mocker engines in the worker process")
+    parser.add_argument("--engines", type=positive_int, default=2, help="mocker engines in the worker process")
     parser.add_argument("--model", default="kvmesh-mock", help="model served by the worker")
-    parser.add_argument("--tokens", type=int, default=16, help="tokens generated per request")
-    parser.add_argument("--prompt-words", type=int, default=48, help="words per prompt")
-    parser.add_argument("--block-size", type=int, default=16, help="engine KV block size")
-    parser.add_argument("--requests", type=int, default=300, help="sequential requests per path (latency)")
-    parser.add_argument("--warmup", type=int, default=50, help="sequential warm-up requests per path")
-    parser.add_argument("--concurrency", type=int, default=64, help="client loops in the throughput phase")
-    parser.add_argument("--duration", type=float, default=8.0, help="seconds per path in the throughput phase")
+    parser.add_argument("--tokens", type=positive_int, default=16, help="tokens generated per request")
+    parser.add_argument("--prompt-words", type=positive_int, default=48, help="words per prompt")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="engine KV block size")
+    parser.add_argument("--requests", type=positive_int, default=300, help="sequential requests per path (latency)")
+    parser.add_argument("--warmup", type=non_negative_int, default=50, help="sequential warm-up requests per path")
+    parser.add_argument("--concurrency", type=positive_int, default=64, help="client loops in the throughput phase")
+    parser.add_argument("--duration", type=positive_float, default=8.0, help="seconds per path in the throughput phase")
     parser.add_argument("--json", type=output_file, default=None, metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR", help="keep daemon logs here")
     parser.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
@@ -629,9 +629,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="paired A/B instead of the table: a second deployment whose daemons import from these "
                              "paths first (e.g. another checkout's services/*/src, colon-separated), loaded "
                              "alternately with the current one; prints CPU per request and the ratios")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=6, help="paired A/B: counted rounds (plus one warm-up)")
-    parser.add_argument("--paired-requests", type=int, default=1500, help="paired A/B: requests per round at c")
-    parser.add_argument("--paired-latency", type=int, default=100, help="paired A/B: one-at-a-time requests per round")
+    parser.add_argument("--rounds", type=positive_int, default=6, help="paired A/B: counted rounds (plus one warm-up)")
+    parser.add_argument(
+        "--paired-requests", type=positive_int, default=1500, help="paired A/B: requests per round at c"
+    )
+    parser.add_argument(
+        "--paired-latency", type=positive_int, default=100, help="paired A/B: one-at-a-time requests per round"
+    )
     args = parser.parse_args(argv)
     if args.serve_relay:  # internal: PORT ENGINE_ID@ADDRESS ...
         port, *targets = args.serve_relay

@@ -69,7 +69,7 @@ from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 from kvmesh_router.settings import RouterSettings
 from kvmesh_router.slot_tracker import SlotTracker
 
-from kvmesh_bench.argtypes import CommandParser, output_file, positive_int, positive_ints
+from kvmesh_bench.argtypes import CommandParser, non_negative_int, output_file, positive_int, positive_ints
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table, write_json
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace
@@ -549,13 +549,22 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default="8,128,1000", help="comma-separated fleet sizes (default: %(default)s)")
     p.add_argument(
         "--engine-capacity-blocks",
-        type=int,
+        type=non_negative_int,
         default=4096,
         help="per-engine prefix cache in blocks, LRU-evicted with Removed events; 0 = unbounded (default: %(default)s)",
     )
-    p.add_argument("--concurrency", type=int, default=64, help="active (booked) requests (default: %(default)s)")
-    p.add_argument("--prefill-lag", type=int, default=8, help="requests until prefill completes (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per hash id (default: 512)")
+    p.add_argument(
+        "--concurrency", type=positive_int, default=64, help="active (booked) requests (default: %(default)s)"
+    )
+    p.add_argument(
+        "--prefill-lag",
+        type=non_negative_int,
+        default=8,
+        help="requests until prefill completes (default: %(default)s)",
+    )
+    p.add_argument(
+        "--block-size", type=positive_int, default=DEFAULT_BLOCK_SIZE, help="tokens per hash id (default: 512)"
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -574,7 +583,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=sorted(POLICIES.cost_policies),
         help="the kv mode's cost policy (default: the router daemon's, %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument(
         "--busy-thresholds",
         choices=("daemon", "off"),
@@ -582,7 +591,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="the router daemon's default busy thresholds (requests every engine is busy for are rejected and "
         "counted), or none (default: %(default)s)",
     )
-    p.add_argument("--repeat", type=int, default=3, help="replays per figure, fastest kept (default: %(default)s)")
+    p.add_argument(
+        "--repeat", type=positive_int, default=3, help="replays per figure, fastest kept (default: %(default)s)"
+    )
     p.add_argument(
         "--throughput-clock",
         choices=["cpu", "wall"],

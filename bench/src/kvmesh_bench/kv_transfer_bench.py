@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh_bench.argtypes import CommandParser, output_file
+from kvmesh_bench.argtypes import CommandParser, output_file, positive_int
 from kvmesh_bench.tables import Column, format_table, write_json
 
 KIB = 1024
@@ -129,8 +129,10 @@ COLUMNS: list[Column] = [
 def main(argv: Sequence[str] | None = None) -> int:
     p = CommandParser(prog="kvmesh bench kv-transfer", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes-kib", default=DEFAULT_SIZES, help="block sizes in KiB (default: %(default)s)")
-    p.add_argument("--total-mib", type=int, default=64, help="bytes moved per transfer (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="timed transfers per size; median (default: %(default)s)")
+    p.add_argument("--total-mib", type=positive_int, default=64, help="bytes moved per transfer (default: %(default)s)")
+    p.add_argument(
+        "--repeats", type=positive_int, default=5, help="timed transfers per size; median (default: %(default)s)"
+    )
     p.add_argument("--json", type=output_file, default=None, help="write the figures as JSON to this path")
     args = p.parse_args(argv)
     sizes = [int(x) * KIB for x in args.sizes_kib.split(",") if x.strip()]

@@ -47,7 +47,15 @@ from kvmesh_worker.engine import (
 )
 from kvmesh_worker.engine_runner import EngineRunner
 
-from kvmesh_bench.argtypes import CommandParser, output_file, positive_ints
+from kvmesh_bench.argtypes import (
+    CommandParser,
+    non_negative_float,
+    non_negative_int,
+    output_file,
+    positive_float,
+    positive_int,
+    positive_ints,
+)
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import write_json
 
@@ -343,26 +351,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = CommandParser(prog="kvmesh bench mocker-scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", default="10,100,1000", help="comma-separated engine counts (default: %(default)s)")
     p.add_argument(
-        "--duration", type=float, default=10.0, help="seconds of load per engine count (default: %(default)s)"
+        "--duration", type=positive_float, default=10.0, help="seconds of load per engine count (default: %(default)s)"
     )
     p.add_argument(
-        "--warmup", type=float, default=1.0, help="first seconds of load not measured (default: %(default)s)"
+        "--warmup",
+        type=non_negative_float,
+        default=1.0,
+        help="first seconds of load not measured (default: %(default)s)",
     )
-    p.add_argument("--idle-seconds", type=float, default=3.0, help="idle CPU measurement window (default: %(default)s)")
+    p.add_argument(
+        "--idle-seconds", type=positive_float, default=3.0, help="idle CPU measurement window (default: %(default)s)"
+    )
     p.add_argument(
         "--floor-seconds",
-        type=float,
+        type=non_negative_float,
         default=2.0,
         help="time.sleep() precision baseline, 0 = skip (default: %(default)s)",
     )
-    p.add_argument("--speedup", type=float, default=1.0, help="simulated/real time ratio, > 0 (default: %(default)s)")
-    p.add_argument("--rate", type=float, default=1.0, help="requests/s per engine (default: %(default)s)")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (default: %(default)s)")
-    p.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default: %(default)s)")
-    p.add_argument("--num-gpu-blocks", type=int, default=16384, help="KV blocks per engine (default: %(default)s)")
-    p.add_argument("--vocab-size", type=int, default=2048, help="vocabulary of the simulated model")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--speedup", type=positive_float, default=1.0, help="simulated/real time ratio, > 0 (default: %(default)s)"
+    )
+    p.add_argument("--rate", type=positive_float, default=1.0, help="requests/s per engine (default: %(default)s)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=128, help="prompt length (default: %(default)s)")
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=8, help="output tokens per request (default: %(default)s)"
+    )
+    p.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default: %(default)s)")
+    p.add_argument(
+        "--num-gpu-blocks", type=positive_int, default=16384, help="KV blocks per engine (default: %(default)s)"
+    )
+    p.add_argument("--vocab-size", type=positive_int, default=2048, help="vocabulary of the simulated model")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", type=output_file, default=None, help="write the figures as JSON to this path")
     args = p.parse_args(argv)
     try:

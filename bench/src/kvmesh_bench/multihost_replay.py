@@ -36,7 +36,7 @@ import numpy as np
 from kvmesh_router.policies import DEFAULT_COST_POLICY
 
 from kvmesh_bench import link_conditions as lc
-from kvmesh_bench.argtypes import CommandParser, output_file, positive_float, positive_int
+from kvmesh_bench.argtypes import CommandParser, non_negative_int, output_file, positive_float, positive_int
 from kvmesh_bench.multihost import Cluster, missing_requirements
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, Summary, summarize, write_json
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [c.name for c in lc.CONDITIONS]
     listed = ", ".join(names).replace("%", "%%")  # argparse %-formats help texts ("loss 0.1 %")
     parser.add_argument("--conditions", default=",".join(names), help=f"comma-separated among: {listed}")
-    parser.add_argument("--seed", type=int, default=0, help="token mapping (live run k uses seed + k)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="token mapping (live run k uses seed + k)")
     parser.add_argument("--drain-timeout", type=positive_float, default=120.0, help="live: wait S s for in-flight")
     parser.add_argument("--workdir", help="logs of the mesh (default: a temporary directory)")
     parser.add_argument("--json", type=output_file, metavar="PATH", help="write the figures as JSON")

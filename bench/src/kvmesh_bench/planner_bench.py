@@ -22,7 +22,16 @@ import numpy as np
 from kvmesh_planner.core import PlannerConfig, PoolBounds
 from kvmesh_planner.core.predictors import PREDICTORS
 
-from kvmesh_bench.argtypes import CommandParser, output_file, positive_float
+from kvmesh_bench.argtypes import (
+    CommandParser,
+    non_negative_float,
+    non_negative_int,
+    output_file,
+    png_file,
+    positive_float,
+    positive_int,
+    unit_fraction,
+)
 from kvmesh_bench.planner_sim import SimResult, run_planner_sim, run_planner_sim_disagg
 from kvmesh_bench.replay.disagg import DisaggConfig
 from kvmesh_bench.replay.offline import OfflineConfig
@@ -52,32 +61,35 @@ def _parser() -> argparse.ArgumentParser:
         "--pools",
         default="aggregated",
         choices=["aggregated", "prefill,decode"],
+        metavar="aggregated|prefill,decode",
         help="aggregated engines, or a disaggregated fleet whose prefill and decode pools the planner manages",
     )
-    p.add_argument("--min-prefill", type=int, default=1)
-    p.add_argument("--max-prefill", type=int, default=4)
-    p.add_argument("--min-decode", type=int, default=1)
-    p.add_argument("--max-decode", type=int, default=4)
-    p.add_argument("--engine-budget", type=int, default=0, help="P/D: most engines in all (0: the sum of the maxima)")
-    p.add_argument("--kv-transfer-gbps", type=float, default=100.0, help="P/D: KV link GB/s")
-    p.add_argument("--max-engines", type=int, default=8)
-    p.add_argument("--min-engines", type=int, default=1)
-    p.add_argument("--interval", type=float, default=10.0)
-    p.add_argument("--engine-startup-s", type=float, default=20.0)
-    p.add_argument("--scale-down-cooldown", type=float, default=30.0)
-    p.add_argument("--sla-headroom", type=float, default=0.7)
+    p.add_argument("--min-prefill", type=positive_int, default=1)
+    p.add_argument("--max-prefill", type=positive_int, default=4)
+    p.add_argument("--min-decode", type=positive_int, default=1)
+    p.add_argument("--max-decode", type=positive_int, default=4)
+    p.add_argument(
+        "--engine-budget", type=non_negative_int, default=0, help="P/D: most engines in all (0: the sum of the maxima)"
+    )
+    p.add_argument("--kv-transfer-gbps", type=positive_float, default=100.0, help="P/D: KV link GB/s")
+    p.add_argument("--max-engines", type=positive_int, default=8)
+    p.add_argument("--min-engines", type=positive_int, default=1)
+    p.add_argument("--interval", type=positive_float, default=10.0)
+    p.add_argument("--engine-startup-s", type=non_negative_float, default=20.0)
+    p.add_argument("--scale-down-cooldown", type=non_negative_float, default=30.0)
+    p.add_argument("--sla-headroom", type=unit_fraction, default=0.7)
     p.add_argument(
         "--lookahead-s",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="SLA mode: also plan for the rate this many s past the next interval",
     )
     p.add_argument("--profile", default=None, help="engine profile NPZ (default: the shipped mocker profile)")
-    p.add_argument("--arrival-speedup", type=float, default=1.0)
-    p.add_argument("--max-requests", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per engine (worker flag)")
+    p.add_argument("--arrival-speedup", type=positive_float, default=1.0)
+    p.add_argument("--max-requests", type=positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="running sequences per engine (worker flag)")
     p.add_argument("--json", type=output_file, metavar="PATH")
-    p.add_argument("--plot", metavar="PNG")
+    p.add_argument("--plot", type=png_file, metavar="PNG")
     return p
 
 
@@ -101,6 +113,8 @@ def _sizes(spec: str) -> list[int]:
             out += list(range(int(a), int(b) + 1))
         elif part:
             out.append(int(part))
+    if not out or min(out) < 1:
+        raise ValueError(f"--statics {spec}: static fleets are 1 engine or more")
     return out
 
 
@@ -129,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--profile {args.profile}: no such file")
         if disagg and (args.min_prefill > args.max_prefill or args.min_decode > args.max_decode):
             raise ValueError("--min-prefill/--min-decode must not exceed --max-prefill/--max-decode")
+        if not disagg and args.min_engines > args.max_engines:
+            raise ValueError("--min-engines must not exceed --max-engines")
     except (TraceError, ValueError, OSError) as exc:
         print(f"kvmesh bench planner-sim: error: {exc}", file=sys.stderr)
         return 2

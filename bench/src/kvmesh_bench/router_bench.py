@@ -54,7 +54,7 @@ from kvmesh_router.settings import RouterSettings
 from kvmesh_router.state import RouterState
 
 from kvmesh_bench import indexer_microbench as mb
-from kvmesh_bench.argtypes import CommandParser, non_negative_int, output_file, positive_ints
+from kvmesh_bench.argtypes import CommandParser, non_negative_int, output_file, positive_int, positive_ints
 from kvmesh_bench.stats import percentile
 from kvmesh_bench.tables import format_table, write_json
 from kvmesh_bench.trace import TraceError
@@ -500,17 +500,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-requests", type=non_negative_int, default=4000, help="trace requests replayed per fleet (0 = all)"
     )
-    p.add_argument("--grpc-engines", type=int, default=8, help="fleet size of the gRPC measurement (0 = skip it)")
-    p.add_argument("--grpc-requests", type=int, default=2000, help="queries measured through the Session stream")
-    p.add_argument("--grpc-warm-requests", type=int, default=2000, help="requests that warm the server's index")
-    p.add_argument("--grpc-window", type=int, default=32, help="queries in flight in the pipelined run")
+    p.add_argument(
+        "--grpc-engines", type=non_negative_int, default=8, help="fleet size of the gRPC measurement (0 = skip it)"
+    )
+    p.add_argument(
+        "--grpc-requests", type=positive_int, default=2000, help="queries measured through the Session stream"
+    )
+    p.add_argument(
+        "--grpc-warm-requests", type=positive_int, default=2000, help="requests that warm the server's index"
+    )
+    p.add_argument("--grpc-window", type=positive_int, default=32, help="queries in flight in the pipelined run")
     p.add_argument(
         "--clock",
         choices=("wall", "cpu"),
         default="wall",
         help="clock of the daemon-path timings: wall, or this thread's CPU time (robust on a shared machine)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", type=output_file, default=None, help="write the results as JSON to this path")
     return p.parse_args(argv)
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from kvmesh_cli.vllm_cores import confine, keep_off_model_cores
 
-from kvmesh_bench.argtypes import CommandParser, output_file, positive_int
+from kvmesh_bench.argtypes import CommandParser, non_negative_int, output_file, positive_int, tcp_port
 from kvmesh_bench.tables import format_table, write_json
 
 if TYPE_CHECKING:
@@ -341,14 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="kvmesh bench vllm-overhead", description=__doc__)
     p.add_argument("--model-path", default=str(TINY_LLAMA), help="HF model dir (default: the repo's tiny-llama)")
     p.add_argument("--vllm-engine-args", default="{}", help="extra vLLM engine arguments (JSON), both modes")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--requests", type=int, default=48)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--isl", type=int, default=256, help="prompt tokens per request (distinct prompts)")
-    p.add_argument("--osl", type=int, default=64, help="output tokens per request (ignore_eos)")
-    p.add_argument("--vocab-size", type=int, default=2000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grpc-port", type=int, default=18041, help="the mesh's frontend port")
+    p.add_argument("--block-size", type=positive_int, default=32)
+    p.add_argument("--requests", type=positive_int, default=48)
+    p.add_argument("--concurrency", type=positive_int, default=8)
+    p.add_argument("--isl", type=positive_int, default=256, help="prompt tokens per request (distinct prompts)")
+    p.add_argument("--osl", type=positive_int, default=64, help="output tokens per request (ignore_eos)")
+    p.add_argument("--vocab-size", type=positive_int, default=2000)
+    p.add_argument("--seed", type=non_negative_int, default=0)
+    p.add_argument("--grpc-port", type=tcp_port, default=18041, help="the mesh's frontend port")
     p.add_argument(
         "--share-model-cores",
         action="store_true",

@@ -107,6 +107,8 @@ def _synthesize(args: argparse.Namespace) -> int:
             profile = RateProfile.parse(args.rate_profile)
         except ValueError as exc:
             raise DatagenError(str(exc)) from None
+        if args.speedup_ratio != 1.0:  # the profile redraws every arrival: the ratio would be ignored
+            raise DatagenError("--speedup-ratio and --rate-profile do not go together: scale the profile's rates")
     synthesizer = Synthesizer(source, config)
     requests = synthesizer.generate(args.num_requests)
     if profile is not None:
@@ -247,7 +249,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument("--min-isl", metavar="TOKENS", type=non_negative_int, help="drop requests with a shorter input")
     synth.add_argument("--max-isl", metavar="TOKENS", type=non_negative_int, help="drop requests with a longer input")
     _trace_block_size(synth)
-    synth.add_argument("--seed", metavar="SEED", type=int, default=0, help="random seed (default: 0)")
+    synth.add_argument("--seed", metavar="SEED", type=non_negative_int, default=0, help="random seed (default: 0)")
     synth.add_argument(
         "--sampling",
         choices=("stratified", "iid"),

@@ -28,6 +28,9 @@ from kvmesh_bench.trace import TraceRequest
 __all__ = ["RateProfile", "retime"]
 
 
+MAX_DURATION_S = 7 * 86400.0  # the arrival grid has 20 points a second
+
+
 @dataclass(frozen=True)
 class RateProfile:
     times_s: tuple[float, ...]
@@ -65,9 +68,19 @@ class RateProfile:
                 f"--rate-profile {spec!r}: {exc} (expected points:T=R,..., ramp:R0:R1:S, diurnal:LOW:HIGH:PERIOD:S"
                 ", spike:BASE:PEAK:AT:WIDTH:S)"
             ) from None
-        if len(times) < 2 or any(b <= a for a, b in itertools.pairwise(times)) or min(rates) < 0:
-            raise ValueError(f"--rate-profile {spec!r}: needs increasing times and non-negative rates")
-        return cls(tuple(float(t) for t in times), tuple(float(r) for r in rates))
+        finite = all(math.isfinite(x) for x in (*times, *rates))
+        if not finite or len(times) < 2 or any(b <= a for a, b in itertools.pairwise(times)) or min(rates) < 0:
+            raise ValueError(f"--rate-profile {spec!r}: needs increasing finite times and finite non-negative rates")
+        if times[-1] - times[0] > MAX_DURATION_S:
+            raise ValueError(f"--rate-profile {spec!r}: at most {MAX_DURATION_S:g} s (a week) of arrivals")
+        profile = cls(tuple(float(t) for t in times), tuple(float(r) for r in rates))
+        if profile.expected_requests() <= 0:
+            raise ValueError(f"--rate-profile {spec!r}: its rates are all 0: no request would arrive")
+        return profile
+
+    def expected_requests(self) -> float:
+        """The integral of the rate over the profile: how many requests it would bring, on average."""
+        return float(np.trapezoid(self.rates, self.times_s))
 
     def arrivals(self, n: int, seed: int = 0) -> np.ndarray:
         """Up to ``n`` arrival times (s) within the profile's duration."""

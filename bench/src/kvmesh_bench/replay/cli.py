@@ -32,9 +32,17 @@ from pathlib import Path
 
 from kvmesh_router.cost import MODES
 from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
-from kvmesh_worker.engine import load_perf_model
+from kvmesh_worker.engine import EngineConfig, load_perf_model
 
-from kvmesh_bench.argtypes import CommandParser, output_file, positive_float, positive_int
+from kvmesh_bench.argtypes import (
+    CommandParser,
+    non_negative_float,
+    non_negative_int,
+    output_file,
+    png_file,
+    positive_float,
+    positive_int,
+)
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, format_table, plot_run, run_json, summarize, write_json
 from kvmesh_bench.replay.workload import DEFAULT_VOCAB_SIZE, ReplayRequest, TokenMapper, build_requests
@@ -123,8 +131,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=positive_int, default=256, help="offline: running requests per engine")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192, help="offline: tokens per pass")
     p.add_argument("--perf-model", default=None, help="offline: 'polynomial' (default) or an .npz profile")
-    p.add_argument("--overlap-weight", type=float, default=1.0, help="kv: overlap_score_weight (default 1.0)")
-    p.add_argument("--temperature", type=float, default=0.0, help="kv: selection temperature (default 0)")
+    p.add_argument(
+        "--overlap-weight", type=non_negative_float, default=1.0, help="kv: overlap_score_weight (default 1.0)"
+    )
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="kv: selection temperature (default 0)")
     p.add_argument(
         "--router-view",
         action="store_true",
@@ -145,21 +155,31 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         help="live: sampling_parameters.stream_interval of every request (tokens per response after the first; "
         "ITL is then a response's gap divided among its tokens)",
     )
-    p.add_argument("--seed", type=int, default=0, help="token mapping and routing tie-breaks (default 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="token mapping and routing tie-breaks (default 0)")
     p.add_argument("--vocab-size", type=positive_int, default=DEFAULT_VOCAB_SIZE, help="token ids drawn below it")
     p.add_argument(
         "--json", type=output_file, metavar="PATH", help="write the figures as JSON (and the plots next to it)"
     )
-    p.add_argument("--plot", metavar="PATH", help="write the PNG plots here (default: next to --json)")
+    p.add_argument(
+        "--plot",
+        type=_plot_place,
+        metavar="PATH",
+        help="the PNG (replay: FILE.png or a directory; compare: a directory)",
+    )
     p.add_argument("--no-plot", action="store_true", help="no PNG plots (not even next to --json)")
     p.add_argument("--no-progress", action="store_true", help="live: no progress bar")
     # Disaggregated fleet (offline; docs/disaggregation.md): P prefill + D decode engines instead of --engines.
-    p.add_argument("--prefill-engines", type=int, default=0, help="offline: prefill engines (P/D fleet)")
-    p.add_argument("--decode-engines", type=int, default=0, help="offline: decode engines (P/D fleet)")
+    p.add_argument("--prefill-engines", type=non_negative_int, default=0, help="offline: prefill engines (P/D fleet)")
+    p.add_argument("--decode-engines", type=non_negative_int, default=0, help="offline: decode engines (P/D fleet)")
     p.add_argument("--kv-transfer-gbps", type=positive_float, default=100.0, help="offline P/D: KV link GB/s")
-    p.add_argument("--disagg-min-tokens", type=int, default=0, help="offline P/D: local prefill at or below")
     p.add_argument(
-        "--prefill-backlog-tokens", type=int, default=65536, help="offline P/D: prefill engine busy bound (0 = none)"
+        "--disagg-min-tokens", type=non_negative_int, default=0, help="offline P/D: local prefill at or below"
+    )
+    p.add_argument(
+        "--prefill-backlog-tokens",
+        type=non_negative_int,
+        default=65536,
+        help="offline P/D: prefill engine busy bound (0 = none)",
     )
 
 
@@ -182,8 +202,28 @@ def load_requests(args: argparse.Namespace) -> list[ReplayRequest]:
 
 
 def check_live_args(args: argparse.Namespace) -> None:
+    """What the flags cannot say alone, checked before any replay (one line, exit 2)."""
     if not args.offline and not args.frontend:
         raise ReplayError("give --frontend HOST:PORT for a live replay, or --offline to simulate")
+    try:  # the simulated model's own rules (its EOS id must be a token)
+        EngineConfig(vocab_size=args.vocab_size)
+    except ValueError as exc:
+        raise ReplayError(f"--vocab-size {args.vocab_size}: {exc}") from None
+    prefill, decode = getattr(args, "prefill_engines", 0), getattr(args, "decode_engines", 0)
+    if (prefill or decode) and not (prefill and decode):
+        raise ReplayError("a P/D fleet needs both --prefill-engines and --decode-engines (1 or more each)")
+    if not decode:
+        given = [
+            flag
+            for flag, value, default in (
+                ("--kv-transfer-gbps", getattr(args, "kv_transfer_gbps", 100.0), 100.0),
+                ("--disagg-min-tokens", getattr(args, "disagg_min_tokens", 0), 0),
+                ("--prefill-backlog-tokens", getattr(args, "prefill_backlog_tokens", 65536), 65536),
+            )
+            if value != default
+        ]
+        if given:  # they would be ignored: the replay is aggregated
+            raise ReplayError(f"{', '.join(given)} apply to a P/D fleet: give --prefill-engines and --decode-engines")
     if args.offline and args.perf_model not in (None, "polynomial"):
         try:  # now, in one line, rather than as a traceback from inside the simulation
             load_perf_model(args.perf_model)
@@ -262,11 +302,18 @@ def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequ
     return run
 
 
+def _plot_place(text: str) -> Path:
+    """--plot: a directory (the plots go in it) or a ``*.png`` file to write."""
+    return Path(text) if Path(text).is_dir() else png_file(text)
+
+
 def _outputs(args: argparse.Namespace, stem_suffix: str = "") -> tuple[Path | None, Path | None]:
     json_path = Path(args.json) if args.json else None
-    plot_path = Path(args.plot) if args.plot else None
+    plot_path: Path | None = args.plot
     if getattr(args, "no_plot", False):
         return json_path, None
+    if plot_path is not None and plot_path.is_dir():
+        plot_path = plot_path / f"{json_path.stem if json_path else 'replay'}{stem_suffix}.png"
     if plot_path is None and json_path is not None:
         plot_path = json_path.with_name(json_path.stem + stem_suffix + ".png")
     return json_path, plot_path
@@ -306,8 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(json_path, run_json(run))
         print(f"wrote {json_path}")
     if plot_path is not None:
-        plot_run(run, plot_path)
-        print(f"wrote {plot_path}")
+        print(f"wrote {plot_run(run, plot_path)}")
     return 0
 
 

@@ -104,7 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         write_json(json_path, payload)
         print(f"wrote {json_path}")
-    plot_dir = Path(args.plot) if args.plot else (json_path.parent if json_path else None)
+    plot_dir = None if args.no_plot else args.plot.parent if args.plot and not args.plot.is_dir() else args.plot
+    if plot_dir is None and not args.no_plot and json_path is not None:
+        plot_dir = json_path.parent
     if plot_dir is not None:
         stem = json_path.stem if json_path else "compare"
         title = f"{len(requests)} requests, arrivals x{args.arrival_speedup:g}"

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvmesh_bench.argtypes import CommandParser, output_file, positive_floats, positive_int
+from kvmesh_bench.argtypes import CommandParser, non_negative_int, output_file, png_file, positive_floats, positive_int
 from kvmesh_bench.replay.cli import ReplayError, load_requests
 from kvmesh_bench.replay.disagg import DisaggConfig, run_offline_disagg
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
@@ -57,7 +57,7 @@ def _row(load: float, fleet: str, gbps: str, run: Any, engines: int) -> dict[str
 def main(argv: Sequence[str] | None = None) -> int:
     p = CommandParser(prog="kvmesh bench disagg-sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("trace", help="Mooncake JSONL trace")
-    p.add_argument("--engines", type=int, default=8, help="engines per fleet, N (default: %(default)s)")
+    p.add_argument("--engines", type=positive_int, default=8, help="engines per fleet, N (default: %(default)s)")
     p.add_argument("--loads", type=positive_floats, default="1,2,4,8", help="arrival speedups (default: %(default)s)")
     p.add_argument(
         "--gbps", type=positive_floats, default="25,100,400", help="KV link bandwidths, GB/s (default: %(default)s)"
@@ -65,13 +65,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-requests", type=positive_int, default=600, help="requests per replay (default: %(default)s)")
     p.add_argument(
         "--trace-block-size",
-        type=int,
+        type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         help="tokens per hash id of the trace (default: %(default)s, the Mooncake traces')",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--json", type=output_file, default=None, help="write the rows as JSON (and the plot next to it)")
-    p.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --json)")
+    p.add_argument("--plot", type=png_file, default=None, help="PNG path (default: next to --json)")
     args = p.parse_args(argv)
     loads, bandwidths = args.loads, args.gbps
     n = args.engines

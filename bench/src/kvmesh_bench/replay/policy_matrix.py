@@ -30,7 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh_bench import tables
-from kvmesh_bench.argtypes import CommandParser, output_file, positive_float, positive_int
+from kvmesh_bench.argtypes import (
+    CommandParser,
+    non_negative_float,
+    non_negative_int,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from kvmesh_bench.replay.cli import ReplayError, add_common_args, load_requests, parse_mode, run_mode
 from kvmesh_bench.replay.report import Summary, median_summary, summarize
 from kvmesh_bench.stats import mann_whitney_p
@@ -149,9 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--reference", default="kv:dynamo", help="the policy to beat (default kv:dynamo)")
     p.add_argument("--seeds", type=positive_int, default=5, help="replays per cell (median; default 5)")
-    p.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="first seed (default 0)")
     p.add_argument("--max-requests", type=positive_int, default=2000, help="first N requests of each trace")
-    p.add_argument("--tolerance", type=float, default=0.0, help="relative slack per figure (default 0: strict)")
+    p.add_argument(
+        "--tolerance", type=non_negative_float, default=0.0, help="relative slack per figure (default 0: strict)"
+    )
     p.add_argument("--jobs", type=positive_int, default=1, help="replays run at once (default 1)")
     p.add_argument("--engines", type=positive_int, default=8)
     p.add_argument("--engine-block-size", type=positive_int, default=64)
