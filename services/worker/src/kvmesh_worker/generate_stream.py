@@ -73,6 +73,9 @@ _MALFORMED = grpc_services.malformed_details(worker_pb2.GenerateStreamRequest)
 #: In-band errors a stream may have unsent before its requests stop being read (flow control then holds
 #: the caller's writes): a caller that sends and never reads cannot grow the worker's memory.
 MAX_UNSENT_ERRORS = 4096
+#: Outputs a stream may have unsent (tokens of requests that go on) before its new requests stop being read:
+#: a caller that sends and never reads grew the worker by 1 GB in 40 s (outputs of the requests it kept adding).
+MAX_UNSENT_OUTPUTS = 65536
 #: Stop token ids per request: each is checked against every generated token (1M of them stalled the loop).
 MAX_STOP_TOKEN_IDS = 1024
 
@@ -309,6 +312,7 @@ class GenerateStreamSession:
         self._loop = asyncio.get_running_loop()
         self._active: dict[str, _Active] = {}
         self._pending: dict[str, list[RequestOutput]] = {}
+        self._unsent = 0  # outputs in ``_pending``
         self._holds: dict[str, _Hold] = {}  # requests whose stream interval is above 1
         self._failed: list[worker_pb2.GenerateStreamOutput] = []
         self._wakeup = Wakeup()
@@ -327,6 +331,7 @@ class GenerateStreamSession:
 
     def _queue(self, output: RequestOutput) -> None:
         """``output`` to the writer (woken for a request with nothing queued yet)."""
+        self._unsent += 1
         outputs = self._pending.get(output.request_id)
         if outputs is None:
             self._pending[output.request_id] = [output]
@@ -374,7 +379,8 @@ class GenerateStreamSession:
                 self._cancel(request_id)
             for request in message.requests:
                 self._start(request)
-            while len(self._failed) >= MAX_UNSENT_ERRORS:  # a caller that does not read: stop reading it too
+            # A caller that does not read: stop reading it too (its writes then stall on flow control).
+            while len(self._failed) >= MAX_UNSENT_ERRORS or self._unsent >= MAX_UNSENT_OUTPUTS:
                 self._written.clear()
                 await self._written.wait()
         self._input_done = True  # the caller half-closed: finish what is in flight, then end
@@ -505,6 +511,8 @@ class GenerateStreamSession:
         self._reports.pop(request_id, None)
         active = self._active.pop(request_id, None)
         unsent = self._pending.pop(request_id, None)
+        if unsent:
+            self._unsent -= len(unsent)
         self._holds.pop(request_id, None)
         if active is not None:
             self._release_unsent_hold(active.engine, unsent)
@@ -526,6 +534,7 @@ class GenerateStreamSession:
         self._reports.clear()
         active, self._active = self._active, {}
         unsent, self._pending = self._pending, {}
+        self._unsent = 0
         self._holds.clear()
         for request_id, entry in active.items():
             self._release_unsent_hold(entry.engine, unsent.get(request_id))
@@ -542,6 +551,7 @@ class GenerateStreamSession:
                 await self._wakeup.wait()
                 continue
             pending, self._pending = self._pending, {}
+            self._unsent = 0
             message = worker_pb2.GenerateStreamResponse()
             if self._failed:
                 message.outputs.extend(self._failed)
