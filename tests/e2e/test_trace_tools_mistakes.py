@@ -174,3 +174,8 @@ def test_bench_numbers_that_cannot_work_are_one_line(
     trace: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
 ) -> None:
     _refused(capsys, _exit_code(kvmesh_main, [a.format(trace=trace) for a in argv]), needle)
+
+
+def test_an_unknown_flag_without_a_command_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """It read "the following arguments are required: command", as if the flag were fine."""
+    _refused(capsys, _exit_code(kvmesh_main, ["--bogus"]), "kvmesh: error: unrecognized arguments: --bogus")

@@ -55,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         parser = build_parser(argv)
+        if argv and all(arg.startswith("-") and arg not in ("-h", "--help") for arg in argv):
+            parser.error(f"unrecognized arguments: {' '.join(argv)}")  # not "a command is required"
         args, extra = parser.parse_known_args(argv)
         if extra and getattr(args, "benchmark", None) is None:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
