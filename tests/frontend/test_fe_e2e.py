@@ -216,3 +216,25 @@ async def test_a_dead_router_is_unavailable_to_clients_without_its_address_or_gr
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert refused.value.details() == "no router replica could route the request (1 tried)"
     frontend.wait_log(rf"router session to \w+ at 127\.0\.0\.1:{router.port} broke")
+
+
+async def test_a_silent_router_is_unavailable_to_clients_without_its_address(
+    deployment: tuple[Deployment, Daemon, Daemon],
+) -> None:
+    """A router replica that stops answering (frozen, partitioned): the client was told its address."""
+    dep, _, _ = deployment
+    router = next(d for d in dep.daemons if d.name == "kvmesh-router")
+    frontend = dep.start("kvmesh-frontend", "--route-timeout", "1")  # before keepalive notices the silence
+    async with grpc.aio.insecure_channel(frontend.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        await wait_ready(stub)
+        router.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ModelInfer(llm_request("hello", model=MODEL, sampling={"max_tokens": 2}), timeout=60)
+        finally:
+            router.signal(signal.SIGCONT)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert refused.value.details().startswith("no router replica gave a decision within")
+    assert str(router.port) not in refused.value.details()
+    frontend.wait_log(rf"no decision from router replica \w+ at 127\.0\.0\.1:{router.port}")

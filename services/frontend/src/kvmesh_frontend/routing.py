@@ -351,7 +351,12 @@ class RouterClient:
                     log.warning("route query %s: %s; trying another replica", query.request_id, error)
         except TimeoutError:
             where = ", ".join(f"{s.replica_id:x} at {s.address}" for s in attempts.values())
-            raise unavailable(f"router replica {where} gave no decision within {self._timeout:g}s") from None
+            log.warning("route query %s: no decision from router replica %s within %gs", query.request_id, where,
+                        self._timeout)  # fmt: skip
+            # the replicas' addresses are for the log: a KServe client may be anyone
+            raise unavailable(
+                f"no router replica gave a decision within {self._timeout:g}s ({len(tried)} tried)"
+            ) from None
         finally:
             for session in attempts.values():  # cancelled, timed out or failed: free what they booked
                 session.abandon(query.request_id)
