@@ -23,14 +23,24 @@ def test_client_certificates_cannot_be_required_without_tls(capsys: pytest.Captu
     assert "--kserve-client-cert needs --tls-cert, --tls-key and --tls-ca" in one_line_exit_2(capsys)
 
 
-@pytest.mark.parametrize(("content", "says"), [(b"\xff\xfe\x00", "not UTF-8 text"), (b"  \n", "empty")])
-def test_an_unusable_token_file_is_refused(
-    tmp_path: Path, content: bytes, says: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"\xff\xfe\x00", "--kserve-token-file: the file is not UTF-8 text"),
+        (b"  \n", "--kserve-token-file: the file is empty"),
+        (None, "--kserve-token-file: cannot read the file (No such file or directory; give the token file's path)"),
+    ],
+)
+def test_an_unusable_token_file_is_refused_without_echoing_the_value(
+    tmp_path: Path, content: bytes | None, says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_bytes(content)
+    """The value may be the token itself, given in place of its file's path: it went to the logs."""
+    token_file = tmp_path / "s3cr3t-token"
+    if content is not None:
+        token_file.write_bytes(content)
     settings = Settings.load("kvmesh-frontend", "test", ["--kserve-token-file", str(token_file)], environ={})
     with pytest.raises(SystemExit) as exc:
         kserve_auth(settings)
     assert exc.value.code == 2
-    assert f"--kserve-token-file {token_file}: {says}" in one_line_exit_2(capsys)
+    line = one_line_exit_2(capsys)
+    assert says in line and "s3cr3t" not in line

@@ -66,3 +66,11 @@ def test_certs_init_into_an_existing_directory_leaves_its_mode_and_keeps_the_key
     fresh = tmp_path / "fresh" / "pki"
     assert run_cli("kvmesh", "certs", "init", str(fresh)).returncode == 0
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o700  # one it made is private
+
+
+def test_a_private_key_given_instead_of_its_path_is_not_echoed(pki: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """KVMESH_TLS_KEY="$(cat worker.key)" printed the key to stderr, so to journald, over several lines."""
+    key = (pki / "worker.key").read_text()
+    err = refused(["--tls-cert", str(pki / "worker.crt"), "--tls-key", key, "--tls-ca", str(pki / "ca.crt")], capsys)
+    assert "--tls-key: not a readable file (give the file's path)" in err
+    assert "PRIVATE KEY" not in err and "\n" not in err.strip()

@@ -113,7 +113,9 @@ class DaemonSettings(BaseModel):
             raise ValueError("--etcd-tls needs --tls-cert, --tls-key and --tls-ca (the certificate shown to etcd)")
         for flag, path in {**given, "--etcd-ca": self.etcd_ca}.items():
             if path and not os.access(path, os.R_OK):
-                raise ValueError(f"{flag} {path}: not a readable file")
+                # The key's value is never echoed: given its PEM instead of its path, it went to the logs.
+                shown = flag if flag == "--tls-key" else f"{flag} {path}"
+                raise ValueError(f"{shown}: not a readable file (give the file's path)")
         if self.tls_cert:
             _check_pem(self.tls_cert, self.tls_key, self.tls_ca, self.etcd_ca)
         return self

@@ -53,14 +53,15 @@ def kserve_auth(config: Settings) -> tuple[BearerTokenGate, ...]:
     """KServe client authentication by bearer token, when --kserve-token-file is set; one line, exit 2 if unreadable."""
     if not config.kserve_token_file:
         return ()
+    # The value is never echoed: a token given in place of its file's path would go to the logs.
     try:
         token = Path(config.kserve_token_file).read_text(encoding="utf-8").strip()
     except OSError as exc:
-        fail(PROG, f"--kserve-token-file {config.kserve_token_file}: {exc.strerror}")
+        fail(PROG, f"--kserve-token-file: cannot read the file ({exc.strerror}; give the token file's path)")
     except UnicodeDecodeError:
-        fail(PROG, f"--kserve-token-file {config.kserve_token_file}: not UTF-8 text")
+        fail(PROG, "--kserve-token-file: the file is not UTF-8 text")
     if not token:
-        fail(PROG, f"--kserve-token-file {config.kserve_token_file}: empty")
+        fail(PROG, "--kserve-token-file: the file is empty")
     return (BearerTokenGate(token),)
 
 
