@@ -304,8 +304,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     common = ["--discovery", args.discovery or default_discovery_url(), "--namespace", args.namespace]
     common += ["--bind-host", "127.0.0.1"]  # a local mesh is reachable from this machine only
-    tls_dir = prepare_tls(args, log_dir)
-    credentials = kserve_credentials(tls_dir)
     if args.config:
         common += ["--config", args.config]
     if args.num_engines is None:
@@ -350,7 +348,10 @@ def run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda *_: stop.update(now=True))
     clean = False
+    tls_dir, made_tls = None, False
     try:
+        tls_dir, made_tls = prepare_tls(args)
+        credentials = kserve_credentials(tls_dir)
         worker_args += daemon_tls_args(tls_dir, "worker")
         router_args += daemon_tls_args(tls_dir, "router")
         frontend_args += daemon_tls_args(tls_dir, "frontend")
@@ -466,3 +467,5 @@ def run(args: argparse.Namespace) -> int:
         _stop(procs)
         if temporary and clean:  # a failed run keeps its logs: the error message points at them
             shutil.rmtree(log_dir, ignore_errors=True)
+        if made_tls and tls_dir is not None:  # keys never outlive the run, failed or not, whatever --log-dir
+            shutil.rmtree(tls_dir, ignore_errors=True)

@@ -1,12 +1,14 @@
 """``kvmesh up --tls [DIR]``: the local mesh with mTLS between every daemon and TLS on the KServe port.
 
 Kept apart from ``up.py`` so the flag is one line there. Without DIR, development certificates
-(``kvmesh certs init``) are made in the run's log directory; with DIR, that directory's are used.
+(``kvmesh certs init``) are made in a private directory removed when the run ends; with DIR, that
+directory's are used.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -37,14 +39,20 @@ def tls_dir_missing(tls_dir: Path) -> str | None:
     return f"no {', '.join(absent)} in it" if absent else None
 
 
-def prepare_tls(args: argparse.Namespace, log_dir: Path) -> Path | None:
+def prepare_tls(args: argparse.Namespace) -> tuple[Path | None, bool]:
+    """The certificate directory, and whether it was made for this run (then the caller removes it).
+
+    Made ones go to a private directory of their own, not the log directory (kept after a failed run,
+    and shared to report it), and the CA's key is deleted at once: nothing is signed after start-up.
+    """
     if args.tls is None:
-        return None
+        return None, False
     if args.tls:
-        return Path(args.tls)
-    out = log_dir / "tls"
+        return Path(args.tls), False
+    out = Path(tempfile.mkdtemp(prefix="kvmesh-up-tls-"))
     certs.init(out)
-    return out
+    (out / "ca.key").unlink()
+    return out, True
 
 
 def daemon_tls_args(tls_dir: Path | None, role: str) -> list[str]:

@@ -3,6 +3,7 @@ and a plaintext client gets nothing."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,13 @@ def test_kvmesh_up_tls_serves_the_readme_example_over_tls(tmp_path: Path) -> Non
          "--log-dir", str(tmp_path / "logs"), "--speedup-ratio", "0", "--no-demo"],
     ) as up:  # fmt: skip
         up.wait_for("client.stop_stream()", 90, at_start=False)
-        ca = tmp_path / "logs" / "tls" / "ca.crt"
-        assert f"ssl=True, root_certificates='{ca}'" in up.text, up.text
+        found = re.search(r"ssl=True, root_certificates='([^']+)'", up.text)
+        assert found, up.text
+        ca = Path(found.group(1))
+        # Made for the run in a private directory of its own: not among the logs (kept after a failed
+        # run, shared to report it), and without the CA's key, which signs nothing after start-up.
+        assert not (tmp_path / "logs" / "tls").exists() and ca.is_file()
+        assert not (ca.parent / "ca.key").exists() and ca.parent.stat().st_mode & 0o077 == 0
         # The README's example, with the line `kvmesh up --tls` prints.
         outputs: list[object] = []
         client = grpcclient.InferenceServerClient(f"localhost:{port}", ssl=True, root_certificates=str(ca))
@@ -42,3 +48,4 @@ def test_kvmesh_up_tls_serves_the_readme_example_over_tls(tmp_path: Path) -> Non
         with grpcclient.InferenceServerClient(f"localhost:{port}") as plain, pytest.raises(InferenceServerException):
             plain.is_server_ready(client_timeout=3)
         assert up.stop(30) == 0
+    assert not ca.parent.exists(), "the run's keys outlived it"
