@@ -119,6 +119,8 @@ def test_a_file_discovery_directory_that_does_not_exist_is_an_error_not_an_empty
         (["--san", "ü.example"], "--san 'ü.example': not an IP address nor an ASCII DNS name"),
         (["--days", "3000000"], "--days 3000000: a certificate cannot be valid past the year 9999"),
         (["--name", "a/b"], "--name 'a/b': use letters, digits, '.', '_' and '-'"),
+        # On every leaf, the client certificate included, it let any of them pass for that role.
+        (["--san", "router.kvmesh"], "--san 'router.kvmesh': names under .kvmesh are the mesh's roles"),
     ],
 )
 def test_certs_init_checks_its_arguments_before_it_writes_anything(

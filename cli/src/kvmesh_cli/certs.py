@@ -52,6 +52,8 @@ def _bad_argument(args: argparse.Namespace) -> str | None:
             continue
         if not re.fullmatch(r"[A-Za-z0-9*]([A-Za-z0-9.*-]*[A-Za-z0-9])?", san):
             return f"--san {san!r}: not an IP address nor an ASCII DNS name (give an internationalized name as xn--...)"
+        if san.lower().rstrip(".").endswith(".kvmesh"):  # on every leaf, it would let any of them pass as that role
+            return f"--san {san!r}: names under .kvmesh are the mesh's roles, each on its own certificate only"
     return None
 
 
