@@ -44,3 +44,21 @@ def test_reflection_v1_and_v1alpha(tmp_path: Path) -> None:
                 assert any(f.name == "kvmesh/v1/worker.proto" for f in files), [f.name for f in files]
     finally:
         worker.close()
+
+
+def test_the_frontends_reflection_describes_only_what_its_port_serves(tmp_path: Path) -> None:
+    """Answered from the whole process, the public KServe port gave anyone the mesh's internal contracts
+    by file name (router.proto's Session and ReplicaSync, worker.proto's GenerateStream)."""
+    port = free_port()
+    args = ["--discovery", f"file://{tmp_path / 'd'}", "--grpc-port", str(port), "--namespace", "refl"]
+    frontend = Daemon("kvmesh-frontend", args, tmp_path, port).wait_serving()
+    try:
+        with grpc.insecure_channel(frontend.address) as channel:
+            path = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+            symbol = pb.ServerReflectionRequest(file_containing_symbol="inference.GRPCInferenceService")
+            assert _ask(channel, path, symbol).file_descriptor_response.file_descriptor_proto
+            for internal in ("kvmesh/v1/router.proto", "kvmesh/v1/worker.proto", "kvmesh/v1/discovery.proto"):
+                answer = _ask(channel, path, pb.ServerReflectionRequest(file_by_filename=internal))
+                assert answer.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0], (internal, answer)
+    finally:
+        frontend.close()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.descriptor import FileDescriptor
 from grpc_reflection.v1alpha import reflection
 from grpc_reflection.v1alpha import reflection_pb2 as pb
 
@@ -20,8 +22,37 @@ SERVICE_NAMES = (V1_SERVICE_NAME, reflection.SERVICE_NAME)
 
 
 def enable_server_reflection(service_names: Sequence[str], server: grpc.aio.Server) -> None:
-    """Serve reflection over ``service_names`` (both reflection services are listed too) as v1 and v1alpha."""
+    """Serve reflection over ``service_names`` (both reflection services are listed too) as v1 and v1alpha.
+
+    It describes those services and the files they need, nothing else: answered from the process's
+    whole descriptor pool, the frontend's public KServe port gave anyone every internal contract of the
+    mesh (router.proto's Session and ReplicaSync, worker.proto's GenerateStream, ...) by file name.
+    """
     names = list(dict.fromkeys([*service_names, *SERVICE_NAMES]))
-    servicer = reflection.aio.ReflectionServicer(names)
+    servicer = reflection.aio.ReflectionServicer(names, pool=_pool_of(names))
     for name in SERVICE_NAMES:
         grpc_services.add_service(server, pb.DESCRIPTOR.services_by_name["ServerReflection"], servicer, name=name)
+
+
+def _pool_of(service_names: Sequence[str]) -> descriptor_pool.DescriptorPool:
+    """A descriptor pool with the files of ``service_names`` and their imports only."""
+    default = descriptor_pool.Default()
+    pool = descriptor_pool.DescriptorPool()
+    added: set[str] = set()
+
+    def add(file: FileDescriptor) -> None:
+        if file.name in added:
+            return
+        added.add(file.name)
+        for dependency in file.dependencies:
+            add(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.Add(proto)
+
+    for name in service_names:
+        try:
+            add(default.FindServiceByName(name).file)
+        except KeyError:  # grpc.reflection.v1: served under v1alpha's descriptor
+            continue
+    return pool
