@@ -207,6 +207,31 @@ async def test_a_stream_cancelled_after_its_final_response_counts_as_completed(m
     await no_leaks(worker, router)
 
 
+async def test_a_modelinfer_past_its_deadline_counts_as_deadline_exceeded_not_cancelled(mesh) -> None:  # noqa: F811
+    """The client did not cancel: its timeout ran out. Counted as its own cancel, a slow mesh hid."""
+    fe, worker, router = mesh
+    for behaviour in worker.behaviour.values():
+        behaviour.delay = 0.2  # per token: well past the 0.3 s deadline
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await fe.stub.ModelInfer(llm_request("x", sampling={"max_tokens": 8}), timeout=0.3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    async with asyncio.timeout(5):
+        while fe.metrics.requests.labels(MODEL, "deadline_exceeded")._value.get() != 1:
+            await asyncio.sleep(0.01)
+    assert fe.metrics.requests.labels(MODEL, "cancelled")._value.get() == 0
+    await no_leaks(worker, router)
+
+
+async def test_a_known_model_without_engines_is_counted_under_its_own_name(mesh) -> None:  # noqa: F811
+    """Its outage went to the model="_unknown" series: a per-model alert saw nothing."""
+    fe, worker, _ = mesh
+    fe.remove_cards(worker)
+    await expect_status(fe.stub.ModelInfer(llm_request("x")), grpc.StatusCode.UNAVAILABLE, "has no live engine")
+    assert fe.metrics.requests.labels(MODEL, "unavailable")._value.get() == 1
+    await expect_status(fe.stub.ModelInfer(llm_request("x", model="never")), grpc.StatusCode.NOT_FOUND, "never")
+    assert fe.metrics.requests.labels("_unknown", "not_found")._value.get() == 1  # names never served: one series
+
+
 # -- item 2: a refused stream is UNAVAILABLE, never INTERNAL -------------------------------------------
 async def test_a_refused_stream_is_unavailable_even_when_the_client_writes_late() -> None:
     from kvmesh import runtime

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import cast
@@ -27,7 +27,7 @@ from kvmesh.telemetry import request_id_var
 from kvmesh.v1 import worker_pb2
 
 from kvmesh_frontend.admission import Admission
-from kvmesh_frontend.errors import FrontendError, internal, invalid, not_found
+from kvmesh_frontend.errors import FrontendError, clip, internal, invalid, not_found
 from kvmesh_frontend.generation import GenerationState, Generator, PreparedRequest
 from kvmesh_frontend.llm_request import PARAM_WORKER_ID, LlmRequest, parse_llm_request
 from kvmesh_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
@@ -106,8 +106,14 @@ class Frontend:
     def release(self, model_name: str) -> None:
         self.admission.leave(model_name)
 
-    async def infer(self, request: pb.ModelInferRequest, *, unary: bool) -> AsyncGenerator[Response, None]:
-        """The responses of one request: one ModelInferResponse when ``unary``, else ModelStreamInferResponses."""
+    async def infer(
+        self, request: pb.ModelInferRequest, *, unary: bool, deadline_passed: Callable[[], bool] = lambda: False
+    ) -> AsyncGenerator[Response, None]:
+        """The responses of one request: one ModelInferResponse when ``unary``, else ModelStreamInferResponses.
+
+        ``deadline_passed``: whether the call's deadline is what cancelled it (a ModelInfer's timeout): it
+        counts as ``deadline_exceeded``, an error, not as the client's own cancel.
+        """
         start = time.perf_counter()
         request_id = self.new_request_id()
         request_id_var.set(request_id)
@@ -120,14 +126,16 @@ class Frontend:
             server=True,
             attributes={
                 "kvmesh.request_id": request_id,
-                "kvmesh.model": request.model_name,
-                "kvmesh.client_request_id": request.id,
+                "kvmesh.model": clip(request.model_name),  # client strings, bounded as messages echo them
+                "kvmesh.client_request_id": clip(request.id),
                 "rpc.method": "ModelInfer" if unary else "ModelStreamInfer",
             },
         )
         telemetry.request_span_var.set(span)
         phase = telemetry.start_span("parse", span)
-        label = UNKNOWN_MODEL
+        # A model known here keeps its label even while it has no live engine (its outage must show on
+        # its own series); a name never served is UNKNOWN_MODEL, so labels stay bounded.
+        label = request.model_name if self.registry.get(request.model_name) is not None else UNKNOWN_MODEL
         outcome = "success"
         model_metrics = None
         writer: ResponseWriter | None = None
@@ -182,7 +190,7 @@ class Frontend:
             outcome = exc.code.name.lower()
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "success" if final_sent else "cancelled"
+            outcome = "success" if final_sent else "deadline_exceeded" if deadline_passed() else "cancelled"
             raise
         except Exception as exc:
             outcome = "internal"

@@ -241,7 +241,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return pb.ModelInferResponse()
         try:
             result: pb.ModelInferResponse | None = None
-            async with aclosing(self._frontend.infer(request, unary=True)) as responses:
+
+            def deadline_passed() -> bool:  # the call's timeout, not the client, cancelled it
+                left = context.time_remaining()
+                return left is not None and left <= 0
+
+            async with aclosing(
+                self._frontend.infer(request, unary=True, deadline_passed=deadline_passed)
+            ) as responses:
                 async for response in responses:
                     assert isinstance(response, pb.ModelInferResponse)
                     result = response
