@@ -518,7 +518,9 @@ class GenerateStreamSession:
             self._release_unsent_hold(active.engine, unsent)
             active.engine.abort(request_id, self)
             self._on_aborted(active.engine)
-            telemetry.end_request_span(active.span, "cancelled")
+            if active.span is not None:  # a cancel is the client's choice (a stop string matched, say): no error
+                active.span.set_attributes({"kvmesh.cancelled": True, "kvmesh.output_tokens": active.num_output})
+            telemetry.end_request_span(active.span, None)
 
     def _fail(self, request_id: str, code: grpc.StatusCode, message: str, span: Any = None) -> None:
         self._failed.append(
