@@ -22,6 +22,7 @@ restarted on the same port) clears the mark.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -156,7 +157,9 @@ class EngineStream:
         self._calls: dict[str, EngineCall] = {}
         self._outbox = worker_pb2.GenerateStreamRequest()
         self._call = worker_pb2_grpc.WorkerServiceStub(channel).GenerateStream()
-        self._reader = self._loop.create_task(self._read(), name=f"engine-stream-{address}")
+        self._reader = self._loop.create_task(
+            self._read(), name=f"engine-stream-{address}", context=contextvars.Context()
+        )  # shared by many requests: none's request id or span in its logs
         self._writer: asyncio.Task[None] | None = None
 
     def start(self, request: worker_pb2.GenerateRequest) -> EngineCall:
@@ -187,7 +190,7 @@ class EngineStream:
         # The writer task first runs on the next loop iteration, so everything queued in this tick
         # goes out in its first message; while a write is in flight, the next message accumulates.
         if self._writer is None or self._writer.done():
-            self._writer = self._loop.create_task(self._write())
+            self._writer = self._loop.create_task(self._write(), context=contextvars.Context())
 
     async def _write(self) -> None:
         try:

@@ -25,6 +25,7 @@ same way.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from asyncio import FIRST_COMPLETED
@@ -80,8 +81,14 @@ class RouterSession:
         self._wakeup = Wakeup()
         self._pending: dict[str, asyncio.Future[router_pb2.RouteDecision]] = {}
         self._call = router_pb2_grpc.RouterServiceStub(channel).Session()
-        self._reader = self._loop.create_task(self._read(), name=f"router-session-{replica_id:x}")
-        self._writer = self._loop.create_task(self._write_loop(), name=f"router-session-writer-{replica_id:x}")
+        # Shared by many requests: not in the context of the one that opened the session (its request id
+        # and span would tag every later log line of the session).
+        self._reader = self._loop.create_task(
+            self._read(), name=f"router-session-{replica_id:x}", context=contextvars.Context()
+        )
+        self._writer = self._loop.create_task(
+            self._write_loop(), name=f"router-session-writer-{replica_id:x}", context=contextvars.Context()
+        )
 
     # -- writing ---------------------------------------------------------------------------------
     async def _write_loop(self) -> None:
