@@ -42,6 +42,9 @@ def test_reflection_v1_and_v1alpha(tmp_path: Path) -> None:
                 files = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in
                          found.file_descriptor_response.file_descriptor_proto]  # fmt: skip
                 assert any(f.name == "kvmesh/v1/worker.proto" for f in files), [f.name for f in files]
+                for name in names:  # each listed service can be described (grpcurl describe; v1 could not)
+                    described = _ask(channel, path, pb.ServerReflectionRequest(file_containing_symbol=name))
+                    assert described.file_descriptor_response.file_descriptor_proto, (version, name, described)
     finally:
         worker.close()
 

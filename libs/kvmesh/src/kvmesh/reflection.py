@@ -53,6 +53,22 @@ def _pool_of(service_names: Sequence[str]) -> descriptor_pool.DescriptorPool:
     for name in service_names:
         try:
             add(default.FindServiceByName(name).file)
-        except KeyError:  # grpc.reflection.v1: served under v1alpha's descriptor
+        except KeyError:  # grpc.reflection.v1: described below
             continue
+    # v1 as grpcio-reflection lacks it: v1alpha's file under v1's package, so that `grpcurl describe` of
+    # every listed service works (the listed v1 name could not be described).
+    v1 = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(v1)
+    v1.name, v1.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
+    alpha, one = ".grpc.reflection.v1alpha.", ".grpc.reflection.v1."
+    for message in v1.message_type:
+        for field in message.field:
+            if field.HasField("type_name"):  # (assigning it, even "", would mark a scalar as a message)
+                field.type_name = field.type_name.replace(alpha, one)
+    for method in v1.service[0].method:
+        method.input_type, method.output_type = (
+            method.input_type.replace(alpha, one),
+            method.output_type.replace(alpha, one),
+        )
+    pool.Add(v1)
     return pool

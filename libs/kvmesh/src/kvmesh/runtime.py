@@ -252,6 +252,7 @@ class DaemonRuntime:
         self._lease: Lease | None = None
         self._service_names: list[str] = [
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            kvmesh_reflection.V1_SERVICE_NAME,  # health answers SERVING for every service listed
             reflection.SERVICE_NAME,
             admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
         ]
