@@ -480,6 +480,8 @@ async def test_a_malformed_message_on_a_stream_is_refused_in_band_and_the_others
     answer = [m.infer_response for m in messages if m.infer_response.id == "good"]
     tok = fe.registry.get(MODEL).assets.tokenizer
     assert "".join(text_of(r) for r in answer) == tok.decode(output_tokens()[:20])
+    # Counted as every refusal is (it was not: a client sending garbage showed nowhere).
+    assert fe.metrics.requests.labels("_unknown", "invalid_argument")._value.get() == 1
     await no_leaks(worker, router)
 
 

@@ -74,7 +74,12 @@ def router() -> RouterState:
 
 
 async def test_a_message_that_does_not_parse_is_refused_in_band_and_the_session_goes_on() -> None:
-    decisions, booked = await decide(router(), [query("r1", "AB"), NOT_UTF8, b"\xff\xff", query("r2", "CD")])
+    state = router()
+    decisions, booked = await decide(state, [query("r1", "AB"), NOT_UTF8, b"\xff\xff", query("r2", "CD")])
+    invalid = state.metrics.registry.get_sample_value(
+        "kvmesh_router_decisions_total", {"mode": "kv", "outcome": "invalid"}
+    )
+    assert invalid == 2  # counted as any invalid query
     assert [d.outcome for d in decisions] == [ROUTED, INVALID, INVALID, ROUTED]
     assert decisions[1].request_id == ""
     assert decisions[1].message == (

@@ -106,6 +106,15 @@ class Frontend:
     def release(self, model_name: str) -> None:
         self.admission.leave(model_name)
 
+    def refused(self, model_name: str, error: FrontendError) -> None:
+        """Count a request refused before :meth:`infer` (a draining frontend, bytes that do not parse), as
+        every other ends: under its model when known here, else UNKNOWN_MODEL."""
+        known = self.registry.get(model_name) is not None
+        self.metrics.finished(model_name if known else UNKNOWN_MODEL, error.code.name.lower(), 0.0)
+        if known:
+            now = time.perf_counter()
+            self._record(model_name, False, (now, now, now, now))
+
     async def infer(
         self, request: pb.ModelInferRequest, *, unary: bool, deadline_passed: Callable[[], bool] = lambda: False
     ) -> AsyncGenerator[Response, None]:

@@ -308,10 +308,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def read() -> None:
             async for request in request_iterator:
                 if draining.is_set():  # the stream ends when its requests in flight have
-                    await refuse(request, unavailable(DRAINING))
+                    frontend.refused(request.model_name, error := unavailable(DRAINING))
+                    await refuse(request, error)
                     continue
                 if grpc_services.is_malformed(request):  # in band: the stream's other requests go on
-                    await refuse(pb.ModelInferRequest(), invalid(MALFORMED))
+                    frontend.refused("", error := invalid(MALFORMED))
+                    await refuse(pb.ModelInferRequest(), error)
                     continue
                 # Admission first, on the raw request: a model at its bound is refused right here, with
                 # no task, no parsing, no router and no engine involved (kvmesh_frontend/admission.py).

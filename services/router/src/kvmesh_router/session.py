@@ -90,6 +90,7 @@ class SessionHandler:
                     response = router_pb2.SessionResponse()
                     response.decision.outcome = INVALID
                     response.decision.message = _MALFORMED
+                    state.metrics.observe_decision(state.admission.config.mode, "invalid", 0.0)  # as any invalid
                     yield response
                 elif kind == "route":
                     response = router_pb2.SessionResponse()
