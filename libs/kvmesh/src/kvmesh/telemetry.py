@@ -179,6 +179,19 @@ def shutdown_tracing() -> None:
         shutdown()
 
 
+def _status_of(span: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    """The call's status on its SERVER span: handlers end a call with ``context.set_code`` (no exception),
+    and a span that saw no exception said UNSET for every INVALID_ARGUMENT or NOT_FOUND it answered."""
+    code = context.code()
+    if not isinstance(code, grpc.StatusCode):  # None: nothing set, the call ends OK
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.OK)
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code is not grpc.StatusCode.OK:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {context.details() or ''}"))
+
+
 class TracingServerInterceptor(grpc.aio.ServerInterceptor):
     """One SERVER span per call, parented on the trace context the caller sent in metadata.
 
@@ -214,15 +227,18 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
             if inspect.isasyncgenfunction(behavior):
 
                 async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-                    with span():
+                    with span() as current:
                         async for response in behavior(request, context):
                             yield response
+                        _status_of(current, context)
 
                 return stream
 
             async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                with span():
-                    return await behavior(request, context)
+                with span() as current:
+                    result = await behavior(request, context)
+                    _status_of(current, context)
+                    return result
 
             return call
 

@@ -1,0 +1,54 @@
+"""A call's SERVER span carries the call's status, however the handler ended it.
+
+kvmesh handlers end a refused call with ``context.set_code`` rather than an exception (see the
+frontend's ``_refuse``): a span that only saw exceptions said UNSET for every refusal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvmesh.telemetry import TracingServerInterceptor
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+
+class Refusing(health_pb2_grpc.HealthServicer):
+    async def Check(self, request, context):
+        if request.service == "refuse":
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details("no such service")
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+@pytest.fixture
+def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr("opentelemetry.trace.get_tracer", provider.get_tracer)
+    yield exporter
+
+
+async def test_a_call_refused_with_set_code_is_an_error_span_and_an_answered_one_is_not(spans) -> None:
+    server = grpc.aio.server(interceptors=[TracingServerInterceptor()])
+    health_pb2_grpc.add_HealthServicer_to_server(Refusing(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            await stub.Check(health_pb2.HealthCheckRequest(service="fine"))
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Check(health_pb2.HealthCheckRequest(service="refuse"))
+    finally:
+        await server.stop(None)
+    fine, refused = spans.get_finished_spans()
+    assert fine.status.status_code is StatusCode.UNSET and fine.attributes["rpc.grpc.status_code"] == 0
+    assert refused.status.status_code is StatusCode.ERROR and refused.attributes["rpc.grpc.status_code"] == 5
+    assert refused.status.description == "NOT_FOUND: no such service"
