@@ -36,7 +36,7 @@ def enable_server_reflection(service_names: Sequence[str], server: grpc.aio.Serv
 
 def _pool_of(service_names: Sequence[str]) -> descriptor_pool.DescriptorPool:
     """A descriptor pool with the files of ``service_names`` and their imports only."""
-    default = descriptor_pool.Default()
+    default = descriptor_pool.Default()  # type: ignore[no-untyped-call]
     pool = descriptor_pool.DescriptorPool()
     added: set[str] = set()
 
@@ -47,8 +47,8 @@ def _pool_of(service_names: Sequence[str]) -> descriptor_pool.DescriptorPool:
         for dependency in file.dependencies:
             add(dependency)
         proto = descriptor_pb2.FileDescriptorProto()
-        file.CopyToProto(proto)
-        pool.Add(proto)
+        file.CopyToProto(proto)  # type: ignore[no-untyped-call]
+        pool.Add(proto)  # type: ignore[no-untyped-call]
 
     for name in service_names:
         try:
@@ -58,7 +58,7 @@ def _pool_of(service_names: Sequence[str]) -> descriptor_pool.DescriptorPool:
     # v1 as grpcio-reflection lacks it: v1alpha's file under v1's package, so that `grpcurl describe` of
     # every listed service works (the listed v1 name could not be described).
     v1 = descriptor_pb2.FileDescriptorProto()
-    pb.DESCRIPTOR.CopyToProto(v1)
+    pb.DESCRIPTOR.CopyToProto(v1)  # type: ignore[no-untyped-call]
     v1.name, v1.package = "grpc/reflection/v1/reflection.proto", "grpc.reflection.v1"
     alpha, one = ".grpc.reflection.v1alpha.", ".grpc.reflection.v1."
     for message in v1.message_type:
@@ -70,5 +70,5 @@ def _pool_of(service_names: Sequence[str]) -> descriptor_pool.DescriptorPool:
             method.input_type.replace(alpha, one),
             method.output_type.replace(alpha, one),
         )
-    pool.Add(v1)
+    pool.Add(v1)  # type: ignore[no-untyped-call]
     return pool

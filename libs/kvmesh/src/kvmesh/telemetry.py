@@ -182,9 +182,9 @@ def shutdown_tracing() -> None:
 def _status_of(span: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
     """The call's status on its SERVER span: handlers end a call with ``context.set_code`` (no exception),
     and a span that saw no exception said UNSET for every INVALID_ARGUMENT or NOT_FOUND it answered."""
-    code = context.code()
-    if not isinstance(code, grpc.StatusCode):  # None: nothing set, the call ends OK
-        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.OK)
+    code: grpc.StatusCode | None = context.code()  # None (whatever the stubs say): nothing set, the call ends OK
+    if code is None:
+        code = grpc.StatusCode.OK
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code is not grpc.StatusCode.OK:
         from opentelemetry.trace import Status, StatusCode
