@@ -53,6 +53,25 @@ def _prefill(stub, engine_id, prompt, rid, address):
     return params
 
 
+def _run_pair(discovery, prefill, decode, scenario) -> None:
+    """Run ``scenario(prefill_stub, decode_stub, prefill_card, decode_card)`` (async: the decode side's
+    stream clients) on the started pair; afterwards neither engine holds a block."""
+    with running(prefill, decode):
+        prefill.wait_serving(30)
+        decode.wait_serving(30)
+        pcard, dcard = _engines(discovery)
+        with grpc.insecure_channel(prefill.address) as pch:
+            pstub = worker_pb2_grpc.WorkerServiceStub(pch)
+
+            async def run() -> None:
+                async with grpc.aio.insecure_channel(decode.address) as dch:
+                    await scenario(pstub, worker_pb2_grpc.WorkerServiceStub(dch), pcard, dcard)
+
+            asyncio.run(run())
+        assert wait_no_active_blocks(decode.address, dcard.engine_id, timeout=5.0).active_blocks == 0
+        assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=5.0).active_blocks == 0
+
+
 def _failed_decode(dstub, engine_id, params) -> RequestFailed:
     """The decode leg of PROMPT with ``params`` as its prefill_result, which must fail: how it failed."""
     with pytest.raises(RequestFailed) as failed:
@@ -229,19 +248,7 @@ def test_a_cancelled_pull_lets_the_request_queued_behind_its_blocks_run(tmp_path
         finally:
             await client.close()
 
-    with running(prefill, decode):
-        prefill.wait_serving(30)
-        decode.wait_serving(30)
-        pcard, dcard = _engines(discovery)
-        with grpc.insecure_channel(prefill.address) as pch:
-            pstub = worker_pb2_grpc.WorkerServiceStub(pch)
-
-            async def run() -> None:
-                async with grpc.aio.insecure_channel(decode.address) as dch:
-                    await scenario(pstub, worker_pb2_grpc.WorkerServiceStub(dch), pcard, dcard)
-
-            asyncio.run(run())
-        assert wait_no_active_blocks(decode.address, dcard.engine_id, timeout=5.0).active_blocks == 0
+    _run_pair(discovery, prefill, decode, scenario)
 
 
 def test_a_pulled_request_refused_as_a_duplicate_gives_its_pulled_blocks_back(tmp_path):
@@ -272,19 +279,7 @@ def test_a_pulled_request_refused_as_a_duplicate_gives_its_pulled_blocks_back(tm
             await first.close()
             await second.close()
 
-    with running(prefill, decode):
-        prefill.wait_serving(30)
-        decode.wait_serving(30)
-        pcard, dcard = _engines(discovery)
-        with grpc.insecure_channel(prefill.address) as pch:
-            pstub = worker_pb2_grpc.WorkerServiceStub(pch)
-
-            async def run() -> None:
-                async with grpc.aio.insecure_channel(decode.address) as dch:
-                    await scenario(pstub, worker_pb2_grpc.WorkerServiceStub(dch), pcard, dcard)
-
-            asyncio.run(run())
-        assert wait_no_active_blocks(decode.address, dcard.engine_id, timeout=5.0).active_blocks == 0
+    _run_pair(discovery, prefill, decode, scenario)
 
 
 def test_a_request_resent_while_its_pull_runs_gets_only_its_own_tokens(tmp_path):
@@ -320,20 +315,7 @@ def test_a_request_resent_while_its_pull_runs_gets_only_its_own_tokens(tmp_path)
         finally:
             await client.close()
 
-    with running(prefill, decode):
-        prefill.wait_serving(30)
-        decode.wait_serving(30)
-        pcard, dcard = _engines(discovery)
-        with grpc.insecure_channel(prefill.address) as pch:
-            pstub = worker_pb2_grpc.WorkerServiceStub(pch)
-
-            async def run() -> None:
-                async with grpc.aio.insecure_channel(decode.address) as dch:
-                    await scenario(pstub, worker_pb2_grpc.WorkerServiceStub(dch), pcard, dcard)
-
-            asyncio.run(run())
-        assert wait_no_active_blocks(decode.address, dcard.engine_id, timeout=5.0).active_blocks == 0
-        assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=5.0).active_blocks == 0
+    _run_pair(discovery, prefill, decode, scenario)
 
 
 def test_a_hold_that_expires_is_reported_free_to_load_watchers(tmp_path):
