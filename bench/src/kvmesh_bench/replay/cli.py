@@ -106,6 +106,10 @@ def parse_mode(text: str) -> ModeSpec:
     return ModeSpec(mode, policy or None, params)
 
 
+# The P/D-only flags and their defaults: one given with an aggregated fleet is refused, never ignored.
+PD_DEFAULTS: dict[str, float] = {"kv_transfer_gbps": 100.0, "disagg_min_tokens": 0, "prefill_backlog_tokens": 65536}
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", help="Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids)")
     p.add_argument("--offline", action="store_true", help="simulate the fleet in virtual time instead of a frontend")
@@ -171,14 +175,22 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     # Disaggregated fleet (offline; docs/disaggregation.md): P prefill + D decode engines instead of --engines.
     p.add_argument("--prefill-engines", type=non_negative_int, default=0, help="offline: prefill engines (P/D fleet)")
     p.add_argument("--decode-engines", type=non_negative_int, default=0, help="offline: decode engines (P/D fleet)")
-    p.add_argument("--kv-transfer-gbps", type=positive_float, default=100.0, help="offline P/D: KV link GB/s")
     p.add_argument(
-        "--disagg-min-tokens", type=non_negative_int, default=0, help="offline P/D: local prefill at or below"
+        "--kv-transfer-gbps",
+        type=positive_float,
+        default=PD_DEFAULTS["kv_transfer_gbps"],
+        help="offline P/D: KV link GB/s",
+    )
+    p.add_argument(
+        "--disagg-min-tokens",
+        type=non_negative_int,
+        default=PD_DEFAULTS["disagg_min_tokens"],
+        help="offline P/D: local prefill at or below",
     )
     p.add_argument(
         "--prefill-backlog-tokens",
         type=non_negative_int,
-        default=65536,
+        default=PD_DEFAULTS["prefill_backlog_tokens"],
         help="offline P/D: prefill engine busy bound (0 = none)",
     )
 
@@ -214,13 +226,9 @@ def check_live_args(args: argparse.Namespace) -> None:
         raise ReplayError("a P/D fleet needs both --prefill-engines and --decode-engines (1 or more each)")
     if not decode:
         given = [
-            flag
-            for flag, value, default in (
-                ("--kv-transfer-gbps", getattr(args, "kv_transfer_gbps", 100.0), 100.0),
-                ("--disagg-min-tokens", getattr(args, "disagg_min_tokens", 0), 0),
-                ("--prefill-backlog-tokens", getattr(args, "prefill_backlog_tokens", 65536), 65536),
-            )
-            if value != default
+            "--" + key.replace("_", "-")
+            for key, default in PD_DEFAULTS.items()
+            if getattr(args, key, default) != default
         ]
         if given:  # they would be ignored: the replay is aggregated
             raise ReplayError(f"{', '.join(given)} apply to a P/D fleet: give --prefill-engines and --decode-engines")
