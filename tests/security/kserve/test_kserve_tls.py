@@ -3,6 +3,7 @@ certificates (``--kserve-client-cert``) and bearer tokens (``--kserve-token-file
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,11 @@ def frontends(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
         plain_tls = mesh.wait_serving(mesh.start("kvmesh-frontend", "frontend"))
         mutual = mesh.wait_serving(mesh.start("kvmesh-frontend", "frontend", "--kserve-client-cert"))
         token = mesh.wait_serving(mesh.start("kvmesh-frontend", "frontend", "--kserve-token-file", str(token_file)))
+        # Health says SERVING as soon as the port is up; a frontend is ready once it has found the
+        # router and loaded the engine's model, which on a loaded machine takes a while longer.
+        _wait_ready(_client(plain_tls.address, pki))
+        _wait_ready(_client(mutual.address, pki, cert="client"))
+        _wait_ready(_client(token.address, pki), headers={"authorization": f"Bearer {TOKEN}"})
         yield {"tls": plain_tls.address, "mtls": mutual.address, "token": token.address}
     finally:
         mesh.close()
@@ -42,6 +48,14 @@ def _client(address: str, pki: Path, cert: str | None = None) -> grpcclient.Infe
     return grpcclient.InferenceServerClient(
         address.replace("127.0.0.1", "localhost"), ssl=True, root_certificates=str(pki / "ca.crt"), **extra
     )
+
+
+def _wait_ready(client: grpcclient.InferenceServerClient, headers: dict[str, str] | None = None) -> None:
+    with client:
+        deadline = time.monotonic() + 30
+        while not client.is_server_ready(headers=headers, client_timeout=5):
+            assert time.monotonic() < deadline, "the frontend did not become ready in 30 s"
+            time.sleep(0.1)
 
 
 def test_stock_tritonclient_streams_over_tls(frontends: dict[str, str], pki: Path) -> None:
