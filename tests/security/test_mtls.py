@@ -9,10 +9,13 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health as grpc_health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.v1 import planner_pb2, planner_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh_cli import certs as certs_cli
 
@@ -175,3 +178,27 @@ def test_certs_init_makes_private_keys_and_verifiable_certificates(pki: Path) ->
                               capture_output=True, text=True).stdout  # fmt: skip
         assert f"URI:spiffe://kvmesh/{role}/" in sans and f"DNS:{role}.kvmesh" in sans
         assert "IP Address:127.0.0.1" in sans
+
+
+@pytest.mark.parametrize("role", certs_cli.ROLES)
+def test_only_the_roles_that_serve_have_certificates_that_can_serve(pki: Path, role: str) -> None:
+    """A KServe client's or an operator's certificate travels further than a daemon's: whoever holds
+    one must not be able to answer as a server, e.g. as the frontend at ``localhost`` to another client."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = grpc_health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    key_pair = ((pki / f"{role}.key").read_bytes(), (pki / f"{role}.crt").read_bytes())
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([key_pair]))
+    server.start()
+    try:
+        client = grpc.ssl_channel_credentials((pki / "ca.crt").read_bytes())
+        with grpc.secure_channel(f"localhost:{port}", client) as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check
+            if role in certs_cli.CLIENT_ONLY_ROLES:
+                with pytest.raises(grpc.RpcError) as err:
+                    check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # refused in the handshake
+            else:
+                assert check(health_pb2.HealthCheckRequest(), timeout=5).status == SERVING
+    finally:
+        server.stop(0)

@@ -7,6 +7,7 @@ certificate): ``<role>.crt``/``<role>.key``.
 Each leaf carries the SANs the mesh checks (see ``kvmesh.tls``): the URI
 ``spiffe://kvmesh/<role>/<name>``, the DNS name ``<role>.kvmesh``, plus ``localhost``, this host's
 name, ``IP:127.0.0.1`` and ``IP:::1`` so a local mesh dials plain loopback addresses.
+The ``operator`` and ``client`` leaves are for client authentication only (no serverAuth).
 For production use your own CA; the SAN layout is what matters (docs/security.md).
 """
 
@@ -25,6 +26,10 @@ from pathlib import Path
 from kvmesh_bench.argtypes import positive_int
 
 ROLES = ("frontend", "router", "worker", "planner", "operator", "client", "etcd")
+# Roles that only ever dial: their leaves are for client authentication alone (no serverAuth), so a
+# KServe client's or an operator's certificate, which travels further than a daemon's, cannot answer
+# as a server to anyone (a client checks serverAuth in the handshake).
+CLIENT_ONLY_ROLES = frozenset({"operator", "client"})
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -124,6 +129,9 @@ def init(out: Path, *, days: int = 365, name: str = "dev", extra_sans: list[str]
     ips |= {h for h in hosts if _is_ip(h)}
     for role in ROLES:
         key = ec.generate_private_key(ec.SECP256R1())
+        usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+        if role not in CLIENT_ONLY_ROLES:
+            usages.append(ExtendedKeyUsageOID.SERVER_AUTH)
         sans: list[x509.GeneralName] = [
             x509.UniformResourceIdentifier(f"spiffe://kvmesh/{role}/{name}"),
             x509.DNSName(f"{role}.kvmesh"),
@@ -141,7 +149,7 @@ def init(out: Path, *, days: int = 365, name: str = "dev", extra_sans: list[str]
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                x509.ExtendedKeyUsage(usages),
                 critical=False,
             )
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
