@@ -10,10 +10,12 @@ Load-proof (issue 14 item 12): the bounds are what a shared 2-core CI box busy w
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
 import pytest
+from kvmesh_cli.kserve_demo import demo_request
 
 from tests.support.daemons import script
 from tests.support.etcd import free_port
@@ -48,3 +50,28 @@ def test_kvmesh_up_refuses_a_variable_no_daemon_declares(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["kvmesh up: error: KVMESH_NUM_ENGINE: unknown setting (environment)"]
     assert not (tmp_path / "logs").exists(), "nothing was started"
+
+
+def test_a_drained_worker_leaves_and_the_rest_of_the_mesh_serves_on(tmp_path):
+    """``kvmesh drain`` of one of ``kvmesh up``'s workers is a planned departure, not a failure."""
+    discovery = ["--discovery", f"file://{tmp_path / 'disc'}"]
+    mesh = [*discovery, "--namespace", "kvmesh-local"]  # the operator commands default to the daemons' namespace
+    port = free_port()
+    with KvmeshUp(
+        ["--grpc-port", str(port), *discovery, "--decode-workers", "2", "--speedup-ratio", "0"],
+        env={**os.environ, "KVMESH_NUM_GPU_BLOCKS": "4096", "KVMESH_DRAIN_TIMEOUT": "5"},
+    ) as up:
+        assert "failed" not in up.wait_for("demo request", 120), up.text
+        status = subprocess.run([script("kvmesh"), "status", "--json", *mesh],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        engines = [row["id"] for row in json.loads(status.stdout) if row["component"] == "worker/engine"]
+        assert len(engines) == 2, status.stdout + status.stderr
+        drain = subprocess.run([script("kvmesh"), "drain", engines[0], *mesh],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert drain.returncode == 0, drain.stdout + drain.stderr
+        left = up.wait_for("kvmesh up: kvmesh-worker-decode-", 60)
+        assert "drained and left; 1 worker(s) serve on" in left, up.text
+        outcome = demo_request(f"127.0.0.1:{port}", "kvmesh-mock", max_tokens=4)
+        assert "failed" not in outcome, outcome
+        assert up.proc is not None and up.proc.poll() is None, up.text
+        assert up.stop() == 0, up.text

@@ -266,6 +266,31 @@ def _wait(procs: list[subprocess.Popen[bytes]], seconds: float, presses: list[in
     return presses[0] == seen
 
 
+def _serve_until_stopped(procs: list[subprocess.Popen[bytes]], stop: dict[str, bool]) -> subprocess.Popen[bytes] | None:
+    """Watch the daemons until a stop is asked (None) or one fails (it is returned, the mesh stops).
+
+    A worker that exits 0 was drained (``kvmesh drain``, or a SIGTERM of its own): it left on purpose,
+    its requests finished or migrated, so the rest of the mesh serves on. Any other exit, and a router,
+    frontend or planner leaving at all, ends the mesh: nothing here would replace them."""
+    left: set[int] = set()
+    while not stop["now"]:
+        for proc in procs:
+            if proc.pid in left or proc.poll() is None:
+                continue
+            if proc.returncode != 0 or _SPAWNED[proc.pid][0] != "kvmesh-worker":
+                return proc
+            left.add(proc.pid)
+            workers = [p for p in procs if _SPAWNED[p.pid][0] == "kvmesh-worker" and p.pid not in left]
+            rest = (
+                f"{len(workers)} worker(s) serve on"
+                if workers
+                else "no worker is left: requests fail UNAVAILABLE (Ctrl-C stops the mesh)"
+            )
+            print(f"kvmesh up: {_SPAWNED[proc.pid][1].stem} drained and left; {rest}", file=sys.stderr, flush=True)
+        time.sleep(0.2)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     known = frozenset().union(*(settings.variables() for settings in DAEMONS.values()))
     stray = sorted(var for var in os.environ if is_setting_variable(var) and var not in known)
@@ -448,11 +473,8 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.5)
                 outcome = demo_request(address, model, credentials=credentials)
             print(outcome, flush=True)
-        while not stop["now"] and all(p.poll() is None for p in procs):
-            time.sleep(0.2)
-        dead = [p for p in procs if p.poll() is not None]
-        if dead and not stop["now"]:
-            print(f"kvmesh up: {_why(dead[0])}; logs in {log_dir}", file=sys.stderr)
+        if (failed := _serve_until_stopped(procs, stop)) is not None:
+            print(f"kvmesh up: {_why(failed)}; logs in {log_dir}", file=sys.stderr)
             return 1
         clean = True
         return 0
