@@ -71,3 +71,14 @@ def test_failed_prefill_engines_are_excluded_then_local():
     adm.remove_engine(PREFILL_2)
     _decode, gone = plan(adm, "m3", min_tokens=0)
     assert gone.place is PrefillPlace.LOCAL_NO_ENGINE and gone.reason == "local: no prefill engine"
+
+
+def test_a_request_pinned_to_its_decode_engine_is_still_prefilled_remotely():
+    """The frontend pins ``kvmesh.worker_id`` requests with mode "direct"; the pin is the decode engine's."""
+    adm, _index = fleet()
+    pinned = request("pin", *PROMPT, pinned=DECODE, override=RouterConfigOverride(mode="direct", role="decode"))
+    decode = decided(adm.decide(pinned, 0.0))
+    assert decode.engine_id == DECODE
+    prefill = plan_prefill(adm, pinned, decode, BS, 0, frozenset(), 0.0)
+    assert prefill.place is PrefillPlace.REMOTE and prefill.reason == "remote"
+    assert prefill.decision is not None and prefill.decision.engine_id in (PREFILL, PREFILL_2)

@@ -63,9 +63,11 @@ def plan_prefill(
         why = f"local: {uncached} uncached prompt tokens <= --disagg-min-tokens {min_tokens}"
         return PrefillPlan(PrefillPlace.LOCAL_SHORT, uncached, why)
     # the client's choices (mode, cost policy) carry over; the decode leg's own weights do not (a Dynamo-style
-    # decode override zeroes the overlap credit, which a prefill engine must keep)
+    # decode override zeroes the overlap credit, which a prefill engine must keep), nor its pin: "direct"
+    # is the mode of a request pinned to a decode engine, and any prefill engine may compute its prompt
     asked = decode.override or RouterConfigOverride()
-    override = RouterConfigOverride(mode=asked.mode, role="prefill", cost_policy=asked.cost_policy)
+    mode = None if asked.mode == "direct" else asked.mode
+    override = RouterConfigOverride(mode=mode, role="prefill", cost_policy=asked.cost_policy)
     prefill = replace(
         decode,
         request_id=decode.request_id + PREFILL_SUFFIX,
