@@ -67,3 +67,47 @@ async def test_a_prefills_hold_that_arrives_after_its_request_was_cancelled_is_r
     finally:
         await streams.close()
         await server.stop(None)
+
+
+class _PrefillFinishingAtOnce(_PrefillCrossingTheCancel):
+    """Finishes every prefill at once: its last output and its KV hold come before any cancel."""
+
+    async def GenerateStream(
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateStreamResponse]:
+        async for message in request_iterator:
+            for request in message.requests:
+                out = worker_pb2.GenerateStreamResponse()
+                response = out.outputs.add(request_id=request.request_id).response
+                response.token_ids.append(7)
+                response.finish_reason = worker_pb2.FINISH_REASON_LENGTH
+                response.kv_transfer.source_engine_id = 5
+                response.kv_transfer.transfer_id = f"hold-of-{request.request_id}"
+                yield out
+
+
+async def test_a_prefills_hold_that_came_but_was_not_read_when_its_request_was_cancelled_is_released() -> None:
+    """The same race one step later: the hold reached the frontend, and the request was cancelled before
+    its reader took it (the client left as it arrived)."""
+    worker = _PrefillFinishingAtOnce()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
+    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    streams = EngineStreams(ChannelPool())
+    try:
+        sampling = worker_pb2.SamplingOptions(max_tokens=1)
+        call = streams.start(
+            address,
+            worker_pb2.GenerateRequest(
+                request_id="p2", engine_id=5, token_ids=[1, 2, 3], sampling=sampling, hold_kv_for_transfer=True
+            ),
+        )
+        async with asyncio.timeout(10):
+            while not call._items:  # the hold arrived, unread
+                await asyncio.sleep(0.01)
+        call.cancel()
+        assert await asyncio.wait_for(worker.released.get(), 10) == (5, "hold-of-p2")
+    finally:
+        await streams.close()
+        await server.stop(None)

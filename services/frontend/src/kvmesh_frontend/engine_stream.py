@@ -109,10 +109,18 @@ class EngineCall:
         return item
 
     def cancel(self) -> None:
-        """Abort the request on its engine (blocks freed); a no-op once it ended."""
+        """Abort the request on its engine (blocks freed); a no-op once it ended.
+
+        A prefill whose last response (its KV hold) came but was not read yet ended on the engine
+        already: nobody will pull that hold, so it is released at once, as the reader does for a hold
+        that arrives after the cancel, instead of staying pinned until it expires."""
         if not self._done:
             self._done = True
             self._stream.cancel(self.request_id)
+            for item in self._items:
+                if item.HasField("kv_transfer"):
+                    self._stream.release_unclaimed_hold(item.kv_transfer)
+            self._items = []
             self._wakeup.set()
 
 
@@ -178,6 +186,9 @@ class EngineStream:
         """No request in flight on this stream."""
         return not self._calls
 
+    def release_unclaimed_hold(self, params: KvTransferParams) -> None:
+        self._on_unclaimed_hold(self, params)
+
     def cancel(self, request_id: str) -> None:
         if self._calls.pop(request_id, None) is not None and not self.closed:
             self._outbox.cancel_request_ids.append(request_id)
@@ -214,7 +225,7 @@ class EngineStream:
                     call = calls.get(output.request_id)
                     if call is None:  # cancelled meanwhile
                         if output.response.HasField("kv_transfer"):  # a prefill that ended as it was cancelled
-                            self._on_unclaimed_hold(self, output.response.kv_transfer)
+                            self.release_unclaimed_hold(output.response.kv_transfer)
                         continue
                     if output.error_code:
                         del calls[output.request_id]
