@@ -345,3 +345,39 @@ def test_a_hold_that_expires_is_reported_free_to_load_watchers(tmp_path):
                     await scenario(worker_pb2_grpc.WorkerServiceStub(ch), sync_stub, pcard)
 
             asyncio.run(run())
+
+
+def test_a_decode_engine_without_room_for_the_pulled_blocks_computes_the_prompt_itself(tmp_path):
+    """An aggregated engine queues a request that does not fit now; a decode engine without room to pin
+    the pulled blocks failed it RESOURCE_EXHAUSTED after the transfer. It queues it the same way now, to
+    compute the prompt itself once room frees, and its report says so (the frontend's ``kvmesh.disagg``)."""
+    discovery = f"file://{tmp_path / 'disc'}"
+    prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0")
+    decode = worker(tmp_path, discovery, "xfer", "decode", "--num-gpu-blocks", "16", "--speedup-ratio", "0.5")
+
+    async def scenario(pstub, dstub, pcard, dcard) -> None:
+        params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+        client = StreamClient(dstub)
+        try:
+            busy = worker_pb2.GenerateRequest(
+                request_id="busy", engine_id=dcard.engine_id, token_ids=list(range(2000, 2000 + 8 * BLOCK)),
+                sampling=_sampling(5 * BLOCK),
+            )  # fmt: skip
+            await client.send([busy])
+            await client.wait_first("busy")  # 9 of the 16 blocks in use: no room to pin the pull's 10
+            pull = worker_pb2.GenerateRequest(
+                request_id="pull", engine_id=dcard.engine_id, token_ids=PROMPT, sampling=_sampling(4),
+                prefill_result=params,
+            )  # fmt: skip
+            await client.send([pull])
+            await client.wait_final("busy", "pull", timeout=60)
+            outputs = client.outputs["pull"]
+            assert not outputs[-1].error_code, outputs[-1].error_message
+            assert len(client.tokens("pull")) == 4
+            report = outputs[0].response.kv_report
+            assert report.recomputed_because == "the decode engine had no room for the pulled KV"
+            assert report.transferred_blocks == 0 and report.offered_blocks == 10
+        finally:
+            await client.close()
+
+    _run_pair(discovery, prefill, decode, scenario)

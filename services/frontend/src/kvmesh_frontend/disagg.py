@@ -163,6 +163,10 @@ class Disaggregator:
     def observe(response: worker_pb2.GenerateResponse, state: DisaggState) -> None:
         if response.HasField("kv_report"):
             report = response.kv_report
+            if report.recomputed_because:  # the decode engine computes the prompt itself: nothing came
+                state.decision = f"local: {report.recomputed_because}"
+                state.prefill_engine_id = 0
+                return
             state.transferred_blocks = report.transferred_blocks
             state.transferred_bytes = report.transferred_bytes
             state.pull_everything_bytes = report.pull_everything_bytes

@@ -191,7 +191,8 @@ class Generator:
                         state.cached_tokens = response.num_cached_tokens
                     if first and kv is not None:
                         self.disagg.observe(response, state.disagg)
-                        if response.HasField("kv_report"):  # pulled blocks were computed, not found in a cache
+                        if response.HasField("kv_report") and not response.kv_report.recomputed_because:
+                            # pulled blocks were computed, not found in a cache
                             state.cached_tokens = max(
                                 state.disagg.prefill_cached_tokens, response.kv_report.local_hit_blocks * req.block_size
                             )

@@ -456,9 +456,17 @@ class GenerateStreamSession:
         try:
             report = await engine.pull_kv(ereq, params)
         except KvPullFailed as exc:
-            if self._active.get(request_id) is mine:
-                self._fail_active(request_id, grpc.StatusCode[exc.code], str(exc))
-            return
+            if exc.code == "RESOURCE_EXHAUSTED":  # no room for the blocks now: computed here, queued for room
+                log.info("request %s: %s; computing its prompt here", request_id, exc)
+                report = KvTransferReport(
+                    source_engine_id=params.source_engine_id,
+                    offered_blocks=len(params.block_hashes),
+                    recomputed_because="the decode engine had no room for the pulled KV",
+                )
+            else:
+                if self._active.get(request_id) is mine:
+                    self._fail_active(request_id, grpc.StatusCode[exc.code], str(exc))
+                return
         except Exception:  # never leave the request hanging; the client sees no internals
             log.exception("KV pull for %s failed", request_id)
             if self._active.get(request_id) is mine:
