@@ -359,3 +359,23 @@ def test_replicas_serve_alternately_and_warm_restart_converges(tmp_path):
         s1.close()
     finally:
         mesh.close()
+
+
+def test_a_restarted_replica_does_not_wait_for_the_engines_of_a_dead_worker(tmp_path):
+    """A worker killed with the router leaves its record behind for up to a lease TTL. A replica starting
+    meanwhile waited for that engine's index for its whole ``--warmup-timeout``, out of service (no router
+    at all, if it was the only one): it now stops waiting once the worker is found unreachable."""
+    mesh = Mesh(tmp_path)
+    try:
+        live = mesh.worker(engines=1)
+        dead = mesh.worker("--lease-ttl", "60", engines=1)  # its record outlives it by up to a minute
+        dead.daemon.signal(signal.SIGKILL)
+        dead.daemon.wait(5)
+        router = mesh.router("--warmup-timeout", "120", wait=False)
+        router.daemon.wait_serving(45)  # before the dead record expires, let alone the warm-up timeout
+        line = router.daemon.wait_log(r"warm-up: 1 engines not restored \(([0-9a-f]+)")
+        assert int(line.group(1), 16) == dead.engine_ids[0]
+        index = router.index()  # the dead engine is still in the fleet (its record is), with nothing indexed
+        assert {e: index[e] for e in live.engine_ids} == live.truth() and not index[dead.engine_ids[0]]
+    finally:
+        mesh.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 INITIAL_BACKOFF_S = 0.05
 MAX_BACKOFF_S = 2.0
+RESTORE_POLL_S = 0.05  # warm-up's check of the feeds it waits for
 
 
 class EngineFeed:
@@ -312,14 +314,25 @@ class Ingest:
         return feed is not None and feed.restored.is_set()
 
     async def wait_restored(self, engine_ids: Iterable[int], timeout: float) -> list[int]:
-        """Wait until every given engine had its first restore; returns those that did not in time."""
-        waits = {e: self.feeds[e].restored.wait() for e in engine_ids if e in self.feeds}
-        if waits:
-            tasks = [asyncio.ensure_future(w) for w in waits.values()]
-            _, pending = await asyncio.wait(tasks, timeout=timeout)
-            for task in pending:
-                task.cancel()
-        return [e for e in waits if not self.is_restored(e)]
+        """Wait until each given engine had its first restore, left the fleet, or is on a worker found
+        unreachable; returns those still followed and not restored.
+
+        A dead worker's record outlives it by up to a lease TTL: waiting for its engines kept a restarted
+        replica out of service for all of ``timeout`` (no replica at all, for a single router). Such an
+        engine is not routed to anyway, and is restored in the background if its worker answers again."""
+        engine_ids = list(engine_ids)
+        deadline = time.monotonic() + timeout
+        waiting = {e for e in engine_ids if e in self.feeds}
+        while waiting:
+            waiting = {e for e in waiting if e in self.feeds and not self.is_restored(e) and not self._is_down(e)}
+            if not waiting or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(RESTORE_POLL_S)
+        return sorted(e for e in engine_ids if e in self.feeds and not self.is_restored(e))
+
+    def _is_down(self, engine_id: int) -> bool:
+        feed = self.feeds[engine_id]
+        return engine_id in self.down.get(feed.address, ())
 
     async def close(self) -> None:
         feeds = list(self.feeds.values())

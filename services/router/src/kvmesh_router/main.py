@@ -154,7 +154,8 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
     t_peers = time.monotonic()
     if late_engines:
         log.warning(
-            "warm-up: %d engines not restored in time (%s); they catch up in the background",
+            "warm-up: %d engines not restored (%s: their worker is unreachable or slow); they catch up in the "
+            "background",
             len(late_engines),
             ", ".join(f"{e:x}" for e in late_engines),
         )
