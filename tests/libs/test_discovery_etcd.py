@@ -371,3 +371,76 @@ async def test_a_call_whose_channel_is_closed_under_it_raises_a_stray_cancel_not
     await asyncio.sleep(0)
     task.cancel()
     assert await task is False
+
+
+class _ResettingProxy:
+    """A loopback TCP proxy to etcd whose connections can all be reset at once (a network blip, or an etcd
+    restarted in no time): clients reconnect at once, on new streams."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
+        self.port = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> _ResettingProxy:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.transport.abort()
+            return
+        pair = (writer, up_writer)
+        self.pairs.add(pair)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (OSError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                for end in pair:
+                    end.transport.abort()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self.pairs.discard(pair)
+
+    def reset(self) -> None:
+        for pair in list(self.pairs):
+            for end in pair:
+                end.transport.abort()
+
+    async def close(self) -> None:
+        self.reset()
+        if self.server is not None:
+            self.server.close()
+
+
+async def test_a_blip_leaves_every_watch_of_a_process_alive(etcd_server: EtcdServer, ns: str, tracker):
+    """Several watches share one etcd stream (a router watches routers, engines and model cards). A blip
+    ends the stream and each watch re-lists and watches anew on the next one, where etcd numbers watches
+    from 0 again: a watch that then cancelled its old one by id cancelled a sibling's new watch, which
+    then heard nothing until the stall check listed it again, T/2 to T later."""
+    proxy = await _ResettingProxy(etcd_server.client_port).start()
+    disc = await open_discovery(f"etcd://127.0.0.1:{proxy.port}", ttl=10.0)  # stall check: every 5 s
+    writer = await open_discovery(etcd_server.url, ttl=TTL)
+    prefixes = [instance_prefix(ns, component) for component in ("router", "worker", "frontend")]
+    try:
+        watches = [await tracker(disc, prefix) for prefix in prefixes]
+        lease = await writer.grant_lease()
+        for blip in range(6):
+            proxy.reset()
+            await asyncio.sleep(1.0)  # every watch is back on the new stream
+            for prefix, watch in zip(prefixes, watches, strict=True):
+                await lease.put(f"{prefix}k{blip}", b"x")
+                await watch.wait_for(lambda s, k=f"{prefix}k{blip}": k in s, 2, f"blip {blip}: {prefix}")
+    finally:
+        await writer.close()
+        await disc.close()
+        await proxy.close()

@@ -333,7 +333,19 @@ class EtcdDiscovery(Discovery):
                 # revision was compacted meanwhile etcd says so and we list again.
                 watch = await bounded(client.watch_prefix(raw, start_revision=revision + 1), self.op_timeout)
                 raise_if_cancelling()  # aetcd's watch creation uses wait_for, which can swallow a cancel
-                async for event in watch:
+                events = aiter(watch)
+                while True:
+                    try:
+                        event = await anext(events)
+                    except StopAsyncIteration:
+                        watch = None  # it was cancelled already
+                        break
+                    except Exception:
+                        # Its stream failed: aetcd dropped every watch of it. Cancelling by its id now
+                        # would cancel whichever watch of the new stream took that id (etcd numbers them
+                        # anew on each stream), a sibling prefix's that reconnected first, silently.
+                        watch = None
+                        raise
                     key = event.kv.key.decode()
                     if event.kind == EventKind.PUT:
                         yield Added(key, bytes(event.kv.value))
