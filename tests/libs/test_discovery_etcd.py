@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import time
 
@@ -444,3 +445,36 @@ async def test_a_blip_leaves_every_watch_of_a_process_alive(etcd_server: EtcdSer
         await writer.close()
         await disc.close()
         await proxy.close()
+
+
+async def test_an_etcd_restarted_empty_between_two_keepalives_is_invisible_to_watchers(
+    etcd_server: EtcdServer, ns: str, tracker
+):
+    """An etcd restarted with its data lost, and back before the owners' next keepalive: nothing failed
+    for them, so they learn that their leases are gone only then, up to ``K`` later, and re-register.
+    Watchers re-list at once and must hold those removals until then (they held them for 1.5 s, and
+    a router dropped every engine and the frontend every router for a moment: requests failed)."""
+    ttl = 10.0  # K = 3.3 s: a restart of ~1 s falls between two keepalives
+    owner = await open_discovery(etcd_server.url, ttl=ttl, connect_timeout=1.0)
+    observer = await open_discovery(etcd_server.url, ttl=ttl, connect_timeout=1.0)
+    try:
+        lease = await owner.grant_lease()
+        key = instance_key(ns, "worker", "generate", lease.id)
+        await lease.put(key, b"v")
+        watch = await tracker(observer, instance_prefix(ns))
+        await watch.wait_for(lambda s: key in s, 2, "record")
+        etcd_server.kill()
+        shutil.rmtree(etcd_server.data_dir)
+        etcd_server.start()
+        snapshots = watch.snapshots
+        deadline = time.monotonic() + 3 * ttl
+        while not (lease.proven and await _get_or_none(owner, instance_prefix(ns))):
+            assert time.monotonic() < deadline, f"the owner did not register again: {lease!r}"
+            await asyncio.sleep(0.05)
+        await watch.wait_for(lambda _s: watch.snapshots > snapshots, 5, "the watcher listed the empty etcd")
+        await asyncio.sleep(0.5)
+        assert not [ev for _, ev in watch.log if isinstance(ev, Removed)], "watchers saw the live owner vanish"
+        assert list(watch.state.values()) == [b"v"]
+    finally:
+        await owner.close()
+        await observer.close()

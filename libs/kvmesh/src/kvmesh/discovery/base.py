@@ -247,8 +247,10 @@ class Discovery(abc.ABC):
         self._closed = False
         self._unreachable_at = -1e9  # monotonic time a backend call last failed for want of an answer
         retry = min(max(policy.ttl / 20, 0.1), 1.0)
-        self.removal_grace = min(policy.ttl, max(1.0, 3 * retry))
-        """How long a removal is held after this process lost contact with the backend (see list_and_watch)."""
+        self.removal_grace = min(policy.ttl, policy.keepalive_interval + max(1.0, 3 * retry))
+        """How long a removal is held after this process lost contact with the backend (see list_and_watch):
+        an owner learns that its lease is gone at its next keepalive, up to ``K`` after the backend is back
+        (an etcd restarted empty between two keepalives), then re-registers within about ``R``."""
         self.watch_check_interval = min(max(policy.ttl / 2, 1.0), 30.0)
         """How often a watched prefix is read again to check the view (see list_and_watch)."""
 
@@ -290,9 +292,9 @@ class Discovery(abc.ABC):
         ``contextlib.aclosing``) when done.
 
         **Removals after an outage are held.** A removal seen within ``ttl + removal_grace`` of this
-        process failing to reach the backend is delayed by ``removal_grace`` (1-1.5 s), and dropped if
-        the key comes back meanwhile: a frozen or restarted etcd may expire every lease at once when
-        it resumes, and their owners, all alive, re-register within that time. A removal while the
+        process failing to reach the backend is delayed by ``removal_grace`` (``K`` + 1-1.5 s), and dropped
+        if the key comes back meanwhile: a frozen etcd may expire every lease at once when it resumes, one
+        restarted empty has none, and their owners, all alive, re-register within that time. A removal while the
         backend was reachable all along (a kill -9'd owner, a graceful exit) is passed on at once.
 
         **The view is checked** (etcd; the file backend's watch is a scan with nothing to stall, and
