@@ -38,7 +38,7 @@ def test_the_program_replaces_the_shim_so_its_pid_is_the_childs() -> None:
     assert child.returncode == 0
 
 
-def test_the_program_gets_sigterm_when_its_parent_is_killed(tmp_path: Path) -> None:
+def test_the_program_gets_sighup_when_its_parent_is_killed(tmp_path: Path) -> None:
     """kill -9 of the parent (no handler runs): the child is signalled by the kernel."""
     pid_file = tmp_path / "child.pid"
     parent = subprocess.Popen([sys.executable, "-c", (
@@ -65,7 +65,7 @@ def test_a_parent_that_died_before_the_shim_armed_the_signal_means_the_program_n
     done = subprocess.run(
         [sys.executable, "-m", "kvmesh.children", str(not_my_parent), "touch", str(marker)], capture_output=True
     )
-    assert done.returncode == 128 + signal.SIGTERM
+    assert done.returncode == 128 + signal.SIGHUP
     assert not marker.exists()
 
 

@@ -1,9 +1,13 @@
 """Child daemons that do not outlive the daemon that started them (``kvmesh up``, the planner's local connector).
 
-Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``) sends the child SIGTERM when its parent
+Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``) sends the child SIGHUP when its parent
 dies, however it dies (kill -9 too), so the child drains and exits instead of serving on as an orphan
 nobody manages. The signal follows the *thread* that forked the child: start children from the main
-thread (asyncio's subprocesses are forked from the event loop's thread).
+thread (asyncio's subprocesses are forked from the event loop's thread). A dying parent hands its
+children from thread to thread as its threads exit, and the kernel signals them at each hand-over:
+a child may get the signal several times. So it is SIGHUP, which ``kvmesh.runtime`` takes as one
+request to drain however often it comes, and not SIGTERM, whose second arrival means "cancel what is
+in flight" (a killed planner's workers cancelled their requests instead of draining them).
 
 The signal is armed by a small exec shim (this module run as ``python -m kvmesh.children PARENT_PID
 PROGRAM ARGS...``), not by a ``preexec_fn``: a ``preexec_fn`` makes Python fork plainly, and the child
@@ -24,9 +28,10 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-__all__ = ["dies_with_parent"]
+__all__ = ["PARENT_DEATH_SIGNAL", "dies_with_parent"]
 
 _PR_SET_PDEATHSIG = 1
+PARENT_DEATH_SIGNAL = signal.SIGHUP
 
 
 def _resolve_prctl() -> Callable[[int, int], int] | None:
@@ -37,7 +42,7 @@ def _resolve_prctl() -> Callable[[int, int], int] | None:
 
 
 def dies_with_parent(argv: Sequence[str]) -> list[str]:
-    """``argv`` as a command line that gets SIGTERM when the calling process dies (spawn it with no
+    """``argv`` as a command line that gets SIGHUP when the calling process dies (spawn it with no
     ``preexec_fn``). The program replaces the shim: the child's pid is the program's."""
     if not sys.platform.startswith("linux"):
         return list(argv)
@@ -53,9 +58,9 @@ def _exec(args: list[str]) -> int:
     parent, argv = int(args[0]), args[1:]
     prctl = _resolve_prctl()
     if prctl is not None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL)
     if os.getppid() != parent:  # the parent died before the prctl: no signal will come
-        return 128 + signal.SIGTERM
+        return 128 + PARENT_DEATH_SIGNAL
     try:
         os.execvp(argv[0], argv)
     except OSError as exc:

@@ -17,6 +17,8 @@ Invariants (the reasons this module exists):
   A *second* stop signal (Ctrl-C twice) cuts the drain short: the calls still in flight are
   cancelled (UNAVAILABLE) and the exit goes on at once. Only signals count: one SIGTERM after a
   ``kvmesh drain`` (``systemctl stop`` once the operator drained it) is the first, and drains.
+  SIGHUP, the parent-death signal of a daemon that ``kvmesh up`` or the planner started
+  (``kvmesh.children``), stops it like a first SIGTERM, however many times it comes.
   The handlers are installed before the lease is taken: a signal during start-up (``kvmesh up``
   stopping a daemon whose sibling failed) lets the lease grant finish, then cancels the start-up, so
   leaving the block revokes the lease; it is never left to expire.
@@ -55,6 +57,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh import grpc_services, sd_notify, telemetry, tls
 from kvmesh import reflection as kvmesh_reflection
+from kvmesh.children import PARENT_DEATH_SIGNAL
 from kvmesh.discovery import Discovery, DiscoveryRefused, DiscoveryUnavailable, Lease, instance_key, open_discovery
 from kvmesh.grpc_options import SERVER_OPTIONS
 from kvmesh.identity import RoleGate
@@ -318,14 +321,25 @@ class DaemonRuntime:
         await self._exit.__aexit__(exc_type, exc, tb)
 
     def _handle_stop_signals(self, stack: AsyncExitStack) -> None:
-        """SIGTERM/SIGINT set the stop event from now on, start-up included (see the module docstring)."""
+        """SIGTERM/SIGINT set the stop event from now on, start-up included (see the module docstring);
+        so does SIGHUP, the parent-death signal of a daemon started by another (``kvmesh.children``)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        handlers = {signal.SIGTERM: self._on_stop_signal, signal.SIGINT: self._on_stop_signal}
+        handlers[PARENT_DEATH_SIGNAL] = self._on_parent_gone
+        for sig, handler in handlers.items():
             try:
-                loop.add_signal_handler(sig, self._on_stop_signal)
+                loop.add_signal_handler(sig, handler)
             except (ValueError, RuntimeError):  # a loop outside the main thread (in-process tests): no signals
                 return
             stack.callback(loop.remove_signal_handler, sig)
+
+    def _on_parent_gone(self) -> None:
+        """The kernel sends it once per thread of the dying parent that the child passes through: only
+        the first counts, as a first stop signal would; it never cuts a drain short."""
+        if self._stop_signals == 0:
+            log.warning("the process that started this daemon is gone: stopping")
+            self._on_stop_signal()
+
 
     def _on_stop_signal(self) -> None:
         DaemonRuntime.stop_signalled = True
