@@ -19,17 +19,20 @@ import json
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from kvmesh.discovery import instance_prefix, open_discovery
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
-from tests.support.daemons import Daemon, run_cli
+from tests.support.daemons import Daemon, run_cli, script
 from tests.support.etcd import EtcdServer, free_port
 from tests.support.generate import generate_sync, tokens_of
 
@@ -234,6 +237,63 @@ def test_sigterm_deregisters_at_once_and_drains_in_flight_calls(tmp_path, discov
         assert gone_after < 1.0
     finally:
         worker.close()
+
+
+_THREADED_PARENT = """
+import subprocess, sys, threading, time
+from kvmesh.children import dies_with_parent
+for _ in range(8):  # a daemon's threads (gRPC's, discovery's heartbeat): the kernel hands the child over at each
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+with open(sys.argv[1], "ab") as log:
+    child = subprocess.Popen(dies_with_parent(sys.argv[2:]), stdout=log, stderr=subprocess.STDOUT)
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_daemon_whose_parent_is_killed_drains_what_it_serves(tmp_path, discovery_url):
+    """kill -9 of a multi-threaded parent (a planner, ``kvmesh up``): the kernel sends the parent-death
+    signal once per thread the child is handed to, and SIGTERM twice meant "cancel what is in flight":
+    a killed planner's workers failed their requests. SIGHUP, however often, is one drain."""
+    port, log = free_port(), tmp_path / "worker.log"
+    argv = [script("kvmesh-worker"), "--discovery", discovery_url, "--grpc-port", str(port), "--lease-ttl", "2",
+            "--namespace", "lifecycle", "--num-gpu-blocks", "256", "--block-size", "16",
+            "--speedup-ratio", "0.5"]  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", _THREADED_PARENT, str(log), *argv], stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        deadline = time.monotonic() + 60
+        while _health(f"127.0.0.1:{port}") != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        result: dict[str, object] = {}
+        call = threading.Thread(target=lambda: result.update(tokens=generate(f"127.0.0.1:{port}", 150)))
+        call.start()
+        time.sleep(0.3)
+        parent.kill()
+        parent.wait()
+        call.join(30)
+        text = log.read_text()
+        assert result.get("tokens") is not None and len(result["tokens"]) == 150, text
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{child}").exists():
+            assert time.monotonic() < deadline, f"the worker outlived its parent:\n{text}"
+            time.sleep(0.1)
+        text = log.read_text()
+        assert "the process that started this daemon is gone: stopping" in text, text
+        assert "second stop signal" not in text, text
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def _health(address: str) -> int | None:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+        except grpc.RpcError:
+            return None
 
 
 def test_kill_9_removes_the_record_within_ttl_plus_one_second(tmp_path, discovery_url):
