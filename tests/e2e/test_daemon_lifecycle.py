@@ -29,6 +29,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from inference import grpc_service_pb2 as kserve_pb
+from inference import grpc_service_pb2_grpc as kserve_grpc
 from kvmesh.discovery import instance_prefix, open_discovery
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 
@@ -375,9 +377,13 @@ def start(name: str, tmp_path, url: str, *extra: str) -> Daemon:
 
 @pytest.mark.parametrize("daemon", DAEMONS)
 def test_every_daemon_answers_health_and_lists_its_services(tmp_path, daemon):
-    proc = start(daemon, tmp_path, f"file://{tmp_path / 'discovery'}").wait_serving()
+    proc = start(daemon, tmp_path, f"file://{tmp_path / 'discovery'}").wait_started()
     try:
-        assert proc.health(SERVICES[daemon]) == health_pb2.HealthCheckResponse.SERVING
+        # a frontend alone is not ready (no router, no engine), and says so (see the test below)
+        status = health_pb2.HealthCheckResponse
+        alone = status.NOT_SERVING if daemon == "kvmesh-frontend" else status.SERVING
+        assert proc.health() == alone
+        assert proc.health(SERVICES[daemon]) == alone
         with grpc.insecure_channel(proc.address) as channel:
             services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
         assert {SERVICES[daemon], "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
@@ -385,6 +391,37 @@ def test_every_daemon_answers_health_and_lists_its_services(tmp_path, daemon):
         assert proc.wait(15) == 0
     finally:
         proc.close()
+
+
+def test_the_frontends_health_follows_server_ready(tmp_path):
+    """As Triton's does: a load balancer probing grpc.health.v1 must not send requests to a frontend
+    whose every request would fail UNAVAILABLE (no router replica, or no model with a live engine)."""
+    url = f"file://{tmp_path / 'discovery'}"
+    frontend = start("kvmesh-frontend", tmp_path, url).wait_started()
+    router = worker = None
+    try:
+        assert frontend.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not _server_ready(frontend)
+        worker = start("kvmesh-worker", tmp_path, url, "--speedup-ratio", "0").wait_serving()
+        time.sleep(1)  # an engine without a router is no readier
+        assert frontend.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        router = start("kvmesh-router", tmp_path, url).wait_serving()
+        frontend.wait_serving(30)
+        assert _server_ready(frontend)
+        worker.signal(signal.SIGTERM)  # the last engine leaves: not ready again
+        assert worker.wait(15) == 0
+        frontend.wait_health((health_pb2.HealthCheckResponse.NOT_SERVING,), 15)
+        assert not _server_ready(frontend)
+    finally:
+        for daemon in (frontend, router, worker):
+            if daemon is not None:
+                daemon.close()
+
+
+def _server_ready(frontend: Daemon) -> bool:
+    with grpc.insecure_channel(frontend.address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        return stub.ServerReady(kserve_pb.ServerReadyRequest(), timeout=5).ready
 
 
 def spans(log: str) -> list[dict]:

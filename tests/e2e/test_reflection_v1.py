@@ -54,7 +54,7 @@ def test_the_frontends_reflection_describes_only_what_its_port_serves(tmp_path: 
     by file name (router.proto's Session and ReplicaSync, worker.proto's GenerateStream)."""
     port = free_port()
     args = ["--discovery", f"file://{tmp_path / 'd'}", "--grpc-port", str(port), "--namespace", "refl"]
-    frontend = Daemon("kvmesh-frontend", args, tmp_path, port).wait_serving()
+    frontend = Daemon("kvmesh-frontend", args, tmp_path, port).wait_started()  # alone: up, not ready
     try:
         with grpc.insecure_channel(frontend.address) as channel:
             path = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"

@@ -70,14 +70,24 @@ class Daemon:
         return reply.status
 
     def wait_serving(self, timeout: float = 60.0) -> Daemon:  # a Python daemon starting on a busy 2-core box
+        return self.wait_health((health_pb2.HealthCheckResponse.SERVING,), timeout)
+
+    def wait_started(self, timeout: float = 60.0) -> Daemon:
+        """Until its port answers health, ready or not (a frontend is NOT_SERVING until it knows a router
+        replica and a model with a live engine)."""
+        statuses = (health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING)
+        return self.wait_health(statuses, timeout)
+
+    def wait_health(self, statuses: tuple[int, ...], timeout: float = 60.0) -> Daemon:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_text()}")
-            if self.health() == health_pb2.HealthCheckResponse.SERVING:
+            if self.health() in statuses:
                 return self
             time.sleep(0.05)
-        raise AssertionError(f"{self.name} not SERVING within {timeout} s:\n{self.log_text()}")
+        names = " or ".join(health_pb2.HealthCheckResponse.ServingStatus.Name(s) for s in statuses)
+        raise AssertionError(f"{self.name} not {names} within {timeout} s:\n{self.log_text()}")
 
     def wait_log(self, pattern: str, timeout: float = 10.0) -> re.Match[str]:
         deadline = time.monotonic() + timeout

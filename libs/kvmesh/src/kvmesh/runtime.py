@@ -273,6 +273,8 @@ class DaemonRuntime:
         self.started_unix_ms = int(time.time() * 1000)
         self.tls: tls.TlsMaterial | None = None
         self._notified_ready = False
+        self._notify_before_ready = False
+        self._started = False
 
     @property
     def discovery(self) -> Discovery:
@@ -339,7 +341,6 @@ class DaemonRuntime:
         if self._stop_signals == 0:
             log.warning("the process that started this daemon is gone: stopping")
             self._on_stop_signal()
-
 
     def _on_stop_signal(self) -> None:
         DaemonRuntime.stop_signalled = True
@@ -444,27 +445,39 @@ class DaemonRuntime:
         return bound
 
     async def start(
-        self, port: int, bind_host: str | None = None, *, ready: bool = True, require_client_cert: bool = True
+        self,
+        port: int,
+        bind_host: str | None = None,
+        *,
+        ready: bool = True,
+        require_client_cert: bool = True,
+        notify_before_ready: bool = False,
     ) -> int:
         """Start serving, binding first as :meth:`bind` does unless that was done; returns the bound port.
 
         ``ready=False`` starts with health NOT_SERVING (a daemon that must warm up first, e.g. a
-        router rebuilding its index); it turns SERVING on ``set_ready()``.
+        router rebuilding its index); it turns SERVING on ``set_ready()``. systemd hears READY=1 when
+        health first turns SERVING, or, with ``notify_before_ready``, as soon as the port serves: for a
+        daemon whose readiness depends on others (the frontend's on a router and an engine), so that
+        systemd does not hold its start until they come.
         """
         self._ready = ready
+        self._notify_before_ready = notify_before_ready
         await self._set_health(False)  # before the port opens: no probe ever sees SERVING too early
         grpc_services.add_service(self.server, health_pb2.DESCRIPTOR.services_by_name["Health"], self.health)
         kvmesh_reflection.enable_server_reflection(self._service_names, self.server)  # v1 and v1alpha
         bound = self._bound or self.bind(port, bind_host, require_client_cert=require_client_cert)
         await self.server.start()
         self.address = f"{self.settings.host}:{bound}"
+        self._started = True
         await self._set_health(True)
         return bound
 
-    async def set_ready(self) -> None:
-        """End the warm-up started with ``start(ready=False)``: health turns SERVING."""
-        self._ready = True
-        await self._set_health(True)
+    async def set_ready(self, ready: bool = True) -> None:
+        """Health turns SERVING (the warm-up started with ``start(ready=False)`` is over), or, with
+        ``ready=False``, NOT_SERVING again (until the next ``set_ready()``). Draining wins either way."""
+        self._ready = ready
+        await self._set_health(self._started)
 
     def instance_record(
         self, component: str, endpoint: str, instance_id: int | None = None, **fields: Any
@@ -528,13 +541,12 @@ class DaemonRuntime:
             await self.lease.put(key, record.SerializeToString())
 
     async def _set_health(self, serving: bool) -> None:
+        up = serving and self.is_serving()
         status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving and self._ready and self.is_serving()
-            else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_pb2.HealthCheckResponse.SERVING if up and self._ready else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", *self._service_names):
             await self.health.set(name, status)
-        if status == health_pb2.HealthCheckResponse.SERVING and not self._notified_ready:
-            self._notified_ready = True  # systemd: READY=1 only once SERVING is true, and only once
+        if up and (self._ready or self._notify_before_ready) and not self._notified_ready:
+            self._notified_ready = True  # systemd: READY=1 only once (see ``start``)
             sd_notify.notify(f"READY=1\nSTATUS=serving on {self.address}\nMAINPID={os.getpid()}")

@@ -35,6 +35,11 @@ PROG = "kvmesh-frontend"
 log = logging.getLogger(PROG)
 
 
+READINESS_POLL_S = 0.2
+READY = "ready: a router replica and a model with a live engine are known; health SERVING"
+NOT_READY = "not ready: no router replica or no model with a live engine yet; health NOT_SERVING"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = Settings.load(PROG, "KServe v2 / Triton-compatible gRPC frontend of a kvmesh deployment", argv)
     return run_daemon(PROG, config, serve)
@@ -47,6 +52,21 @@ async def _watch(discovery: Discovery, prefix: str, apply: Callable[[WatchEvent]
                 apply(event)
             except Exception:  # one bad event must not stop the watch
                 log.exception("discovery event under %s could not be applied", prefix)
+
+
+async def _follow_readiness(runtime: DaemonRuntime, server_ready: Callable[[], bool]) -> None:
+    """grpc.health.v1 says what ServerReady says, as Triton's does: NOT_SERVING while there is no router
+    replica or no model with a live engine, so a load balancer probing health sends nothing to a
+    frontend whose every request would fail. Polled: readiness moves with discovery, with tokenizers
+    that finish loading and with router replicas, and a check is a few dictionary lookups."""
+    ready: bool | None = None
+    while True:
+        now = server_ready()
+        if now != ready:
+            log.log(logging.WARNING if ready and not now else logging.INFO, "%s", READY if now else NOT_READY)
+            await runtime.set_ready(now)
+            ready = now
+        await asyncio.sleep(READINESS_POLL_S)
 
 
 def kserve_auth(config: Settings) -> tuple[BearerTokenGate, ...]:
@@ -109,8 +129,11 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
     )
     servicer = InferenceServicer(frontend, VERSION, router.has_replicas)
     runtime.add_service(SERVICE, servicer, in_band=IN_BAND)
-    bound = await runtime.start(config.grpc_port, require_client_cert=config.kserve_client_cert)
+    bound = await runtime.start(
+        config.grpc_port, ready=False, require_client_cert=config.kserve_client_cert, notify_before_ready=True
+    )
     watchers = [
+        asyncio.create_task(_follow_readiness(runtime, servicer.server_ready)),
         asyncio.create_task(_watch(runtime.discovery, model_prefix(config.namespace), registry.apply)),
         asyncio.create_task(
             _watch(runtime.discovery, instance_prefix(config.namespace, "router", "router"), router.apply)

@@ -138,7 +138,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ServerReadyRequest,
         context: grpc.aio.ServicerContext[pb.ServerReadyRequest, pb.ServerReadyResponse],
     ) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self._registry.any_ready() and self._has_router())
+        return pb.ServerReadyResponse(ready=self.server_ready())
+
+    def server_ready(self) -> bool:
+        """ServerReady's answer, which grpc.health.v1 follows too (``kvmesh_frontend.main``)."""
+        return self._registry.any_ready() and self._has_router()
 
     async def ModelReady(
         self,
