@@ -387,6 +387,59 @@ async def test_local_connector_kills_a_worker_that_never_registers_within_the_st
         await conn.close()
 
 
+async def test_local_connector_leaves_alone_a_worker_that_registered_and_is_out_of_discovery_for_a_while(tmp_path):
+    """A registered worker whose lease was lost (a pause, an etcd outage) serves on and registers again by
+    itself: the start-up timeout, meant for a worker that never came up, killed it and what it served."""
+    worker = tmp_path / "a-worker"
+    worker.write_text("#!/bin/sh\nexec sleep 600\n")
+    worker.chmod(0o755)
+    conn = LocalConnector(str(worker), f"file://{tmp_path / 'disc'}", "kvmesh", startup_timeout=0.5)
+    try:
+        await conn.apply(1, {"aggregated": 1}, [])
+        (pid,) = conn.pids()
+        assert conn.reap_failed({pid}) == 0  # registered
+        await asyncio.sleep(0.7)
+        assert conn.reap_failed(set()) == 0  # out of discovery, past the start-up timeout: still its own
+        assert conn.pids() == {pid} and conn.actual() == {"aggregated": 1}
+    finally:
+        await conn.close()
+
+
+async def test_local_connector_closing_does_not_signal_a_draining_worker_again(tmp_path):
+    """A second SIGTERM tells a worker to cancel what it still serves: stopping the planner while a
+    scaled-down worker drained made that worker fail its requests."""
+    marks = tmp_path / "signals"
+    worker = tmp_path / "a-worker"
+    worker.write_text(
+        f"#!{sys.executable}\n"
+        "import signal, time\n"
+        f"marks = {str(marks)!r}\n"
+        "signal.signal(signal.SIGTERM, lambda *_: open(marks, 'a').write('TERM\\n'))\n"
+        "open(marks, 'a').write('up\\n')\n"
+        "while 'TERM' not in open(marks).read():\n"
+        "    time.sleep(0.02)\n"
+        "time.sleep(1.0)  # draining\n"
+    )
+    worker.chmod(0o755)
+    conn = LocalConnector(str(worker), f"file://{tmp_path / 'disc'}", "kvmesh")
+    try:
+        await conn.apply(1, {"aggregated": 1}, [])
+        async with asyncio.timeout(20):
+            while not (marks.exists() and "up" in marks.read_text()):
+                await asyncio.sleep(0.02)
+        await conn.apply(2, {"aggregated": 0}, [])  # scale-down: SIGTERM, drains for a second
+        assert conn.draining() == {"aggregated": 1}
+    finally:
+        await conn.close()
+    assert marks.read_text().split() == ["up", "TERM"]
+
+
+@pytest.mark.parametrize("extra", ["--num-engines 2", "--num-eng=2", "--role decode", "--namespace other"])
+def test_local_connector_refuses_worker_args_that_override_its_own_flags(tmp_path, extra):
+    with pytest.raises(ValueError, match=r"^--worker-args: --[a-z-]+ is the local connector's to set"):
+        LocalConnector(sys.executable, f"file://{tmp_path / 'disc'}", "kvmesh", worker_args=extra)
+
+
 async def test_systemd_connector_follows_a_unit_that_systemd_restarted_with_a_new_main_pid(fake_systemctl):
     """The units restart on failure: a unit's engine comes back under a new pid. Cached, the old pid made it
     count as starting forever, and a scale-down drained it first as 'unregistered', busiest or not."""

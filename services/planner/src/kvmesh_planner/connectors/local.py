@@ -33,6 +33,9 @@ from kvmesh_planner.core.model import Pool
 
 log = logging.getLogger(__name__)
 
+#: What the connector puts on every worker's command line, which ``--worker-args`` may not override.
+CONNECTOR_FLAGS = frozenset({"--discovery", "--namespace", "--num-engines", "--drain-timeout", "--role"})
+
 
 @dataclass(slots=True)
 class _Worker:
@@ -42,6 +45,7 @@ class _Worker:
     started: float
     draining: bool = False
     stopped_at: float = field(default=0.0)
+    registered: bool = False  # seen in discovery once: the start-up timeout is over for it
 
 
 class LocalConnector:
@@ -60,6 +64,14 @@ class LocalConnector:
     ) -> None:
         command = _split("--worker-command", worker_command)
         extra = _split("--worker-args", worker_args)
+        for arg in extra:
+            flag = arg.split("=", 1)[0]
+            # argparse takes a unique prefix for the whole flag: --num-eng is --num-engines
+            if flag.startswith("--") and len(flag) > 2 and any(own.startswith(flag) for own in CONNECTOR_FLAGS):
+                raise ValueError(
+                    f"--worker-args: {flag} is the local connector's to set (it starts one engine per worker, "
+                    "in its pool's role, on the planner's own discovery and namespace)"
+                )
         if command and not shutil.which(command[0]):  # e.g. a venv's kvmesh-worker, not on PATH
             beside = Path(sys.executable).parent / command[0]
             if beside.exists():
@@ -170,14 +182,22 @@ class LocalConnector:
 
     def reap_failed(self, registered_pids: set[int]) -> int:
         """Forget workers that died on their own (not drained), and kill those that did not register within
-        the startup timeout (counted as starting, they held the pool's scaling forever); returns how many."""
+        the startup timeout (counted as starting, they held the pool's scaling forever); returns how many.
+
+        Only a worker that never registered can be stuck: one that registered and is out of discovery for
+        a moment (its lease lost to a pause or an etcd outage) serves on and registers again by itself
+        (``kvmesh.runtime``); killing it failed what it served."""
         dead = [w for w in self._workers if not w.draining and w.proc.returncode is not None]
         for w in dead:
             log.warning("local connector: worker %d (pid %d) exited with %s", w.number, w.proc.pid, w.proc.returncode)
             self._workers.remove(w)
         now = time.monotonic()
+        for w in self._live():
+            w.registered = w.registered or w.proc.pid in registered_pids
         stuck = [
-            w for w in self._live() if w.proc.pid not in registered_pids and now - w.started > self._startup_timeout
+            w
+            for w in self._live()
+            if not w.registered and w.proc.pid not in registered_pids and now - w.started > self._startup_timeout
         ]
         for w in stuck:
             log.warning(
@@ -194,10 +214,18 @@ class LocalConnector:
             task.add_done_callback(self._reapers.discard)
         return len(dead) + len(stuck)
 
+    async def drain_all(self) -> int:
+        """Drain every live worker (as a scale-down does); returns how many."""
+        live = self._live()
+        await self._stop_some(len(live), live, [])
+        return len(live)
+
     async def close(self) -> None:
-        """Drain every worker this planner started (they are its children) and wait for them."""
+        """Drain every worker this planner started (they are its children) and wait for them.
+
+        Workers already draining got their SIGTERM: a second one would cancel what they still serve."""
         for w in self._workers:
-            if w.proc.returncode is None:
+            if w.proc.returncode is None and not w.draining:
                 with contextlib.suppress(ProcessLookupError):
                     w.proc.send_signal(signal.SIGTERM)
         await asyncio.gather(*(w.proc.wait() for w in self._workers), return_exceptions=True)
