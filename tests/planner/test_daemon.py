@@ -40,6 +40,10 @@ pytestmark = pytest.mark.e2e
         (["--connector", "systemd", "--systemctl", "'x"], '--systemctl: "\'x": No closing quotation'),
         (["--connector", "systemd", "--systemctl", "/nonexistent/systemctl"], "'/nonexistent/systemctl' is not an"),
         (["--connector", "local", "--worker-args", "'x"], '--worker-args: "\'x": No closing quotation'),
+        # A pool of none has no load to observe, so it never grew: every request failed "no live engine".
+        (["--min-engines", "0"], "--min-engines (from flag): Input should be greater than 0"),
+        (["--pools", "prefill,decode", "--min-decode", "0"], "--min-decode (from flag): Input should be greater"),
+        (["--connector", "local", "--worker-args", "--num-engines 2"], "--worker-args: --num-engines is the local"),
     ],
 )
 def test_bad_settings_exit_2_with_one_line(args, message):

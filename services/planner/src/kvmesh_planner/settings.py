@@ -64,16 +64,16 @@ class Settings(DaemonSettings):
     pools: Annotated[str, AfterValidator(_pools)] = "aggregated"
     """the pools the planner manages, comma-separated: aggregated, prefill, decode (disaggregated serving:
     'prefill,decode'); engines of other roles are left alone"""
-    min_engines: NonNegativeInt = 1
-    """smallest aggregated pool"""
+    min_engines: PositiveInt = 1
+    """smallest aggregated pool (at least 1: a pool of none has no load to observe, so it never grows)"""
     max_engines: PositiveInt = 8
     """largest aggregated pool"""
-    min_prefill: NonNegativeInt = 1
-    """smallest prefill pool"""
+    min_prefill: PositiveInt = 1
+    """smallest prefill pool (at least 1: a pool of none has no load to observe, so it never grows)"""
     max_prefill: PositiveInt = 4
     """largest prefill pool"""
-    min_decode: NonNegativeInt = 1
-    """smallest decode pool"""
+    min_decode: PositiveInt = 1
+    """smallest decode pool (at least 1: a pool of none has no load to observe, so it never grows)"""
     max_decode: PositiveInt = 4
     """largest decode pool"""
     engine_budget: NonNegativeInt = 0
