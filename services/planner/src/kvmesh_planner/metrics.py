@@ -36,6 +36,7 @@ class PlannerMetrics:
                 self.actual.labels(pool).set(d.previous.get(pool, 0))
                 self.starting.labels(pool).set(starting.get(pool, 0))
                 self.draining.labels(pool).set(draining.get(pool, 0))
+        self.inputs.clear()  # an input the latest decision did not have (no traffic: no observed TTFT) is gone
         for name, value in d.inputs.items():
             self.inputs.labels(name).set(value)
         if d.prediction is not None:
