@@ -11,7 +11,7 @@ import pytest
 from kvmesh.v1 import planner_pb2, planner_pb2_grpc
 from kvmesh_planner.election import EtcdElection
 
-from tests.support.daemons import Daemon, running
+from tests.support.daemons import Daemon, running, running_pid
 from tests.support.etcd import EtcdServer, etcd_available, free_port
 
 pytestmark = [
@@ -122,3 +122,36 @@ async def test_a_planner_that_loses_the_lead_and_wins_it_back_is_in_a_new_term(t
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.timeout(180)
+def test_a_deposed_leader_drains_the_workers_its_local_connector_started_once_another_leads(tmp_path):
+    """Its workers are its own children: the new leader neither counts nor stops them and starts its own.
+    Kept, they served on beyond the pool's maximum for good (2 engines in a pool of at most 1)."""
+
+    def local_planner() -> Daemon:
+        port = free_port()
+        args = [
+            "--discovery", etcd.url, "--grpc-port", str(port), "--lease-ttl", str(TTL), "--interval", "0.3",
+            "--connector", "local", "--min-engines", "1", "--max-engines", "1",
+            "--worker-args", f"--speedup-ratio 0 --lease-ttl {TTL}", "--drain-timeout", "2",
+        ]  # fmt: skip
+        return Daemon("kvmesh-planner", args, tmp_path, port)
+
+    started = r"started aggregated worker 1 \(pid (\d+)\)"
+    with EtcdServer(tmp_path / "etcd") as etcd, running(local_planner(), local_planner()) as (a, b):
+        a.wait_serving()
+        a_worker = int(a.wait_log(started, timeout=60).group(1))
+        b.wait_serving()
+        a.signal(signal.SIGSTOP)  # a pause past its lease: b leads and starts a worker of its own
+        try:
+            b_worker = int(b.wait_log(started, timeout=60).group(1))
+        finally:
+            a.signal(signal.SIGCONT)
+        a.wait_log(r"leads now: draining the 1 worker\(s\) this planner started", timeout=30)
+        deadline = time.monotonic() + 30
+        while running_pid(a_worker):
+            assert time.monotonic() < deadline, f"the deposed leader's worker serves on:\n{a.log_text()[-3000:]}"
+            time.sleep(0.1)
+        assert running_pid(b_worker)
+        assert (s := status(b)) is not None and s.leader

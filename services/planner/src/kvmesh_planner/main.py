@@ -17,6 +17,8 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 
+import aetcd.exceptions
+from kvmesh.discovery import DiscoveryError
 from kvmesh.runtime import DaemonRuntime, run_daemon
 from kvmesh.settings import fail
 from kvmesh.v1 import planner_pb2
@@ -36,6 +38,8 @@ from kvmesh_planner.settings import Settings
 log = logging.getLogger("kvmesh_planner")
 
 PROG = "kvmesh-planner"
+LOG_READ_TIMEOUT_S = 5.0
+UNREACHABLE = (DiscoveryError, aetcd.exceptions.ClientError, TimeoutError)
 
 
 def core_config(cfg: Settings, shape: EngineShape | None = None) -> PlannerConfig:
@@ -95,6 +99,22 @@ class Planner:
             reply.latest.CopyFrom(self.servicer.latest)
         return reply
 
+    async def _yield_to_another_leader(self) -> None:
+        """The local connector's workers are this process's children: another leader neither counts nor
+        stops them, and starts its own. Once another planner has committed a decision, ours are drained
+        (as a scale-down drains: what they serve finishes), not left serving beyond every pool's maximum
+        for good. A planner that stepped down for a moment while nobody else led keeps them."""
+        if not isinstance(self.connector, LocalConnector) or not any(self.connector.actual().values()):
+            return
+        last = await asyncio.wait_for(self.election.last_decision(), LOG_READ_TIMEOUT_S)
+        if last is not None and last.planner_id != self.runtime.instance_id:
+            drained = await self.connector.drain_all()
+            log.warning(
+                "planner %x leads now: draining the %d worker(s) this planner started (it starts its own)",
+                last.planner_id,
+                drained,
+            )
+
     def _shape(self) -> EngineShape:
         for e in self.observer.engines.values():
             if e.card is not None and e.card.total_kv_blocks:
@@ -117,12 +137,15 @@ class Planner:
                 await self.tick(interval)
             except SystemctlError as exc:
                 log.error("connector failed: %s", exc)
+            except UNREACHABLE as exc:  # an etcd outage: the next tick tries again, no traceback each time
+                log.warning("planner tick skipped: discovery unreachable (%s: %s)", type(exc).__name__, exc)
             except Exception:
                 log.exception("planner tick failed")
 
     async def tick(self, interval: float) -> None:
         if not self.election.is_leader:
             self.core = None  # a future leadership starts from the decision log, not from stale state
+            await self._yield_to_another_leader()
             return
         if self.core is not None and self._core_term != self.election.term:
             self.core = None  # lost and won again since the last tick: others may have decided meanwhile
