@@ -69,7 +69,7 @@ class Mesh:
         args = [*self._common(port), "--metrics-port", str(self.metrics_port), *extra]
         daemon = Daemon("kvmesh-frontend", args, self.log_dir, port)
         self.daemons.append(daemon)
-        self.frontend = daemon.wait_serving()
+        self.frontend = daemon.wait_started()  # not ready (NOT_SERVING) until a router and an engine come
         return daemon
 
     @property

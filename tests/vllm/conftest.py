@@ -78,7 +78,8 @@ class VllmMesh:
         port = free_port()
         daemon = Daemon(name, [*self.common(port), *args], self.log_dir, port, env=env)
         self.daemons.append(daemon)
-        return daemon.wait_serving(timeout)
+        # a frontend is SERVING once it knows a router and a loaded model: the tests wait for the model
+        return daemon.wait_started(timeout) if name == "kvmesh-frontend" else daemon.wait_serving(timeout)
 
     def mocker(self) -> Daemon:
         return self.start(
