@@ -27,6 +27,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")  # one machine: keep UCX's TCP la
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines on stdout otherwise
 
 _POLL_S = 0.0002
+_RELEASE_WAIT_S = 0.5
 
 
 class TransferFailed(Exception):
@@ -126,20 +127,23 @@ class NixlAgent:
             raise TransferFailed(f"KV read from {peer} failed: the source is gone or refused the read") from None
         finally:
             if handle is not None:
-                self._release(handle)
+                await self._release(handle)
         return time.perf_counter() - started
 
-    def _release(self, handle: Any) -> None:
-        # A handle still in flight (cancelled pull) is polled to an end first: its target slots are
-        # freed by the caller right after, and must not be written once reused.
-        deadline = time.perf_counter() + 0.5
+    async def _release(self, handle: Any) -> None:
+        """A handle still in flight (a cancelled or timed-out pull) is polled to an end first, up to
+        ``_RELEASE_WAIT_S``: its target slots are freed by the caller right after, and must not be written
+        once reused. The event loop runs meanwhile: polled in a busy loop, a cancelled read from a frozen
+        source stalled every request of the worker for half a second."""
+        deadline = time.perf_counter() + _RELEASE_WAIT_S
         try:
             while self._agent.check_xfer_state(handle) == "PROC" and time.perf_counter() < deadline:
-                pass
+                await asyncio.sleep(_POLL_S)
         except Exception:
             pass
-        with contextlib.suppress(Exception):
-            handle.release()
+        finally:  # a second cancel ends the wait early; the handle is released all the same
+            with contextlib.suppress(Exception):
+                handle.release()
 
     # -- holder-side progress --------------------------------------------------------------------
     def holding(self, delta: int) -> None:
