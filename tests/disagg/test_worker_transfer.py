@@ -381,3 +381,23 @@ def test_a_decode_engine_without_room_for_the_pulled_blocks_computes_the_prompt_
             await client.close()
 
     _run_pair(discovery, prefill, decode, scenario)
+
+
+def test_a_pull_of_a_hold_that_has_expired_is_aborted_at_once_for_a_local_prefill(tmp_path):
+    """A hold past its lease may have its blocks reused for another prompt: a pull then read someone else's
+    KV (DATA_LOSS, a failed request) or waited out the read timeout (10 s) for a source that no longer
+    served it. ABORTED at once is the frontend's cue to prefill locally on the same engine."""
+    discovery = f"file://{tmp_path / 'disc'}"
+    prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0", "--kv-hold-timeout", "0.5")
+    decode = worker(tmp_path, discovery, "xfer", "decode", "--speedup-ratio", "0")
+
+    async def scenario(pstub, dstub, pcard, dcard) -> None:
+        params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+        await asyncio.sleep(0.6)  # the hold expired
+        failed = await asyncio.to_thread(_failed_decode, dstub_sync, dcard.engine_id, params)
+        assert failed.code == grpc.StatusCode.ABORTED
+        assert "expired" in failed.message
+
+    with grpc.insecure_channel(decode.address) as dch:
+        dstub_sync = worker_pb2_grpc.WorkerServiceStub(dch)
+        _run_pair(discovery, prefill, decode, scenario)

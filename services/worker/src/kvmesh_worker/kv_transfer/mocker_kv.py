@@ -43,6 +43,8 @@ CORRUPT_ENV = "KVMESH_TEST_CORRUPT_KV"
 # test can kill the prefill worker between its hold and the pull (the "mid-transfer" fault).
 PULL_DELAY_ENV = "KVMESH_TEST_PULL_DELAY_S"
 PULL_TIMEOUT_S = 10.0
+# A pull starts only while the source's hold has at least this long to run (its wall clock against ours).
+HOLD_EXPIRY_MARGIN_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +164,8 @@ class MockerKv:
             )
         if request.request_id in self._pins:
             raise KvPullFailed("INVALID_ARGUMENT", f"request {request.request_id!r} already pulled KV")
+        if _expired(params):  # its blocks may hold another prompt's KV by now: a local prefill, at once
+            raise KvPullFailed("ABORTED", f"the KV hold of prefill engine {source:x} expired (--kv-hold-timeout)")
         have = core.pin_cached_prefix(seq, local, n)
         pinned = have
         slots: list[int] = []
@@ -194,6 +198,10 @@ class MockerKv:
                     self.reading_blocks -= missing
                 for k, slot in enumerate(slots):
                     if not verify_block(arena.view(slot), seq[have + k]):
+                        if _expired(params):  # the source reused the blocks as the read ran: no corruption
+                            raise KvPullFailed(
+                                "ABORTED", f"the KV hold of prefill engine {source:x} expired during the read"
+                            )
                         raise KvPullFailed(
                             "DATA_LOSS",
                             f"KV block {have + k} of {n} pulled from prefill engine {source:x} failed verification "
@@ -237,3 +245,8 @@ class MockerKv:
             self.core.unpin(pinned)
             self.on_unpinned()
             self.on_unpinned()
+
+
+def _expired(params: KvTransferParams, margin_s: float = HOLD_EXPIRY_MARGIN_S) -> bool:
+    """Whether the source's hold ends within ``margin_s`` (then it may free and reuse its blocks)."""
+    return bool(params.hold_expires_unix_ms) and time.time() * 1000 > params.hold_expires_unix_ms - margin_s * 1000
