@@ -172,6 +172,28 @@ async def test_a_model_has_one_version_and_any_other_is_not_found(mesh) -> None:
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.NOT_FOUND, missing)
 
 
+async def test_a_version_is_read_as_triton_reads_it(mesh) -> None:
+    """Triton reads a version with ``std::stol``: "01" and " 1" are version 1, a version that is no integer
+    or is negative is INVALID_ARGUMENT (on ModelReady too), any other integer NOT_FOUND."""
+    fe, _, _ = mesh
+    for version in ("01", " 1", "+1", "1 "):
+        assert (await fe.stub.ModelReady(pb.ModelReadyRequest(name=MODEL, version=version))).ready, version
+        await fe.stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL, version=version))
+    assert not (await fe.stub.ModelReady(pb.ModelReadyRequest(name=MODEL, version="0"))).ready
+    for version, says in (
+        ("abc", "failed to get model version from specified version string 'abc'"),
+        ("99999999999999999999", "failed to get model version from specified version string"),
+        ("-1", "invalid model version specified '-1', version should be an integral value > 0"),
+    ):
+        for call in (
+            fe.stub.ModelReady(pb.ModelReadyRequest(name=MODEL, version=version)),
+            fe.stub.ModelMetadata(pb.ModelMetadataRequest(name=MODEL, version=version)),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in info.value.details(), version
+
+
 async def test_unimplemented_rpcs_say_why(mesh) -> None:
     fe, _, _ = mesh
     with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from kvmesh.channels import ChannelPool
 from kvmesh.discovery.base import WatchEvent, apply_watch_event, parse_model_key
 from kvmesh.v1 import discovery_pb2, worker_pb2, worker_pb2_grpc
 
-from kvmesh_frontend.errors import clip, not_found, unavailable
+from kvmesh_frontend.errors import clip, invalid, not_found, unavailable
 from kvmesh_frontend.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -42,10 +43,25 @@ _RETRY_FAILED_LOAD_S = 5.0
 #: Every model is served at one version, as Triton reports a model with one version directory: a request
 #: may name it or leave the version empty; any other version is NOT_FOUND (Triton's answer).
 MODEL_VERSION = "1"
+_INT64_MAX = 2**63 - 1
+_LEADING_INTEGER = re.compile(r"\s*([+-]?\d+)")
 
 
 def is_served_version(version: str) -> bool:
-    return version in ("", MODEL_VERSION)
+    """Whether ``version`` names the served one, read as Triton reads it (``std::stol``: leading blanks, a
+    sign, the digits, anything after them ignored, so "01" and " 1" are version 1); raises INVALID_ARGUMENT,
+    as Triton does, for a version that is no integer or is negative."""
+    if not version:
+        return True
+    match = _LEADING_INTEGER.match(version)
+    if match is None or abs(number := int(match.group(1))) > _INT64_MAX:
+        raise invalid(
+            f"failed to get model version from specified version string '{clip(version)}', "
+            "version should be an integral value > 0"
+        )
+    if number < 0:
+        raise invalid(f"invalid model version specified '{clip(version)}', version should be an integral value > 0")
+    return number == int(MODEL_VERSION)
 
 
 def version_not_found(name: str, version: str) -> str:

@@ -149,9 +149,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelReadyRequest,
         context: grpc.aio.ServicerContext[pb.ModelReadyRequest, pb.ModelReadyResponse],
     ) -> pb.ModelReadyResponse:
+        try:
+            served = is_served_version(request.version)
+        except FrontendError as error:
+            _refuse(context, error)
+            return pb.ModelReadyResponse()
         entry = self._registry.get(request.name)
-        ready = entry is not None and entry.ready and is_served_version(request.version) and self._has_router()
-        return pb.ModelReadyResponse(ready=ready)
+        return pb.ModelReadyResponse(ready=entry is not None and entry.ready and served and self._has_router())
 
     async def ServerMetadata(
         self,
