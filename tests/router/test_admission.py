@@ -192,7 +192,7 @@ def test_direct_routing_and_its_errors():
         adm.decide(request("r3", "A", pinned=B_, excluded_engines=frozenset({B_})), 0.0)
     with pytest.raises(RoutingError):
         adm.decide(request("r5", "A", override=RouterConfigOverride(temperature=-1.0)), 0.0)
-    with pytest.raises(RoutingError):
+    with pytest.raises(RoutingError, match=r"unknown cost policy .nope.: choose dynamo, affinity"):
         adm.decide(request("r6", "A", override=RouterConfigOverride(cost_policy="nope")), 0.0)
     direct_mode = make(config=RouterPolicyConfig(mode="direct"))
     with pytest.raises(RoutingError):

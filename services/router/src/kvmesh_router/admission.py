@@ -473,7 +473,8 @@ class Admission:
         except ValueError as e:
             raise RoutingError(f"invalid policy override: {e}") from None
         if not POLICIES.has_cost_policy(config.cost_policy):
-            raise RoutingError(f"unknown cost policy {config.cost_policy!r}")
+            names = ", ".join(POLICIES.cost_policies)
+            raise RoutingError(f"unknown cost policy {config.cost_policy!r}: choose {names}")
         return config
 
     def _filter(self, engines: Sequence[int], request: RouteRequest, config: RouterPolicyConfig) -> Sequence[int]:
