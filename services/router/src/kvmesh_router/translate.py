@@ -78,6 +78,13 @@ def route_request(key: str, query: router_pb2.RouteQuery, allowed: frozenset[int
         raise QueryError(
             INVALID, f"{len(query.block_hashes)} block hashes in one query; at most {MAX_QUERY_BLOCKS} are accepted"
         )
+    hashes = list(query.block_hashes)
+    if len(hashes) > query.num_tokens:  # else the cache credit is for blocks the prompt does not have
+        raise QueryError(
+            INVALID, f"{len(hashes)} block hashes for a prompt of {query.num_tokens} tokens (a block has one or more)"
+        )
+    if len(set(hashes)) != len(hashes):  # one cached block counted as many
+        raise QueryError(INVALID, "repeated block hashes: a prompt's block hashes are chained, no two are equal")
     override: RouterConfigOverride | None = None
     if query.HasField("overrides"):
         ov = query.overrides
@@ -99,7 +106,7 @@ def route_request(key: str, query: router_pb2.RouteQuery, allowed: frozenset[int
         )
     return RouteRequest(
         key,
-        list(query.block_hashes),
+        hashes,
         query.num_tokens,
         query.expected_output_tokens or None,
         query.pinned_engine_id if query.HasField("pinned_engine_id") else None,
