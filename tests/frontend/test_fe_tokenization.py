@@ -81,6 +81,18 @@ def test_invalid_bytes_do_not_stall_the_stream(tok: ModelTokenizer) -> None:
     assert out.endswith("abcdef")
 
 
+def test_invalid_bytes_come_out_once_as_a_whole_decode_has_them(tok: ModelTokenizer) -> None:
+    """Held, then sent as they are, invalid bytes' U+FFFD were sent again with the next token (8 of them
+    where the whole output decodes to 4); a prompt's trailing U+FFFD was sent as output."""
+    lone = tok.encode("é", add_special_tokens=False)[1:]  # a continuation byte alone: never valid
+    ascii_ids = tok.encode("abc", add_special_tokens=False)
+    ids = lone * 5 + ascii_ids + lone * 2 + ascii_ids
+    for batches in ([1] * len(ids), [2, 3, 1, 4], [len(ids)]):
+        assert "".join(stream(tok, ids, batches)) == tok.decode(ids), batches
+    prompt = tok.encode("hi", add_special_tokens=False) + lone  # an input_ids prompt that ends in a stray byte
+    assert "".join(stream(tok, ascii_ids, [1] * len(ascii_ids), prompt=prompt)) == "abc"
+
+
 def test_stop_strings_cut_the_text_and_catch_splits() -> None:
     stops = StopStrings(["END", "\n\n"])
     assert stops.feed("hello E") == ("hello ", False)  # "E" may start "END": held

@@ -199,9 +199,12 @@ class IncrementalDetokenizer:
                 if self._read - self._prefix > _CONTEXT_TOKENS * 4:
                     self._prefix = self._read - _CONTEXT_TOKENS
                 return ""
-        # Context that ends inside a character (an input_ids prompt can) decodes to U+FFFD; the
-        # new text then starts at the end of the context's complete characters.
-        start = len(prefix_text.rstrip(REPLACEMENT)) if prefix_text.endswith(REPLACEMENT) else len(prefix_text)
+        # Context that ends in U+FFFD (an input_ids prompt that ends inside a character, or invalid
+        # bytes already sent as they are) is new text only where the new tokens complete it into
+        # something else; else those U+FFFD are the context's, already shown or never output.
+        start = len(prefix_text)
+        if prefix_text.endswith(REPLACEMENT) and not full_text.startswith(prefix_text):
+            start = len(prefix_text.rstrip(REPLACEMENT))
         delta = full_text[start:]
         self._prefix = self._read
         self._read = end
