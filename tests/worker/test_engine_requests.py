@@ -11,6 +11,7 @@ from kvmesh_worker.engine import (
     InvalidRequest,
     KvSource,
     QueueFull,
+    Sampling,
 )
 
 
@@ -113,6 +114,20 @@ def test_stop_token_ids_apply_even_with_ignore_eos():
     outs = outputs_by_request(run(core))["r"]
     tokens = [t for o in outs for t in o.token_ids]
     assert outs[-1].finish_reason == "stop" and tokens[-1] == 2 and 2 not in tokens[:-1]
+
+
+@pytest.mark.parametrize("stops", [{"stop_token_ids": (2,), "ignore_eos": True}, {}])
+def test_no_stop_comes_before_min_tokens(stops):
+    """As vLLM: the first min_tokens tokens cannot be a stop token or EOS (a vocabulary of 3 has one in the
+    first few tokens), the next one can."""
+    core = EngineCore(config(vocab_size=3, eos_token_id=0))
+    core.add_request(EngineRequest("r", [1, 2, 1], max_tokens=200, sampling=Sampling(min_tokens=30), **stops))
+    outs = outputs_by_request(run(core))["r"]
+    tokens = [t for o in outs for t in o.token_ids]
+    stop = stops.get("stop_token_ids", (0,))[0]
+    assert stop in tokens[:30], "a stop among the first 30 tokens, passed over"
+    assert outs[-1].finish_reason == "stop" and tokens[-1] == stop and len(tokens) > 30
+    assert stop not in tokens[30:-1]
 
 
 def test_same_seed_and_prompt_give_the_same_tokens():

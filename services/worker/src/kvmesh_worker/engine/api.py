@@ -46,7 +46,8 @@ class KvSource(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """Sampling controls beyond what the mocker models (it ignores them; a real engine honours them)."""
+    """Sampling controls beyond what the mocker models (it ignores them but ``min_tokens``, which holds off
+    its stop tokens; a real engine honours them all)."""
 
     temperature: float = 0.0
     top_p: float = 0.0  # 0 or 1: off

@@ -49,6 +49,7 @@ class Request:
         "hashes",
         "local_hashes",
         "max_tokens",
+        "min_tokens",
         "num_cached_prompt_tokens",
         "num_computed",
         "num_full",
@@ -69,6 +70,8 @@ class Request:
         self.prompt = prompt  # uint32
         self.num_prompt_tokens = self.num_tokens = len(prompt)  # known tokens: prompt + output so far
         self.max_tokens = request.max_tokens
+        # no stop (EOS included) among the first min_tokens output tokens, as in vLLM
+        self.min_tokens = request.sampling.min_tokens if request.sampling is not None else 0
         stops = set(request.stop_token_ids)
         if not request.ignore_eos:
             stops.add(config.eos_token_id)
@@ -351,7 +354,10 @@ class Scheduler:
     def _extend_plan(self, r: Request) -> None:
         start = len(r.plan)
         tokens = sample_tokens(r.gen_key, start, min(PLAN_CHUNK, r.finish_at - start), self.config.vocab_size)
-        stop = first_stop(tokens, r.stop_ids)
+        skip = max(0, r.min_tokens - start)  # the first min_tokens output tokens cannot stop it (vLLM masks them)
+        stop = first_stop(tokens[skip:], r.stop_ids) if skip < len(tokens) else -1
+        if stop >= 0:
+            stop += skip
         if stop >= 0 and start + stop + 1 < r.finish_at:
             r.finish_at = start + stop + 1
             r.finish_reason = "stop"
