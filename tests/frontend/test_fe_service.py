@@ -437,6 +437,20 @@ async def test_a_stop_string_inside_a_many_token_response_ends_at_its_token(mesh
     await no_leaks(worker, router)
 
 
+async def test_a_stop_string_in_the_first_min_tokens_tokens_does_not_stop(mesh) -> None:
+    """As in vLLM, the text of the first min_tokens tokens is not searched for stop strings."""
+    fe, worker, router = mesh
+    tokenizer = fe.registry.get(MODEL).assets.tokenizer
+    tokens = worker.behaviour[ENGINES[0]].tokens
+    kept = next(n for n in range(1, len(tokens) + 1) if "lazy" in tokenizer.decode(tokens[:n]))
+    sampling = {"max_tokens": kept + 4, "min_tokens": kept, "stop": ["lazy"]}
+    response = await fe.stub.ModelInfer(
+        llm_request("x", sampling=sampling, extra=[bool_input("return_finish_reason", True)])
+    )
+    assert "lazy" in text_of(response) and output_values(response, "finish_reason") == [b"length"]
+    await no_leaks(worker, router)
+
+
 async def test_stream_interval_reaches_the_engine(mesh) -> None:
     fe, worker, _ = mesh
     await stream_all(fe, [llm_request("x", stream=True, sampling={"max_tokens": 4, "stream_interval": 6})])

@@ -137,12 +137,17 @@ class ResponseWriter:
 
         Token by token, so that a response carrying several tokens (a stream interval, or deltas merged
         behind a slow client) ends where one token at a time would: at the token that completes the stop
-        string, whose successors are dropped (vLLM stops generating there).
+        string, whose successors are dropped (vLLM stops generating there). As in vLLM, the text of the
+        first ``min_tokens`` tokens is not searched: it goes out as it is.
         """
         detok, stops = self._detok, self._stops
         assert detok is not None and stops is not None  # the constructor makes stops only with a detokenizer
         parts: list[str] = []
+        unchecked = self._llm.sampling.min_tokens - self.num_output_tokens
         for i, token in enumerate(ids):
+            if i < unchecked:
+                parts.append(detok.add((token,)))
+                continue
             piece, stopped = stops.feed(detok.add((token,)))
             parts.append(piece)
             if stopped:
