@@ -451,6 +451,23 @@ async def test_a_stop_string_in_the_first_min_tokens_tokens_does_not_stop(mesh) 
     await no_leaks(worker, router)
 
 
+async def test_a_stop_tokens_text_is_left_out_unless_asked_for(mesh) -> None:
+    """As vLLM: the stop token's id is output, its text only with include_stop_str_in_output."""
+    fe, worker, router = mesh
+    tokenizer = fe.registry.get(MODEL).assets.tokenizer
+    tokens = worker.behaviour[ENGINES[0]].tokens
+    k = next(n for n in range(2, len(tokens)) if tokenizer.decode(tokens[n - 1 : n]).strip())  # a token with text
+    for b in worker.behaviour.values():
+        b.eos_after = k  # the engine stops at the k-th token: the stop token
+    flags = [bool_input("return_output_ids", True), bool_input("exclude_input_in_output", True)]
+    for include, text in ((False, tokenizer.decode(tokens[: k - 1])), (True, tokenizer.decode(tokens[:k]))):
+        sampling = {"max_tokens": 50, "stop_token_ids": [tokens[k - 1]], "include_stop_str_in_output": include}
+        response = await fe.stub.ModelInfer(llm_request("x", sampling=sampling, extra=flags))
+        assert text_of(response) == text, include
+        assert output_values(response, "output_ids") == tokens[:k]
+    await no_leaks(worker, router)
+
+
 async def test_stream_interval_reaches_the_engine(mesh) -> None:
     fe, worker, _ = mesh
     await stream_all(fe, [llm_request("x", stream=True, sampling={"max_tokens": 4, "stream_interval": 6})])

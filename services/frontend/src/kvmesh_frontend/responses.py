@@ -101,12 +101,22 @@ class ResponseWriter:
         final = engine.finish_reason != 0
         text = ""
         stopped = False
+        text_ids = ids
+        sampling = self._llm.sampling
+        if (
+            final
+            and ids
+            and engine.finish_reason == worker_pb2.FINISH_REASON_STOP
+            and not sampling.include_stop_str_in_output
+            and ids[-1] in sampling.stop_token_ids
+        ):
+            text_ids = ids[:-1]  # as vLLM: a stop token's text is left out (its id stays in output_ids)
         if self._stops is not None:
-            text, stopped, kept = self._until_stop(ids, final)
-            if kept < len(ids):  # the tokens after the one that completed the stop string are not output
+            text, stopped, kept = self._until_stop(text_ids, final)
+            if kept < len(text_ids):  # the tokens after the one that completed the stop string are not output
                 ids, steps = ids[:kept], steps[:kept]
         elif self._detok is not None:
-            text = self._detok.add(ids) if ids else ""
+            text = self._detok.add(text_ids) if text_ids else ""
             if final:
                 text += self._detok.flush()
         self.num_output_tokens += len(ids)
