@@ -75,3 +75,19 @@ def test_a_drained_worker_leaves_and_the_rest_of_the_mesh_serves_on(tmp_path):
         assert "failed" not in outcome, outcome
         assert up.proc is not None and up.proc.poll() is None, up.text
         assert up.stop() == 0, up.text
+
+
+def test_a_config_files_model_name_and_engine_count_are_what_up_serves_and_shows(tmp_path):
+    """up passed --num-engines 2 over the config's [worker] num-engines, and announced (and asked its demo
+    request of) the built-in model name, not the config's served-model-name: NOT_FOUND for every pasted line."""
+    config = tmp_path / "mesh.toml"
+    config.write_text('[worker]\nnum-engines = 3\nserved-model-name = "mymodel"\n')
+    discovery = ["--discovery", f"file://{tmp_path / 'disc'}"]
+    with KvmeshUp(["--grpc-port", str(free_port()), *discovery, "--config", str(config), "--speedup-ratio", "0"]) as up:
+        demo = up.wait_for("demo request", 120)
+        assert "model 'mymodel'" in up.wait_for("kvmesh is up", 1) and "failed" not in demo, up.text
+        status = subprocess.run([script("kvmesh"), "status", "--json", *discovery, "--namespace", "kvmesh-local"],
+                                capture_output=True, text=True, timeout=60)  # fmt: skip
+        engines = [row for row in json.loads(status.stdout) if row["component"] == "worker/engine"]
+        assert len(engines) == 3, status.stdout + status.stderr
+        assert up.stop() == 0

@@ -99,6 +99,10 @@ def test_port_in_use_is_refused_before_anything_starts(tmp_path: Path, listener:
         (["--tls", "{tmp}/nowhere"], "--tls {tmp}/nowhere: not a directory (make one with kvmesh certs init DIR)"),
         (["--tls", "{tmp}"], "--tls {tmp}: no ca.crt, frontend.crt"),
         (["--log-dir", "/proc/kvmesh-logs"], "--log-dir /proc/kvmesh-logs: No such file or directory"),
+        # flags the layout would ignore: one engine per worker process under the planner or P/D workers
+        (["--planner", "--num-engines", "3"], "--num-engines: with --planner or --decode-workers every worker"),
+        (["--decode-workers", "2", "--num-engines", "3"], "--num-engines: with --planner or --decode-workers"),
+        (["--max-engines", "3"], "--max-engines needs --planner"),
     ],
 )
 def test_a_flag_that_cannot_work_is_one_line_and_exit_2(tmp_path: Path, flags: list[str], says: str) -> None:

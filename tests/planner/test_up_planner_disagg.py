@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
+import time
 
 import pytest
 
@@ -48,3 +50,36 @@ def test_kvmesh_up_planner_manages_the_prefill_and_decode_pools(tmp_path):
     assert "pools prefill in [1, 2], decode in [1, 2], budget 4 engines" in planner_log
     assert "--role prefill" in planner_log and "--role decode" in planner_log
     assert "Traceback" not in planner_log
+
+
+@pytest.mark.timeout(300)
+def test_kvmesh_up_planner_under_tls_observes_its_engines_and_the_printed_commands_work(tmp_path):
+    """Under --tls the planner got no certificate: its watches of the workers failed the handshake, it saw
+    no engine and never scaled, and its own port was plaintext. The commands up prints (the planner status,
+    the tokenizer download) carry the operator certificate, and work pasted as they are."""
+    port, disc = free_port(), f"file://{tmp_path / 'disc'}"
+    with KvmeshUp(
+        ["--planner", "--tls", "--max-engines", "2", "--planner-args", "--interval 1", "--grpc-port", str(port),
+         "--discovery", disc, "--speedup-ratio", "0", "--no-demo"],
+    ) as up:  # fmt: skip
+        up.wait_for("kvmesh is up", 180)
+        watch = up.wait_for("Watch the planner: ", 30).removeprefix("Watch the planner: ").strip()
+        assert "--tls-cert" in watch, watch
+        deadline = time.monotonic() + 60
+        while True:
+            status = subprocess.run([*shlex.split(watch.replace("kvmesh ", f"{script('kvmesh')} ", 1)), "--json"],
+                                    capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert status.returncode == 0, status.stdout + status.stderr
+            (leader,) = json.loads(status.stdout)
+            if leader.get("observed") == {"aggregated": 1}:
+                break
+            assert time.monotonic() < deadline, f"the planner observes no engine: {leader}"
+            time.sleep(1)
+        files = up.wait_for("Benchmark it", 30).split(": ", 1)[1].split(" && ")[0]
+        assert "--tls-cert" in files, files
+        out = tmp_path / "tok"
+        fetched = subprocess.run(
+            shlex.split(files.replace("kvmesh ", f"{script('kvmesh')} ", 1).replace("./tok", str(out))),
+            capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert fetched.returncode == 0 and (out / "tokenizer.json").exists(), fetched.stdout + fetched.stderr
+        assert up.stop() == 0

@@ -35,6 +35,18 @@ def server_ready(address: str, timeout: float = 1.0, credentials: grpc.ChannelCr
             return False
 
 
+def served_models(address: str, timeout: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> list[str]:
+    """The models the frontend serves now (with a live engine), from ModelStatistics of every model."""
+    with _channel(address, credentials) as channel:
+        try:
+            stats = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
+                kserve.ModelStatisticsRequest(), timeout=timeout
+            )
+        except grpc.RpcError:
+            return []
+    return [entry.name for entry in stats.model_stats]
+
+
 def _bytes_tensor(name: str, value: bytes) -> tuple[kserve.ModelInferRequest.InferInputTensor, bytes]:
     tensor = kserve.ModelInferRequest.InferInputTensor(name=name, datatype="BYTES", shape=[1])
     return tensor, struct.pack("<I", len(value)) + value

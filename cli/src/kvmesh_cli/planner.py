@@ -35,10 +35,10 @@ def add_up_flags(p: argparse.ArgumentParser) -> None:
         "up to --max-engines each",
     )
     p.add_argument(
-        "--min-engines", type=positive_int, default=1, help="with --planner: smallest aggregated pool (default: 1)"
+        "--min-engines", type=positive_int, default=None, help="with --planner: smallest aggregated pool (default: 1)"
     )
     p.add_argument(
-        "--max-engines", type=positive_int, default=4, help="with --planner: largest pool, each (default: 4)"
+        "--max-engines", type=positive_int, default=None, help="with --planner: largest pool, each (default: 4)"
     )
     p.add_argument(
         "--planner-args",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -29,7 +30,7 @@ from kvmesh_router.settings import Settings as RouterSettings
 from kvmesh_worker.settings import Settings as WorkerSettings
 
 from kvmesh_cli import planner as up_planner
-from kvmesh_cli.kserve_demo import demo_request, server_ready
+from kvmesh_cli.kserve_demo import demo_request, served_models, server_ready
 from kvmesh_cli.up_tls import add_tls_argument, daemon_tls_args, kserve_credentials, prepare_tls, tls_dir_missing
 from kvmesh_cli.vllm_cores import keep_off_model_cores, worker_environments
 
@@ -189,7 +190,7 @@ def _routable(
         outcome = demo_request(address, model, max_tokens=1, credentials=credentials)
     except grpc.RpcError:
         return False
-    if outcome.startswith("demo request failed: UNAVAILABLE"):
+    if outcome.startswith(("demo request failed: UNAVAILABLE", "demo request failed: NOT_FOUND")):
         return False
     return not (disaggregated and "no prefill engine" in outcome)  # the frontend's kvmesh.disagg reason
 
@@ -291,6 +292,24 @@ def _serve_until_stopped(procs: list[subprocess.Popen[bytes]], stop: dict[str, b
     return None
 
 
+def _ignored_flags(args: argparse.Namespace) -> str | None:
+    """A flag the chosen layout would ignore (then refused, not silently dropped), else None; fills in the
+    planner flags' defaults."""
+    if args.num_engines is not None and (args.planner or args.decode_workers):
+        return (
+            "--num-engines: with --planner or --decode-workers every worker process runs one engine "
+            "(size the pools with --max-engines, --decode-workers and --prefill-workers)"
+        )
+    if not args.planner:
+        given = [f for f, v in (("--min-engines", args.min_engines), ("--max-engines", args.max_engines)) if v]
+        given += ["--planner-args"] if args.planner_args else []
+        if given:
+            return f"{given[0]} needs --planner"
+    args.min_engines = args.min_engines or 1
+    args.max_engines = args.max_engines or 4
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     known = frozenset().union(*(settings.variables() for settings in DAEMONS.values()))
     stray = sorted(var for var in os.environ if is_setting_variable(var) and var not in known)
@@ -320,6 +339,9 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill_workers and not args.decode_workers:
         print("kvmesh up: error: --prefill-workers needs --decode-workers", file=sys.stderr)
         return 2
+    if problem := _ignored_flags(args):
+        print(f"kvmesh up: error: {problem}", file=sys.stderr)
+        return 2
     temporary = args.log_dir is None
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvmesh-up-"))
     try:
@@ -331,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
     common += ["--bind-host", "127.0.0.1"]  # a local mesh is reachable from this machine only
     if args.config:
         common += ["--config", args.config]
+    engines_from_config = args.num_engines is None and args.config is not None  # [worker] num-engines, else 1
     if args.num_engines is None:
         args.num_engines = 1 if vllm else 2
     if args.ready_timeout is None:
@@ -381,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
         router_args += daemon_tls_args(tls_dir, "router")
         frontend_args += daemon_tls_args(tls_dir, "frontend")
         if args.planner:  # the planner starts (and stops) the workers itself, one engine each
-            planner_argv = up_planner.planner_argv(args, common, worker_args)
+            planner_argv = up_planner.planner_argv(args, common, worker_args) + daemon_tls_args(tls_dir, "planner")
             if "kvmesh-planner" in metrics:
                 planner_argv += ["--metrics-port", str(metrics["kvmesh-planner"])]
             procs.append(_spawn("kvmesh-planner", planner_argv, log_dir))
@@ -394,7 +417,8 @@ def run(args: argparse.Namespace) -> int:
                     name = f"kvmesh-worker-{role}-{i}"
                     procs.append(_spawn("kvmesh-worker", role_args, log_dir, name, env=next(envs, None)))
         else:
-            procs.append(_spawn("kvmesh-worker", worker(["--num-engines", str(args.num_engines)]), log_dir))
+            engines = [] if engines_from_config else ["--num-engines", str(args.num_engines)]
+            procs.append(_spawn("kvmesh-worker", worker(engines), log_dir))
         procs.append(_spawn("kvmesh-router", router_args, log_dir))
         procs.append(_spawn("kvmesh-frontend", frontend_args, log_dir))
         address = f"127.0.0.1:{args.grpc_port}"
@@ -410,12 +434,12 @@ def run(args: argparse.Namespace) -> int:
                 why = _why(dead[0]) if dead else f"not ready within {args.ready_timeout:g}s"
                 print(f"kvmesh up: error: mesh not ready ({why}); logs in {log_dir}", file=sys.stderr)
                 return 2 if dead and dead[0].returncode == 2 else 1
-            if (
-                server_ready(address, credentials=credentials)
-                and all(p.poll() is None for p in procs)
-                and _routable(address, model, credentials, disaggregated=bool(args.prefill_workers))
-            ):
-                break
+            if server_ready(address, credentials=credentials) and all(p.poll() is None for p in procs):
+                served = served_models(address, credentials=credentials)
+                if model not in served and len(served) == 1:  # named otherwise by --config (served-model-name)
+                    model = served[0]
+                if _routable(address, model, credentials, disaggregated=bool(args.prefill_workers)):
+                    break
             time.sleep(0.2)
         # The planner's later workers would inherit a confined affinity, and vLLM picks its cores from it.
         split = (
@@ -428,6 +452,8 @@ def run(args: argparse.Namespace) -> int:
                 if args.planner
                 else f"{args.prefill_workers} prefill + {args.decode_workers} decode worker(s)"
                 if args.decode_workers
+                else f"{args.engine} engines as --config sets"
+                if engines_from_config
                 else f"{args.num_engines} {args.engine} engine(s)"
             )
             + f"; logs in {log_dir}; "
@@ -457,15 +483,20 @@ def run(args: argparse.Namespace) -> int:
         print("\nTry it with tritonclient:\n" + example + "\n", flush=True)
         where = "" if args.namespace == "kvmesh-local" else f" --namespace {args.namespace}"
         where += f" --discovery {args.discovery}" if args.discovery else ""
+        operator = perf_tls = ""
+        if tls_dir is not None:  # the operator certificate for the mesh's ports, the CA for the frontend's
+            cert, key, ca = (str(tls_dir / name) for name in ("operator.crt", "operator.key", "ca.crt"))
+            operator = " " + shlex.join(["--tls-cert", cert, "--tls-key", key, "--tls-ca", ca])
+            perf_tls = " -- --ssl-grpc-use-ssl " + shlex.quote(f"--ssl-grpc-root-certifications-file={ca}")
         print(
-            f"Benchmark it (make perf-tools): kvmesh model files {model} --out ./tok{where} && genai-perf "
+            f"Benchmark it (make perf-tools): kvmesh model files {model} --out ./tok{where}{operator} && genai-perf "
             f"profile -m {model} --endpoint-type kserve --backend vllm --streaming -u localhost:{args.grpc_port} "
-            "--tokenizer ./tok\n",
+            f"--tokenizer ./tok{perf_tls}\n",
             flush=True,
         )
         if args.planner:
             flags = f" --namespace {args.namespace}" + (f" --discovery {args.discovery}" if args.discovery else "")
-            print(f"Watch the planner: kvmesh planner status{flags}\n", flush=True)
+            print(f"Watch the planner: kvmesh planner status{flags}{operator}\n", flush=True)
         if not args.no_demo:
             # ServerReady means an engine is live; the router may still be warming up for a moment.
             outcome = demo_request(address, model, credentials=credentials)
