@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(
                     f"  {spec.label} (seed {t.meta['seed']}): TTFT p50 {s.ttft_p50_ms:.0f} ms, "
                     f"p99 {s.ttft_p99_ms:.0f} ms, hit {s.hit_rate:.3f}"
+                    + (f"; {len(t.errors)} requests failed, first: {t.errors[0]}" if t.errors else "")
                 )
     except ReplayError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

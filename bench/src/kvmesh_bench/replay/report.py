@@ -272,7 +272,8 @@ def plot_run(run: RunData, path: str | Path) -> Path:
     t_s = run.arrival_ms / 1000.0
     ax.scatter(t_s, run.ttft_ms, s=2, alpha=0.35, label="TTFT")
     ax.scatter(t_s, run.e2e_ms, s=2, alpha=0.15, label="end-to-end")
-    ax.set_yscale("log")
+    if np.any(np.isfinite(run.ttft_ms) & (run.ttft_ms > 0)):  # a log scale of nothing raises: no request done
+        ax.set_yscale("log")
     ax.set_xlabel("arrival (s)")
     ax.set_ylabel("ms")
     ax.set_title("latency over time")
@@ -302,15 +303,18 @@ def plot_run(run: RunData, path: str | Path) -> Path:
 
 
 def _cdf(ax: Any, series: Sequence[tuple[str, np.ndarray]]) -> None:
+    plotted = False
     for label, values in series:
         v = np.sort(values[~np.isnan(values)])
         if v.size:
             ax.plot(v, np.arange(1, v.size + 1) / v.size, label=label)
-    ax.set_xscale("log")
+            plotted = True
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    if plotted:  # a log scale of nothing raises, and a legend of nothing warns (no request done)
+        ax.set_xscale("log")
+        ax.legend(loc="lower right", fontsize=8)
 
 
 def plot_compare(runs: Sequence[RunData], path: str | Path, title: str = "") -> Path:
