@@ -386,8 +386,12 @@ def run(args: argparse.Namespace) -> int:
         else []
     )
 
+    worker_metrics: list[int] = []  # every worker process's /metrics port, in start order
+
     def worker(extra: list[str]) -> list[str]:
         port = next(worker_ports, None)
+        if port is not None:
+            worker_metrics.append(port)
         return [*worker_args, *extra, *(["--metrics-port", str(port)] if port is not None else [])]
 
     procs: list[subprocess.Popen[bytes]] = []
@@ -468,12 +472,11 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
         if metrics:  # what listens: the planner's workers have none, and a planner runs only with --planner
-            listening = {"kvmesh-router", "kvmesh-frontend", "kvmesh-planner" if args.planner else "kvmesh-worker"}
-            where = ", ".join(
-                f"{n.removeprefix('kvmesh-')} http://localhost:{p}/metrics"
-                for n, p in metrics.items()
-                if n in listening
-            )
+            listening = [("worker", p) for p in worker_metrics]  # P/D: one per worker process
+            listening += [(n.removeprefix("kvmesh-"), p) for n, p in metrics.items() if n != "kvmesh-worker"]
+            if not args.planner:
+                listening = [(n, p) for n, p in listening if n != "planner"]
+            where = ", ".join(f"{n} http://localhost:{p}/metrics" for n, p in listening)
             print(f"Prometheus metrics: {where}", flush=True)
         example = EXAMPLE.format(port=args.grpc_port, model=model)
         if tls_dir is not None:  # stock tritonclient over TLS: the mesh CA verifies the frontend
