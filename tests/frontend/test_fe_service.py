@@ -563,6 +563,8 @@ async def test_model_infer_errors_are_statuses(mesh) -> None:
     await expect_status(stub.ModelInfer(llm_request("x")), grpc.StatusCode.RESOURCE_EXHAUSTED, "every engine is busy")
     router.outcome = router_pb2.DECISION_OUTCOME_NO_ENGINE
     await expect_status(stub.ModelInfer(llm_request("x")), grpc.StatusCode.UNAVAILABLE, "no live engine")
+    router.outcome = router_pb2.DECISION_OUTCOME_ERROR  # the router's own failure is not the client's mistake
+    await expect_status(stub.ModelInfer(llm_request("x")), grpc.StatusCode.INTERNAL, "the router failed to decide")
     router.outcome = router_pb2.DECISION_OUTCOME_ROUTED
     for b in worker.behaviour.values():
         b.error = (grpc.StatusCode.INVALID_ARGUMENT, "prompt longer than max_model_len 100")

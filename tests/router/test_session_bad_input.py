@@ -1,5 +1,5 @@
 """A Session stream outlives any one bad message: bytes that do not parse, overrides out of range, and a
-bug inside a decision each get one INVALID decision, and the stream's other queries keep their bookings
+bug inside a decision each get one INVALID (a bug: ERROR) decision, and the stream's other queries keep their bookings
 (a real RouterServicer over gRPC on loopback; the router's state in process). Also the router's other bad
 input: a prefill id the session already uses, an engine it does not know in DumpIndex."""
 
@@ -23,6 +23,7 @@ from kvmesh_router.translate import MAX_QUERY_BLOCKS
 from tests.router.test_router_e2e_harness import ROUTED, prompt, seq_hashes
 
 INVALID = router_pb2.DECISION_OUTCOME_INVALID
+ERROR = router_pb2.DECISION_OUTCOME_ERROR
 #: A SessionRequest whose route.request_id (field 1 of field 1) is not UTF-8, as a C++ or Go client can send.
 NOT_UTF8 = b"\x0a\x04\x0a\x02\xff\xfe"
 
@@ -120,7 +121,7 @@ async def test_a_bug_inside_a_decision_is_one_invalid_answer_that_names_no_excep
 
     monkeypatch.setattr(state, "route", route)
     decisions, booked = await decide(state, [query("boom", "AB"), query("r2", "AB")])
-    assert decisions[0].outcome == INVALID and decisions[0].request_id == "boom"
+    assert decisions[0].outcome == ERROR and decisions[0].request_id == "boom"
     assert "ZeroDivision" not in decisions[0].message and "division" not in decisions[0].message
     assert decisions[0].message == "internal router error (logged by the router); the query was not routed"
     assert decisions[1].outcome == ROUTED and booked == 1
@@ -207,11 +208,11 @@ class FailsOn(BookingListener):
 
 
 async def test_a_bug_after_the_remote_prefill_was_booked_leaves_neither_booking() -> None:
-    """The INVALID answer names no prefill, so nobody would ever free it: it held its engine for the TTL."""
+    """The ERROR answer names no prefill, so nobody would ever free it: it held its engine for the TTL."""
     state = disagg_router()
     state.bookings.add_listener(FailsOn("/c/prefill"))
     decisions, booked = await decide(state, [disagg_query("c"), disagg_query("d")])
-    assert decisions[0].outcome == INVALID and decisions[1].prefill.place == router_pb2.PREFILL_PLACE_REMOTE
+    assert decisions[0].outcome == ERROR and decisions[1].prefill.place == router_pb2.PREFILL_PLACE_REMOTE
     assert booked == 2  # d and d's prefill
 
 
@@ -220,7 +221,7 @@ async def test_a_bug_in_a_decision_frees_no_other_request_of_the_session() -> No
     state = disagg_router()
     state.bookings.add_listener(FailsOn("/b"))
     decisions, booked = await decide(state, [disagg_query("b/prefill"), disagg_query("b")])
-    assert decisions[0].outcome == ROUTED and decisions[1].outcome == INVALID
+    assert decisions[0].outcome == ROUTED and decisions[1].outcome == ERROR
     assert booked == 2  # "b/prefill" and its own remote prefill, "b/prefill/prefill"
 
 

@@ -305,6 +305,9 @@ class Generator:
             return unavailable(f"model '{req.model}': no live engine can take the request (router: {why})")
         if decision.outcome == router_pb2.DECISION_OUTCOME_INVALID:
             return invalid(f"the router refused the request: {why}")
+        if decision.outcome == router_pb2.DECISION_OUTCOME_ERROR:  # the router's bug, not the client's mistake
+            log.error("request %s: the router failed to decide: %s", req.request_id, why)
+            return internal(f"request {req.request_id}: the router failed to decide (an internal error, logged)")
         return internal(f"request {req.request_id}: the router answered outcome {decision.outcome} ({why})")
 
     @staticmethod

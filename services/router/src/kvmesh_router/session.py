@@ -154,7 +154,7 @@ class SessionHandler:
                 state.finish(key + PREFILL_SUFFIX)  # a remote prefill booked before the failure
             decision.Clear()
             decision.request_id = rid
-            decision.outcome = INVALID
+            decision.outcome = router_pb2.DECISION_OUTCOME_ERROR
             decision.message = "internal router error (logged by the router); the query was not routed"
         if decision.outcome == ROUTED:
             active[rid] = key
