@@ -272,3 +272,19 @@ def test_prefill_worker_killed_while_its_blocks_are_being_read_fails_fast_and_th
         assert_nothing_held(mesh)
     finally:
         mesh.close()
+
+
+def test_engines_that_cannot_share_kv_serve_with_a_local_prefill(tmp_path):
+    """A prefill and a decode engine of other KV byte sizes (a mesh misconfiguration): the pull is refused
+    FAILED_PRECONDITION, which failed every disaggregated request INTERNAL; the frontend now prefills
+    locally on the decode engine and logs the misconfiguration."""
+    mesh = _mesh(tmp_path)
+    try:
+        _build(mesh, 1, 1, decode_args=("--kv-bytes-per-block", "8192"))
+        out = stream_requests(mesh.url_frontend, [request("a", LONG)])["a"]
+        assert out.num_tokens == 12  # stream_requests raises an error response
+        assert param(out.final, "kvmesh.disagg") == "local: no other prefill engine after a failed one"
+        assert "its KV cannot be used" in mesh.frontend.log_text()  # type: ignore[union-attr]
+        assert_nothing_held(mesh)
+    finally:
+        mesh.close()

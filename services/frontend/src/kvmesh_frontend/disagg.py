@@ -173,9 +173,15 @@ class Disaggregator:
 
     @staticmethod
     def transfer_failed(exc: EngineError, params: KvTransferParams | None, state: DisaggState) -> bool:
-        """A decode leg whose pull failed (ABORTED: source gone or backend error): retry locally, same engine."""
-        if params is None or exc.code != grpc.StatusCode.ABORTED:
+        """A decode leg whose pull failed: retry with a local prefill, same engine, that prefill engine excluded.
+
+        ABORTED: the source is gone or the backend failed. FAILED_PRECONDITION: the two engines cannot
+        share KV (block sizes or bytes per block differ, a mesh misconfiguration, logged as an error each
+        time): every disaggregated request failed INTERNAL; served with a local prefill it does not."""
+        if params is None or exc.code not in (grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION):
             return False
+        if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+            log.error("prefill engine %x: its KV cannot be used: %s; prefilling locally", params.source_engine_id, exc)
         state.excluded_prefill.append(params.source_engine_id)
         state.prefill_engine_id = 0
         state.decision = "local: the KV transfer failed"

@@ -209,7 +209,7 @@ class Generator:
                 failure = "the engine ended the stream before the request finished"
             except EngineError as exc:
                 transfer_failed = self.disagg.transfer_failed(exc, kv, state.disagg)
-                if exc.code not in MIGRATABLE:
+                if exc.code not in MIGRATABLE and not transfer_failed:
                     raise self._engine_error(req, decision, exc) from None
                 failure = f"{exc.code.name}: {exc.details}"  # for the log: may carry a peer's gRPC debug text
             finally:
