@@ -115,6 +115,17 @@ def output_file(text: str) -> Path:
     return path
 
 
+def pem_file(text: str) -> bytes:
+    """A PEM file to read now (``--tls-ca``): its bytes; refused at once if it is missing or holds no PEM."""
+    try:
+        data = Path(text).read_bytes()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data:
+        raise argparse.ArgumentTypeError(f"{text}: no PEM block (a certificate or key file is expected)")
+    return data
+
+
 def png_file(text: str) -> Path:
     """A PNG a command will write (``--plot``): an :func:`output_file` named ``*.png`` (matplotlib would
     otherwise add the suffix itself, and the command name a file it never wrote)."""

@@ -29,6 +29,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvmesh_router.cost import MODES
 from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
@@ -39,6 +40,7 @@ from kvmesh_bench.argtypes import (
     non_negative_float,
     non_negative_int,
     output_file,
+    pem_file,
     png_file,
     positive_float,
     positive_int,
@@ -47,6 +49,9 @@ from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, format_table, plot_run, run_json, summarize, write_json
 from kvmesh_bench.replay.workload import DEFAULT_VOCAB_SIZE, ReplayRequest, TokenMapper, build_requests
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace
+
+if TYPE_CHECKING:
+    import grpc
 
 __all__ = ["ModeSpec", "ReplayError", "add_common_args", "load_requests", "main", "parse_mode", "run_mode"]
 
@@ -151,6 +156,15 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=positive_int, default=None, help="replay only the first N requests")
     p.add_argument("--duration", type=positive_float, default=None, help="live: stop sending after S seconds")
     p.add_argument("--connect-timeout", type=positive_float, default=5.0, help="live: frontend probe timeout (s)")
+    p.add_argument(
+        "--tls-ca",
+        type=pem_file,
+        metavar="FILE",
+        help="live: the frontend speaks TLS; verify it with this CA (kvmesh up --tls prints where its ca.crt is)",
+    )
+    p.add_argument("--tls-cert", type=pem_file, metavar="FILE", help="live, with --tls-ca: a client certificate "
+                   "(a frontend started with --kserve-client-cert asks for one)")  # fmt: skip
+    p.add_argument("--tls-key", type=pem_file, metavar="FILE", help="live: the key of --tls-cert")
     p.add_argument("--drain-timeout", type=positive_float, default=120.0, help="live: wait S s for in-flight ones")
     p.add_argument(
         "--stream-interval",
@@ -232,11 +246,25 @@ def check_live_args(args: argparse.Namespace) -> None:
         ]
         if given:  # they would be ignored: the replay is aggregated
             raise ReplayError(f"{', '.join(given)} apply to a P/D fleet: give --prefill-engines and --decode-engines")
+    tls = [flag for flag in ("--tls-ca", "--tls-cert", "--tls-key") if getattr(args, flag[2:].replace("-", "_"))]
+    if tls and args.offline:
+        raise ReplayError(f"{tls[0]} is for a live replay (a frontend with TLS), not --offline")
+    if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_cert is not None and args.tls_ca is None):
+        raise ReplayError("a client certificate takes --tls-cert, --tls-key and --tls-ca together")
     if args.offline and args.perf_model not in (None, "polynomial"):
         try:  # now, in one line, rather than as a traceback from inside the simulation
             load_perf_model(args.perf_model)
         except (OSError, ValueError, KeyError) as exc:
             raise ReplayError(f"--perf-model {args.perf_model}: {exc}") from None
+
+
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS to the frontend (``--tls-ca``, and a client certificate with ``--tls-cert``/``--tls-key``)."""
+    if args.tls_ca is None:
+        return None
+    import grpc  # not at the top: an offline replay's start-up is part of what it measures
+
+    return grpc.ssl_channel_credentials(args.tls_ca, args.tls_key, args.tls_cert)
 
 
 def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequest], seed: int) -> RunData:
@@ -292,6 +320,7 @@ def run_mode(args: argparse.Namespace, spec: ModeSpec, requests: list[ReplayRequ
             stream_interval=args.stream_interval,
             progress=not args.no_progress,
             engines_hint=0,
+            credentials=_credentials(args),
         )
         try:
             run = asyncio.run(run_live(requests, mapper, options, label=spec.label))

@@ -66,6 +66,7 @@ class LiveOptions:
     stream_interval: int = 1  # sampling_parameters.stream_interval (1: not sent, one response per engine output)
     progress: bool = True
     engines_hint: int = 0  # engines expected (sizes the per-engine columns; grows as more are seen)
+    credentials: grpc.ChannelCredentials | None = None  # TLS to the frontend; None: plaintext
 
 
 @dataclass
@@ -160,7 +161,12 @@ async def run_live(
 ) -> RunData:
     """Replay ``requests`` against the frontend; raises :class:`FrontendUnreachable` before sending anything."""
     cpu0 = time.process_time()
-    async with grpc.aio.insecure_channel(options.frontend, options=_CHANNEL_OPTIONS) as channel:
+    channel_of = (
+        grpc.aio.insecure_channel(options.frontend, options=_CHANNEL_OPTIONS)
+        if options.credentials is None
+        else grpc.aio.secure_channel(options.frontend, options.credentials, options=_CHANNEL_OPTIONS)
+    )
+    async with channel_of as channel:
         await probe_frontend(channel, options.model, options.connect_timeout_s)
         stub = kserve_grpc.GRPCInferenceServiceStub(channel)
         tracks = {r.request_id: _Track() for r in requests}
