@@ -7,12 +7,13 @@ finishes just as the frontend's cancel for it arrives, the two crossing on the w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 from kvmesh.channels import ChannelPool
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from kvmesh_frontend.engine_stream import EngineStreams
+from kvmesh_frontend.engine_stream import EngineCall, EngineStreams
 
 
 class _PrefillCrossingTheCancel(worker_pb2_grpc.WorkerServiceServicer):
@@ -45,10 +46,9 @@ class _PrefillCrossingTheCancel(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.ReleaseKvResponse(released=True)
 
 
-async def test_a_prefills_hold_that_arrives_after_its_request_was_cancelled_is_released() -> None:
-    """The client left as its prefill finished: nobody will pull that KV, so the frontend releases the hold
-    at once, not at the hold's lease (``--kv-hold-timeout``, 30 s), which kept its blocks from others."""
-    worker = _PrefillCrossingTheCancel()
+@contextlib.asynccontextmanager
+async def _prefill_on(worker: worker_pb2_grpc.WorkerServiceServicer, request_id: str) -> AsyncIterator[EngineCall]:
+    """``worker`` served on loopback, and a prefill (one token, its KV held) started on it."""
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
@@ -56,17 +56,24 @@ async def test_a_prefills_hold_that_arrives_after_its_request_was_cancelled_is_r
     streams = EngineStreams(ChannelPool())
     try:
         sampling = worker_pb2.SamplingOptions(max_tokens=1)
-        call = streams.start(
+        yield streams.start(
             address,
             worker_pb2.GenerateRequest(
-                request_id="p1", engine_id=5, token_ids=[1, 2, 3], sampling=sampling, hold_kv_for_transfer=True
+                request_id=request_id, engine_id=5, token_ids=[1, 2, 3], sampling=sampling, hold_kv_for_transfer=True
             ),
         )
-        call.cancel()
-        assert await asyncio.wait_for(worker.released.get(), 10) == (5, "hold-of-p1")
     finally:
         await streams.close()
         await server.stop(None)
+
+
+async def test_a_prefills_hold_that_arrives_after_its_request_was_cancelled_is_released() -> None:
+    """The client left as its prefill finished: nobody will pull that KV, so the frontend releases the hold
+    at once, not at the hold's lease (``--kv-hold-timeout``, 30 s), which kept its blocks from others."""
+    worker = _PrefillCrossingTheCancel()
+    async with _prefill_on(worker, "p1") as call:
+        call.cancel()
+        assert await asyncio.wait_for(worker.released.get(), 10) == (5, "hold-of-p1")
 
 
 class _PrefillFinishingAtOnce(_PrefillCrossingTheCancel):
@@ -90,24 +97,9 @@ async def test_a_prefills_hold_that_came_but_was_not_read_when_its_request_was_c
     """The same race one step later: the hold reached the frontend, and the request was cancelled before
     its reader took it (the client left as it arrived)."""
     worker = _PrefillFinishingAtOnce()
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    streams = EngineStreams(ChannelPool())
-    try:
-        sampling = worker_pb2.SamplingOptions(max_tokens=1)
-        call = streams.start(
-            address,
-            worker_pb2.GenerateRequest(
-                request_id="p2", engine_id=5, token_ids=[1, 2, 3], sampling=sampling, hold_kv_for_transfer=True
-            ),
-        )
+    async with _prefill_on(worker, "p2") as call:
         async with asyncio.timeout(10):
             while not call._items:  # the hold arrived, unread
                 await asyncio.sleep(0.01)
         call.cancel()
         assert await asyncio.wait_for(worker.released.get(), 10) == (5, "hold-of-p2")
-    finally:
-        await streams.close()
-        await server.stop(None)
