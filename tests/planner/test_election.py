@@ -139,19 +139,20 @@ def test_a_deposed_leader_drains_the_workers_its_local_connector_started_once_an
         return Daemon("kvmesh-planner", args, tmp_path, port)
 
     started = r"started aggregated worker 1 \(pid (\d+)\)"
-    with EtcdServer(tmp_path / "etcd") as etcd, running(local_planner(), local_planner()) as (a, b):
+    with EtcdServer(tmp_path / "etcd") as etcd, running(local_planner()) as (a,):
         a.wait_serving()
-        a_worker = int(a.wait_log(started, timeout=60).group(1))
-        b.wait_serving()
-        a.signal(signal.SIGSTOP)  # a pause past its lease: b leads and starts a worker of its own
-        try:
-            b_worker = int(b.wait_log(started, timeout=60).group(1))
-        finally:
-            a.signal(signal.SIGCONT)
-        a.wait_log(r"leads now: draining the 1 worker\(s\) this planner started", timeout=30)
-        deadline = time.monotonic() + 30
-        while running_pid(a_worker):
-            assert time.monotonic() < deadline, f"the deposed leader's worker serves on:\n{a.log_text()[-3000:]}"
-            time.sleep(0.1)
-        assert running_pid(b_worker)
-        assert (s := status(b)) is not None and s.leader
+        a_worker = int(a.wait_log(started, timeout=60).group(1))  # a leads: b starts only now
+        with running(local_planner()) as (b,):
+            b.wait_serving()
+            a.signal(signal.SIGSTOP)  # a pause past its lease: b leads and starts a worker of its own
+            try:
+                b_worker = int(b.wait_log(started, timeout=60).group(1))
+            finally:
+                a.signal(signal.SIGCONT)
+            a.wait_log(r"leads now: draining the 1 worker\(s\) this planner started", timeout=30)
+            deadline = time.monotonic() + 30
+            while running_pid(a_worker):
+                assert time.monotonic() < deadline, f"the deposed leader's worker serves on:\n{a.log_text()[-3000:]}"
+                time.sleep(0.1)
+            assert running_pid(b_worker)
+            assert (s := status(b)) is not None and s.leader
