@@ -136,20 +136,19 @@ async def test_a_query_with_more_block_hashes_than_any_prompt_needs_is_invalid()
     assert booked == 0
 
 
-async def test_a_query_whose_block_hashes_cannot_be_its_prompts_is_invalid() -> None:
-    """More hashes than tokens, or one hash repeated: booked, the same cached block counted 100 times gave a
-    100-of-100 overlap to a query of 0 tokens."""
+async def test_a_query_with_more_block_hashes_than_tokens_is_invalid() -> None:
+    """More hashes than tokens: booked, a query of 0 tokens got the cache credit of blocks it does not have.
+    (Repeated hashes are not looked for: 7 µs of set building per decision, against queries only the mesh's
+    own authenticated frontends send.)"""
     h = seq_hashes(prompt("A"))[0]
     queries = [
         router_pb2.RouteQuery(request_id="many", model="m", block_hashes=seq_hashes(prompt(*"AB")), num_tokens=1),
         router_pb2.RouteQuery(request_id="none", model="m", block_hashes=[h], num_tokens=0),
-        router_pb2.RouteQuery(request_id="same", model="m", block_hashes=[h] * 100, num_tokens=100 * 16),
     ]
     messages = [router_pb2.SessionRequest(route=q).SerializeToString() for q in queries]
     decisions, booked = await decide(router(), messages)
-    assert [d.outcome for d in decisions] == [INVALID] * 3 and booked == 0
+    assert [d.outcome for d in decisions] == [INVALID] * 2 and booked == 0
     assert "2 block hashes for a prompt of 1 tokens" in decisions[0].message
-    assert "repeated block hashes" in decisions[2].message
 
 
 async def test_a_prefill_whose_id_the_session_already_uses_is_local_and_says_why_without_internal_keys() -> None:

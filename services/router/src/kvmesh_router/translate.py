@@ -83,8 +83,6 @@ def route_request(key: str, query: router_pb2.RouteQuery, allowed: frozenset[int
         raise QueryError(
             INVALID, f"{len(hashes)} block hashes for a prompt of {query.num_tokens} tokens (a block has one or more)"
         )
-    if len(set(hashes)) != len(hashes):  # one cached block counted as many
-        raise QueryError(INVALID, "repeated block hashes: a prompt's block hashes are chained, no two are equal")
     override: RouterConfigOverride | None = None
     if query.HasField("overrides"):
         ov = query.overrides
