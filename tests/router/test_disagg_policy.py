@@ -6,13 +6,19 @@ from __future__ import annotations
 import random
 
 from kvmesh.kv_events import BlocksStored, StoredBlock
+from kvmesh.v1 import discovery_pb2, router_pb2
 from kvmesh_router.admission import Admission, BusyThresholds, EngineSpec
 from kvmesh_router.cost import RouterConfigOverride
 from kvmesh_router.disagg import PrefillPlace, plan_prefill
+from kvmesh_router.engines import EngineInfo
 from kvmesh_router.indexer import KvIndexer
+from kvmesh_router.metrics import RouterMetrics
+from kvmesh_router.settings import RouterSettings
 from kvmesh_router.slot_tracker import SlotTracker
+from kvmesh_router.state import RouterState
 
 from tests.router.test_admission import BS, decided, request, seq
+from tests.router.test_router_e2e_harness import ROUTED, prompt, seq_hashes
 
 PREFILL, PREFILL_2, DECODE = 3, 5, 4
 PROMPT = tuple("ABCDEFGHIJ")  # 10 blocks of BS tokens
@@ -82,3 +88,35 @@ def test_a_request_pinned_to_its_decode_engine_is_still_prefilled_remotely():
     prefill = plan_prefill(adm, pinned, decode, BS, 0, frozenset(), 0.0)
     assert prefill.place is PrefillPlace.REMOTE and prefill.reason == "remote"
     assert prefill.decision is not None and prefill.decision.engine_id in (PREFILL, PREFILL_2)
+
+
+def test_a_request_is_one_decision_and_its_prefill_placement_is_counted_apart():
+    """A prefill kept local because the prefill pool is busy is still served: it is a placement, not a
+    second (rejected) routing decision of the request."""
+    state = RouterState(RouterSettings(prefill_backlog_tokens=8 * 16 - 1), RouterMetrics())
+    state.add_engine(EngineInfo(11, "m", "w11", 16, 1000, role="decode"))
+    state.add_engine(EngineInfo(22, "m", "w22", 16, 1000, role="prefill"))
+    tokens = prompt(*"ABCDEFGH")  # 8 blocks of 16: the first booked prompt makes the prefill pool busy
+    places = []
+    for rid in ("a", "b"):
+        route = router_pb2.RouteQuery(
+            request_id=rid,
+            model="m",
+            block_hashes=seq_hashes(tokens),
+            num_tokens=len(tokens),
+            overrides=router_pb2.RouterConfigOverride(role=discovery_pb2.WORKER_ROLE_DECODE),
+        )
+        route.disagg.SetInParent()
+        out = router_pb2.RouteDecision()
+        state.route(f"s/{rid}", route, out)
+        assert out.outcome == ROUTED
+        places.append(out.prefill.place)
+    assert places == [router_pb2.PREFILL_PLACE_REMOTE, router_pb2.PREFILL_PLACE_LOCAL_BUSY]
+
+    def sample(name: str, **labels: str) -> float | None:
+        return state.metrics.registry.get_sample_value(name, labels)
+
+    assert sample("kvmesh_router_decisions_total", mode="kv", outcome="routed") == 2
+    assert sample("kvmesh_router_decisions_total", mode="kv", outcome="rejected") == 0
+    assert sample("kvmesh_router_prefill_placements_total", place="remote") == 1
+    assert sample("kvmesh_router_prefill_placements_total", place="local_busy") == 1

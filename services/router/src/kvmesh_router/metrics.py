@@ -149,6 +149,12 @@ class RouterMetrics:
         self.decisions = Counter(
             "kvmesh_router_decisions", "routing decisions by mode and outcome", ["mode", "outcome"], registry=r
         )
+        self.prefill_places = Counter(
+            "kvmesh_router_prefill_placements",
+            "where the prefills of disaggregated decode requests went (remote, or local and why)",
+            ["place"],
+            registry=r,
+        )
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(f"kvmesh_router_{name}", doc, buckets=buckets, registry=r)
@@ -191,10 +197,17 @@ class RouterMetrics:
         # Pre-create the label sets people alert on, so they exist (at 0) before the first event.
         for outcome in ("routed", "rejected", "no_engine", "invalid"):
             self.decisions.labels("kv", outcome)
+        self._place_children = {
+            place: self.prefill_places.labels(place)
+            for place in ("remote", "local_short", "local_busy", "local_no_engine", "local_id_taken")
+        }
 
     def add_source(self, name: str, read: Callable[[], dict[str, Any]]) -> None:
         """Register a scrape-time reader (``ingest``, ``index``, ``state``, ``replicas``)."""
         self.core.sources[name] = read
+
+    def observe_prefill_place(self, place: str) -> None:
+        self._place_children[place].inc()
 
     def observe_decision(self, mode: str, outcome: str, seconds: float, overlap: int = 0, best: int = 0) -> None:
         child = self._decision_children.get((mode, outcome))
@@ -203,9 +216,13 @@ class RouterMetrics:
         child.inc()
         self.decision_latency.observe(seconds)
         if outcome == "routed":
-            self.overlap.observe(overlap)
-            if best:
-                self.quality.observe(overlap / best)
+            self.observe_overlap(overlap, best)
+
+    def observe_overlap(self, overlap: int, best: int) -> None:
+        """The chosen engine's cached blocks, of a routed decision or a remote prefill's placement."""
+        self.overlap.observe(overlap)
+        if best:
+            self.quality.observe(overlap / best)
 
 
 class TimedIndex:

@@ -248,8 +248,11 @@ class RouterState:
         block_size: int,
         out: router_pb2.PrefillDecision,
     ) -> None:
-        """Conditional disaggregation (:mod:`kvmesh_router.disagg`), right after the decode booking."""
-        t0 = time.perf_counter()
+        """Conditional disaggregation (:mod:`kvmesh_router.disagg`), right after the decode booking.
+
+        The placement is counted in ``kvmesh_router_prefill_placements_total{place}``, not as a second
+        routing decision: the request was decided once, and a prefill kept local is still served.
+        """
         excluded = frozenset(query.disagg.excluded_prefill_engine_ids)
         try:
             plan = plan_prefill(
@@ -259,25 +262,21 @@ class RouterState:
             out.place = router_pb2.PREFILL_PLACE_LOCAL_NO_ENGINE
             taken = query.request_id + PREFILL_SUFFIX
             out.reason = f"local: request {taken!r} is active, and a remote prefill of this one needs that id"
+            self.metrics.observe_prefill_place("local_id_taken")
             return
         except RoutingError as exc:
             out.place = router_pb2.PREFILL_PLACE_LOCAL_NO_ENGINE
             out.reason = f"local: {exc}"
+            self.metrics.observe_prefill_place(PrefillPlace.LOCAL_NO_ENGINE.value)
             return
         out.place = _PLACES[plan.place]
         out.uncached_tokens = plan.uncached_tokens
         out.reason = plan.reason
-        if plan.place is PrefillPlace.LOCAL_SHORT:
-            return
+        self.metrics.observe_prefill_place(plan.place.value)
         chosen = plan.decision
-        outcome = (
-            "routed" if chosen is not None else "rejected" if plan.place is PrefillPlace.LOCAL_BUSY else "no_engine"
-        )
-        overlap = chosen.overlap_blocks if chosen is not None else 0
-        best = chosen.best_overlap_blocks if chosen is not None else 0
-        self.metrics.observe_decision(decode.mode, outcome, time.perf_counter() - t0, overlap, best)
         if chosen is None:
             return
+        self.metrics.observe_overlap(chosen.overlap_blocks, chosen.best_overlap_blocks)
         out.engine_id = chosen.engine_id
         out.address = self.engines[chosen.engine_id].address
         out.request_id = query.request_id + PREFILL_SUFFIX
