@@ -580,6 +580,23 @@ async def test_model_infer_errors_are_statuses(mesh) -> None:
     await no_leaks(worker, router)
 
 
+async def test_a_request_the_router_did_not_route_sends_it_no_lifecycle_update(mesh) -> None:
+    """The router booked nothing for a refusal: a FINISHED for it would count as an unknown request."""
+    fe, _, router = mesh
+    for outcome in (router_pb2.DECISION_OUTCOME_REJECTED, router_pb2.DECISION_OUTCOME_NO_ENGINE):
+        router.outcome = outcome
+        with pytest.raises(grpc.aio.AioRpcError):
+            await fe.stub.ModelInfer(llm_request("x"))
+    router.outcome = router_pb2.DECISION_OUTCOME_ROUTED
+    await fe.stub.ModelInfer(llm_request("x"))  # its updates follow any sent before on the one Session stream
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while router_pb2.LIFECYCLE_STAGE_FINISHED not in {stage for _, stage in router.lifecycle}:
+        assert loop.time() < deadline, router.lifecycle
+        await asyncio.sleep(0.005)
+    assert len({rid for rid, _ in router.lifecycle}) == 1, router.lifecycle  # the routed request's only
+
+
 async def test_stream_errors_are_in_band_and_the_stream_goes_on(mesh) -> None:
     fe, _, router = mesh
     requests = [

@@ -152,8 +152,7 @@ class Generator:
                 telemetry.end_span(span, type(exc).__name__)
                 raise
             telemetry.end_span(span, None, _route_attributes(decision))
-            if decision.outcome != router_pb2.DECISION_OUTCOME_ROUTED:
-                session.finished(request_id)  # harmless if nothing was booked
+            if decision.outcome != router_pb2.DECISION_OUTCOME_ROUTED:  # the router booked nothing
                 raise self._refused(req, decision, state)
             state.engine_id = decision.engine_id
             state.address = decision.address
@@ -287,7 +286,6 @@ class Generator:
             delay = backoff.next_delay()
             if loop.time() + delay > deadline:
                 return decision, session
-            session.finished(query.request_id)
             await asyncio.sleep(delay)
 
     @staticmethod
