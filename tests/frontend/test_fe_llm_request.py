@@ -86,9 +86,13 @@ def test_input_ids_and_messages() -> None:
             assert req.input_ids is not None and req.input_ids.tolist() == [5, 6, 7] and req.prompt_input == "input_ids"
             # the prompt is held as the u32 LE bytes that are hashed and sent to the worker
             assert req.input_ids.u32le == b"\x05\x00\x00\x00\x06\x00\x00\x00\x07\x00\x00\x00"
-    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    # content as vLLM hands it to a template that takes strings: text parts joined by "\n", null as ""
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None},
+    ]
     req = parse_llm_request(llm_request(None, extra=[bytes_input("messages", json.dumps(messages))]))
-    assert req.messages == [{"role": "user", "content": "ab"}]
+    assert req.messages == [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}]
 
 
 def test_requested_outputs_and_flags() -> None:

@@ -468,8 +468,11 @@ def _parse_messages(tensor: Tensor) -> list[dict[str, Any]]:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise invalid(f"input 'messages': message #{i} has no string 'role'")
+        # as vLLM renders a template that takes string content: null is "", text parts are joined by "\n"
         content = message.get("content")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        if content is None:
+            message["content"] = ""
+        elif isinstance(content, list):  # OpenAI content parts: keep the text ones
             texts = []
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -478,8 +481,8 @@ def _parse_messages(tensor: Tensor) -> list[dict[str, Any]]:
                         '{"type": "text", "text": ...} part'
                     )
                 texts.append(part["text"])
-            message["content"] = "".join(texts)
-        elif content is not None and not isinstance(content, str):
+            message["content"] = "\n".join(texts)
+        elif not isinstance(content, str):
             raise invalid(f"input 'messages': message #{i} 'content' must be a string, a list of text parts or null")
     return doc
 
