@@ -244,7 +244,6 @@ class MockerKv:
         if pinned is not None:
             self.core.unpin(pinned)
             self.on_unpinned()
-            self.on_unpinned()
 
 
 def _expired(params: KvTransferParams, margin_s: float = HOLD_EXPIRY_MARGIN_S) -> bool:
