@@ -1,7 +1,8 @@
 """A call's SERVER span carries the call's status, however the handler ended it.
 
 kvmesh handlers end a refused call with ``context.set_code`` rather than an exception (see the
-frontend's ``_refuse``): a span that only saw exceptions said UNSET for every refusal.
+frontend's ``_refuse``): a span that only saw exceptions said UNSET for every refusal. Others (and
+grpc-health) end it with ``context.abort``, whose AbortError said only "Locally aborted".
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class Refusing(health_pb2_grpc.HealthServicer):
         if request.service == "refuse":
             context.set_code(grpc.StatusCode.NOT_FOUND)
             context.set_details("no such service")
+        elif request.service == "abort":
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not for you")
+        elif request.service == "bug":
+            raise KeyError("internal")
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
 
@@ -44,11 +49,16 @@ async def test_a_call_refused_with_set_code_is_an_error_span_and_an_answered_one
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             await stub.Check(health_pb2.HealthCheckRequest(service="fine"))
-            with pytest.raises(grpc.aio.AioRpcError):
-                await stub.Check(health_pb2.HealthCheckRequest(service="refuse"))
+            for service in ("refuse", "abort", "bug"):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await stub.Check(health_pb2.HealthCheckRequest(service=service))
     finally:
         await server.stop(None)
-    fine, refused = spans.get_finished_spans()
+    fine, refused, aborted, bug = spans.get_finished_spans()
     assert fine.status.status_code is StatusCode.UNSET and fine.attributes["rpc.grpc.status_code"] == 0
     assert refused.status.status_code is StatusCode.ERROR and refused.attributes["rpc.grpc.status_code"] == 5
     assert refused.status.description == "NOT_FOUND: no such service"
+    assert aborted.status.status_code is StatusCode.ERROR and aborted.attributes["rpc.grpc.status_code"] == 7
+    assert aborted.status.description == "PERMISSION_DENIED: not for you" and not aborted.events
+    assert bug.attributes["rpc.grpc.status_code"] == 2 and bug.status.description == "UNKNOWN: KeyError"
+    assert [event.name for event in bug.events] == ["exception"]  # the bug's traceback, for the operator

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import contextvars
 import inspect
 import json
@@ -20,7 +22,7 @@ import socketserver
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -180,16 +182,38 @@ def shutdown_tracing() -> None:
 
 
 def _status_of(span: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-    """The call's status on its SERVER span: handlers end a call with ``context.set_code`` (no exception),
-    and a span that saw no exception said UNSET for every INVALID_ARGUMENT or NOT_FOUND it answered."""
+    """The call's status on its SERVER span: handlers end a call with ``context.set_code`` (no exception)
+    or ``context.abort`` (AbortError, the code already set), and the span must carry that code either way."""
     code: grpc.StatusCode | None = context.code()  # None (whatever the stubs say): nothing set, the call ends OK
     if code is None:
         code = grpc.StatusCode.OK
+    _set_status(span, code, context.details() or "")
+
+
+def _set_status(span: Any, code: grpc.StatusCode, details: str) -> None:
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code is not grpc.StatusCode.OK:
         from opentelemetry.trace import Status, StatusCode
 
-        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {context.details() or ''}"))
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}"))
+
+
+@contextlib.contextmanager
+def _call_status(span: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Iterator[None]:
+    """Put the call's outcome on ``span``: its gRPC status, CANCELLED, or the handler's bug (UNKNOWN)."""
+    try:
+        yield
+    except grpc.aio.AbortError:
+        _status_of(span, context)
+        raise
+    except asyncio.CancelledError:
+        _set_status(span, grpc.StatusCode.CANCELLED, "the call was cancelled")
+        raise
+    except BaseException as exc:
+        span.record_exception(exc)
+        _set_status(span, grpc.StatusCode.UNKNOWN, type(exc).__name__)
+        raise
+    _status_of(span, context)
 
 
 class TracingServerInterceptor(grpc.aio.ServerInterceptor):
@@ -221,24 +245,23 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
                 context=propagate.extract(carrier),
                 kind=trace.SpanKind.SERVER,
                 attributes={"rpc.system": "grpc", "rpc.method": method},
+                record_exception=False,  # _call_status records what is a bug, not an abort's AbortError
+                set_status_on_exception=False,
             )
 
         def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
             if inspect.isasyncgenfunction(behavior):
 
                 async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-                    with span() as current:
+                    with span() as current, _call_status(current, context):
                         async for response in behavior(request, context):
                             yield response
-                        _status_of(current, context)
 
                 return stream
 
             async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                with span() as current:
-                    result = await behavior(request, context)
-                    _status_of(current, context)
-                    return result
+                with span() as current, _call_status(current, context):
+                    return await behavior(request, context)
 
             return call
 
