@@ -112,3 +112,32 @@ def test_one_trace_per_request_with_router_and_worker_spans(tmp_path: Path) -> N
         assert f'kvmesh_worker_{name}_count{{engine="' in worker_metrics, name
         assert 'model="kvmesh-mock"' in worker_metrics.split(f"kvmesh_worker_{name}_count")[1].split("\n")[0]
     assert "kvmesh_router_decision_quality_ratio_bucket" in router_metrics
+
+
+def test_a_disaggregated_requests_kv_releases_are_in_its_trace(tmp_path: Path) -> None:
+    """The decode worker's ReleaseKv to the prefill worker (and the frontend's own, after the request) are
+    calls of the request: each was a trace of its own, two stray roots per disaggregated request."""
+    port = free_port()
+    logs = tmp_path / "logs"
+    with KvmeshUp(
+        ["--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'disc'}", "--log-dir", str(logs), "--no-demo",
+         "--speedup-ratio", "0", "--otel-exporter", "console", "--prefill-workers", "1", "--decode-workers", "1"],
+    ) as up:  # fmt: skip
+        up.wait_for("kvmesh is up", 90)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            sampling = {"max_tokens": 4, "ignore_eos": True}
+            request = llm_request("KV caches " * 40, model="kvmesh-mock", request_id="pd", sampling=sampling)
+            reply = stub.ModelInfer(request, timeout=30)
+            assert reply.parameters["kvmesh.disagg"].string_param == "remote"
+        up.stop(30)
+    spans = [span for log in logs.glob("*.log") for span in _spans(log.read_text())]
+    requests = {s["context"]["trace_id"]: s for s in spans if s["name"] == "kvmesh.frontend/request"}
+    (ours,) = [t for t, s in requests.items() if s["attributes"]["kvmesh.client_request_id"] == "pd"]
+    releases = [s for s in spans if s["name"].endswith("ReleaseKv")]
+    assert {s["context"]["trace_id"] for s in releases} <= set(requests), "a release outside any request's trace"
+    mine = {(s["resource"]["attributes"]["service.name"], s["kind"]) for s in releases
+            if s["context"]["trace_id"] == ours}  # fmt: skip
+    # the decode worker's call to the prefill worker, served there; and the frontend's own call
+    assert {("kvmesh-worker", "SpanKind.CLIENT"), ("kvmesh-worker", "SpanKind.SERVER")} <= mine, mine
+    assert ("kvmesh-frontend", "SpanKind.CLIENT") in mine, mine

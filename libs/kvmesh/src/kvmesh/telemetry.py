@@ -349,6 +349,23 @@ def tracing_enabled() -> bool:
     return _tracing_enabled
 
 
+@contextlib.contextmanager
+def current_span(span: Any = None) -> Iterator[None]:
+    """Make ``span`` (else the request's, ``request_span_var``) current for the calls made inside, so that
+    a background call of a request (a ``ReleaseKv``) joins the request's trace; a no-op when tracing is off."""
+    span = span if span is not None else request_span_var.get()
+    if not _tracing_enabled or span is None:
+        yield
+        return
+    from opentelemetry import context, trace
+
+    token = context.attach(trace.set_span_in_context(span))
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
 def start_request_span(name: str, carrier: Mapping[str, str]) -> Any:
     """A SERVER span for one request of a multiplexed stream, parented on ``carrier``; None when tracing is off."""
     if not _tracing_enabled:

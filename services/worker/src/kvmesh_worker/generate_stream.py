@@ -297,7 +297,7 @@ class GenerateStreamSession:
         on_aborted: Callable[[Engine], None],
         context: grpc.aio.ServicerContext[worker_pb2.GenerateStreamRequest, worker_pb2.GenerateStreamResponse],
         model: str = "",
-        release_remote: Callable[[KvTransferParams], None] = lambda _params: None,
+        release_remote: Callable[[KvTransferParams, Any], None] = lambda _params, _span: None,
         stream_interval: int = 1,
     ) -> None:
         self._model = model  # the metrics' model label
@@ -477,7 +477,7 @@ class GenerateStreamSession:
         finally:
             if self._pulls.get(request_id) is asyncio.current_task():
                 del self._pulls[request_id]
-            self._release_remote(params)
+            self._release_remote(params, mine.span if mine is not None else None)
         if self._active.get(request_id) is not mine:  # cancelled right as the pull ended (and maybe resent)
             engine.abort(request_id, self)
             return
@@ -496,7 +496,7 @@ class GenerateStreamSession:
         """End a request that never reached its engine; a decode leg's source hold is released, not left to
         its lease (nobody else will pull that KV)."""
         if request.HasField("prefill_result"):
-            self._release_remote(request.prefill_result)
+            self._release_remote(request.prefill_result, span)
         self._fail(request.request_id, code, message, span)
 
     def _release_unsent_hold(self, engine: Engine, outputs: list[RequestOutput] | None) -> None:

@@ -164,11 +164,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         for watcher in self._watchers:
             watcher.end()
 
-    def _release_remote(self, params: KvTransferParams) -> None:
-        """Tell a transfer's source to drop its hold (fire and forget: its lease is the backstop)."""
+    def _release_remote(self, params: KvTransferParams, span: Any = None) -> None:
+        """Tell a transfer's source to drop its hold (fire and forget: its lease is the backstop), in the
+        trace of the request's ``span``."""
         if not params.transfer_id or not params.source_address:
             return
-        self._releases.start(params)
+        self._releases.start(params, span)
 
     async def close(self) -> None:
         await self._releases.wait()
