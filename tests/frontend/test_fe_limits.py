@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
+from kvmesh import telemetry
 from kvmesh.grpc_options import FRONTEND_MAX_RECEIVE_BYTES
 from kvmesh_frontend.errors import MAX_MESSAGE_BYTES, FrontendError, internal
 from kvmesh_frontend.llm_request import PROMPT_BYTES_PER_TOKEN, parse_llm_request
 from kvmesh_frontend.service import InferenceServicer, add_inference_service
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from tests.frontend.frontend_fakes import MODEL, FrontendHarness, bytes_input, llm_request
 from tests.frontend.test_fe_service import expect_status, mesh, no_leaks, stream_all  # noqa: F401 (fixture)
@@ -268,7 +274,18 @@ async def test_a_refused_stream_is_unavailable_even_when_the_client_writes_late(
 
 
 # -- item 8: a model at its in-flight bound is refused at the gRPC entry, before any work -------------
-async def test_a_model_at_its_bound_is_refused_at_entry_and_reaches_no_router_nor_engine(mesh) -> None:  # noqa: F811
+@pytest.fixture
+def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    """The frontend's spans, as a daemon with an exporter would send them."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr("opentelemetry.trace.get_tracer", lambda name, *_args, **_kw: provider.get_tracer(name))
+    monkeypatch.setattr(telemetry, "_tracing_enabled", True)
+    yield exporter
+
+
+async def test_a_model_at_its_bound_is_refused_at_entry_and_reaches_no_router_nor_engine(mesh, spans) -> None:  # noqa: F811
     fe, worker, router = mesh
     fe.frontend.admission.factor = 1.0  # the daemon's default (--admission-factor)
     fe.add_cards(worker, max_num_seqs=1, max_waiting_requests=1)  # each engine holds 2: the model, 4
@@ -301,6 +318,14 @@ async def test_a_model_at_its_bound_is_refused_at_entry_and_reaches_no_router_no
     # the refused requests never reached the router nor an engine
     assert len(router.queries) == bound and len(worker.requests) == bound
     assert fe.metrics.requests.labels(MODEL, "resource_exhausted")._value.get() == 4
+    # each is a trace too, one failed span: load shedding shows in a trace backend
+    shed = {
+        span.attributes["kvmesh.client_request_id"]: span.status
+        for span in spans.get_finished_spans()
+        if span.name == "kvmesh.frontend/request" and span.status.status_code is StatusCode.ERROR
+    }
+    assert sorted(shed) == ["over-unary", "over0", "over1", "over2"]
+    assert all(status.description.startswith("RESOURCE_EXHAUSTED: model") for status in shed.values())
 
     # the slots are given back as requests end: the next one is admitted
     assert fe.frontend.admission.inflight(MODEL) == 0

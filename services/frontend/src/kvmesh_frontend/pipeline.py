@@ -82,7 +82,7 @@ class Frontend:
     def new_request_id(self) -> str:
         return f"{self._prefix}-{next(self._ids):x}"
 
-    def admit(self, model_name: str) -> tuple[bool, FrontendError | None]:
+    def admit(self, request: pb.ModelInferRequest, *, unary: bool) -> tuple[bool, FrontendError | None]:
         """At the gRPC entry, before the request is even looked at: ``(counted, refusal)``.
 
         ``refusal`` is the RESOURCE_EXHAUSTED to answer at once when the model is at its in-flight
@@ -90,7 +90,7 @@ class Frontend:
         ``counted``, the caller calls :meth:`release` with the same name once the request ends. A name
         without a live engine is not counted: :meth:`infer` answers it (NOT_FOUND, UNAVAILABLE).
         """
-        entry = self.registry.get(model_name)
+        entry = self.registry.get(request.model_name)
         if entry is None or not entry.cards:
             return False, None
         start = time.perf_counter()
@@ -101,14 +101,17 @@ class Frontend:
         end = time.perf_counter()
         self.metrics.finished(entry.name, refusal.code.name.lower(), end - start)
         self._record(entry.name, False, (start, end, end, end))
+        _trace_refusal(request, refusal, unary)
         return False, refusal
 
     def release(self, model_name: str) -> None:
         self.admission.leave(model_name)
 
-    def refused(self, model_name: str, error: FrontendError) -> None:
-        """Count a request refused before :meth:`infer` (a draining frontend, bytes that do not parse), as
-        every other ends: under its model when known here, else UNKNOWN_MODEL."""
+    def refused(self, request: pb.ModelInferRequest, error: FrontendError, *, unary: bool) -> None:
+        """Count (and trace) a request refused before :meth:`infer` (a draining frontend, bytes that do not
+        parse), as every other ends: under its model when known here, else UNKNOWN_MODEL."""
+        _trace_refusal(request, error, unary)
+        model_name = request.model_name
         known = self.registry.get(model_name) is not None
         self.metrics.finished(model_name if known else UNKNOWN_MODEL, error.code.name.lower(), 0.0)
         if known:
@@ -358,3 +361,22 @@ class Frontend:
             router_mode=llm.router_mode,
             router_policy=llm.router_policy,
         )
+
+
+def _trace_refusal(request: pb.ModelInferRequest, error: FrontendError, unary: bool) -> None:
+    """A request refused at the entry is a trace too (one span, failed), as every request is: load shed
+    at the admission bound showed in the metrics but not in a trace backend."""
+    if not telemetry.tracing_enabled():
+        return
+    span = telemetry.start_span(
+        "kvmesh.frontend/request",
+        root=not unary,
+        server=True,
+        attributes={
+            "kvmesh.model": clip(request.model_name),
+            "kvmesh.client_request_id": clip(request.id),
+            "rpc.method": "ModelInfer" if unary else "ModelStreamInfer",
+            "rpc.grpc.status_code": error.code.value[0],
+        },
+    )
+    telemetry.end_span(span, error.in_band())

@@ -243,7 +243,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         request: pb.ModelInferRequest,
         context: grpc.aio.ServicerContext[pb.ModelInferRequest, pb.ModelInferResponse],
     ) -> pb.ModelInferResponse:
-        counted, refusal = self._frontend.admit(request.model_name)
+        counted, refusal = self._frontend.admit(request, unary=True)
         if refusal is not None:
             _refuse(context, refusal)
             return pb.ModelInferResponse()
@@ -316,16 +316,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def read() -> None:
             async for request in request_iterator:
                 if draining.is_set():  # the stream ends when its requests in flight have
-                    frontend.refused(request.model_name, error := unavailable(DRAINING))
+                    frontend.refused(request, error := unavailable(DRAINING), unary=False)
                     await refuse(request, error)
                     continue
                 if grpc_services.is_malformed(request):  # in band: the stream's other requests go on
-                    frontend.refused("", error := invalid(MALFORMED))
+                    frontend.refused(pb.ModelInferRequest(), error := invalid(MALFORMED), unary=False)
                     await refuse(pb.ModelInferRequest(), error)
                     continue
                 # Admission first, on the raw request: a model at its bound is refused right here, with
                 # no task, no parsing, no router and no engine involved (kvmesh_frontend/admission.py).
-                counted, refusal = frontend.admit(request.model_name)
+                counted, refusal = frontend.admit(request, unary=False)
                 if refusal is not None:
                     await refuse(request, refusal)
                     continue
