@@ -20,6 +20,7 @@ from tests.frontend.frontend_fakes import (
     MODEL,
     NS,
     OUTPUT_TEXT,
+    EngineBehaviour,
     FakeRouter,
     FakeWorker,
     FrontendHarness,
@@ -595,6 +596,24 @@ async def test_a_request_the_router_did_not_route_sends_it_no_lifecycle_update(m
         assert loop.time() < deadline, router.lifecycle
         await asyncio.sleep(0.005)
     assert len({rid for rid, _ in router.lifecycle}) == 1, router.lifecycle  # the routed request's only
+
+
+async def test_engines_of_two_block_sizes_route_at_the_size_most_of_them_have(mesh, caplog) -> None:
+    """A fleet in the middle of a --block-size change: prompts are hashed at one size, the most engines'
+    (not whichever card came last), and the router told which; a request pinned to an engine of the
+    other size is hashed at that engine's."""
+    fe, worker, router = mesh
+    caplog.set_level(logging.WARNING, "kvmesh_frontend.models")
+    worker.behaviour[0x33] = EngineBehaviour()
+    router.engines[0x33] = worker.address
+    odd = worker.card(0x33, block_size=8)
+    fe.registry.apply(Added(model_key(NS, MODEL, 0x33), odd.SerializeToString()))  # the last card seen
+    assert "its engines have block sizes 4/8; requests are routed at block size 4 (2 engines)" in caplog.text
+    await fe.stub.ModelInfer(llm_request("hello world, hello KV caches"))
+    await fe.stub.ModelInfer(llm_request("hello world, hello KV caches", params={"kvmesh.worker_id": 0x33}))
+    routed, pinned = router.queries[-2:]
+    assert routed.block_size == 4 and pinned.block_size == 8
+    assert len(routed.block_hashes) == 2 * len(pinned.block_hashes) > 0
 
 
 async def test_stream_errors_are_in_band_and_the_stream_goes_on(mesh) -> None:

@@ -128,6 +128,7 @@ class Generator:
                 request_id=request_id,
                 model=req.model,
                 block_hashes=hashes,
+                block_size=req.block_size,
                 num_tokens=len(tokens),
                 expected_output_tokens=remaining,
                 excluded_engine_ids=excluded,

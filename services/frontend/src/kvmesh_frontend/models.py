@@ -24,6 +24,7 @@ import asyncio
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -86,7 +87,10 @@ class ModelEntry:
 
     name: str
     cards: dict[int, discovery_pb2.ModelCard] = field(default_factory=dict)
+    # The block size prompts are hashed with and routed at: the most engines' (ties: the smaller). Engines
+    # of another size are not routed to (the router matches and books a query at its block size only).
     block_size: int = 0
+    block_sizes: tuple[int, ...] = ()  # every live engine's, when they differ (a --block-size change)
     context_length: int = 0
     vocab_size: int = 0
     eos_token_id: int = 0
@@ -117,7 +121,16 @@ class ModelEntry:
         self.roles = frozenset(c.role for c in cards)
         if not cards:
             return
-        self.block_size = cards[-1].block_size
+        counts = Counter(c.block_size for c in cards if c.block_size)
+        self.block_size = max(counts, key=lambda size: (counts[size], -size), default=0)
+        sizes = tuple(sorted(counts)) if len(counts) > 1 else ()
+        if sizes and sizes != self.block_sizes:
+            log.warning(
+                "model %s: its engines have block sizes %s; requests are routed at block size %d "
+                "(%d engines), the other engines get none",
+                self.name, "/".join(map(str, sizes)), self.block_size, counts[self.block_size],
+            )  # fmt: skip
+        self.block_sizes = sizes
         self.context_length = min((c.context_length for c in cards if c.context_length), default=0)
         self.vocab_size = min((c.vocab_size for c in cards if c.vocab_size), default=0)
         self.eos_token_id = cards[-1].eos_token_id

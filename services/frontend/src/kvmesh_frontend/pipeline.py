@@ -348,13 +348,16 @@ class Frontend:
             options.logprobs = sampling.logprobs
         elif llm.wants("cumulative_logprob"):
             options.logprobs = 0  # the sum needs each token's logprob, not the alternatives
-        hashes = prompt.block_hashes(entry.block_size) if entry.block_size else []
+        block_size = entry.block_size
+        if llm.pinned_engine_id is not None:  # at its own block size, which may not be the model's
+            block_size = entry.cards[llm.pinned_engine_id].block_size
+        hashes = prompt.block_hashes(block_size) if block_size else []
         return PreparedRequest(
             request_id=request_id,
             model=entry.name,
             prompt=prompt,
             block_hashes=hashes,
-            block_size=entry.block_size,
+            block_size=block_size,
             max_tokens=max_tokens,
             sampling=options,
             pinned_engine_id=llm.pinned_engine_id,

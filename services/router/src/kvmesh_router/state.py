@@ -206,9 +206,14 @@ class RouterState:
         if not model:
             fail(out, INVALID, "RouteQuery.model is required")
             return mode
-        allowed = self.engines.for_model(model)
+        allowed = self.engines.for_model(model, query.block_size)
         if not allowed:
-            fail(out, NO_ENGINE, f"no live engine serves model {model!r}")
+            sizes = self.engines.block_sizes(model) if query.block_size else None
+            if sizes:
+                fail(out, NO_ENGINE, f"no live engine of model {model!r} has block size {query.block_size} "
+                                     f"(its engines have {', '.join(map(str, sizes))})")  # fmt: skip
+            else:
+                fail(out, NO_ENGINE, f"no live engine serves model {model!r}")
             return mode
         try:
             request = route_request(key, query, allowed)
