@@ -52,6 +52,38 @@ def test_unknown_policy_knobs_are_refused(trace: Path, capsys: pytest.CaptureFix
     _refused(capsys, replay_main([str(trace), "--offline", "--router-mode", mode]), needle)
 
 
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--router-mode", "kv:affinity+decode_weight=-1"], "policy parameter decode_weight must be in [0, 1e+06]"),
+        (["--router-mode", "kv:affinity+near_tie=nan"], "policy parameter near_tie must be in [0, 1e+06]"),
+        (["--overlap-weight", "2e6"], "--overlap-weight: overlap_score_weight must be in [0, 1e+06]"),
+        (["--vocab-size", "3000000000"], "--vocab-size 3000000000: at most 2147483648"),
+        (["--duration", "1"], "--duration bounds a live replay"),
+    ],
+)
+def test_values_the_router_or_the_simulation_would_refuse_are_refused_before_the_run(
+    trace: Path, capsys: pytest.CaptureFixture[str], flags: list[str], needle: str
+) -> None:
+    _refused(capsys, _exit_code(replay_main, [str(trace), "--offline", *flags]), needle)
+
+
+def test_an_output_the_run_could_not_write_is_refused_before_it(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "out.png").mkdir()  # where the plot beside --json out.json would go
+    code = replay_main([str(trace), "--offline", "--json", str(tmp_path / "out.json")])
+    _refused(capsys, code, "the plot beside --json: ")
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_prompts_cut_by_too_few_hash_ids_are_said(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """600 tokens in 2 hash ids need blocks of 300: at 16 tokens a block the prompts are 32 tokens."""
+    assert replay_main([str(trace), "--offline", "--engines", "2", "--trace-block-size", "16", "--no-plot"]) == 0
+    err = capsys.readouterr().err
+    assert "note: 8 of 8 rows have fewer hash_ids than input_length needs at --trace-block-size 16" in err
+
+
 def test_a_known_knob_still_runs(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mode = "kv:affinity+backlog_weight=0.1"
     assert replay_main([str(trace), "--offline", "--engines", "2", "--router-mode", mode]) == 0

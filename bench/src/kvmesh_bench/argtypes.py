@@ -102,6 +102,13 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError("an empty path is no file to write")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file to write")
+    if path.exists():  # a file already there must be one this process may overwrite (not read-only)
+        try:
+            with path.open("a"):
+                pass
+        except OSError as exc:
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {exc.strerror or exc}") from None
+        return path
     for parent in path.absolute().parents:
         if parent.exists():
             if not parent.is_dir():

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvmesh_router.cost import MODES
+from kvmesh_router.cost import MODES, RouterPolicyConfig
 from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 from kvmesh_worker.engine import EngineConfig, load_perf_model
 
@@ -47,7 +47,13 @@ from kvmesh_bench.argtypes import (
 )
 from kvmesh_bench.replay.offline import OfflineConfig, run_offline
 from kvmesh_bench.replay.report import RunData, format_table, plot_run, run_json, summarize, write_json
-from kvmesh_bench.replay.workload import DEFAULT_VOCAB_SIZE, ReplayRequest, TokenMapper, build_requests
+from kvmesh_bench.replay.workload import (
+    DEFAULT_VOCAB_SIZE,
+    MAX_VOCAB_SIZE,
+    ReplayRequest,
+    TokenMapper,
+    build_requests,
+)
 from kvmesh_bench.trace import DEFAULT_BLOCK_SIZE, TraceError, load_trace
 
 if TYPE_CHECKING:
@@ -108,6 +114,10 @@ def parse_mode(text: str) -> ModeSpec:
                 raise ReplayError(
                     f"router mode {text!r}: cost policy {name!r} has no knob {key!r} (its knobs: {', '.join(known)})"
                 )
+        try:  # the router's own bounds (finite, within [0, MAX_WEIGHT]), now rather than mid-run
+            RouterPolicyConfig(cost_policy=name, params=params)
+        except ValueError as exc:
+            raise ReplayError(f"router mode {text!r}: {exc}") from None
     return ModeSpec(mode, policy or None, params)
 
 
@@ -224,6 +234,15 @@ def load_requests(args: argparse.Namespace) -> list[ReplayRequest]:
         raise ReplayError(f"{args.trace}: no replayable request ({skipped} rows have no prompt token)")
     if skipped:
         print(f"{PROG}: skipped {skipped} rows with no prompt token", file=sys.stderr)
+    block = args.trace_block_size
+    cut = sum(1 for row in rows if row.hash_ids and row.input_length > len(row.hash_ids) * block)
+    if cut:  # as Dynamo's replay does, but said: a wrong --trace-block-size shrinks every prompt silently
+        print(
+            f"{PROG}: note: {cut} of {len(rows)} rows have fewer hash_ids than input_length needs at "
+            f"--trace-block-size {block}: their prompts are cut to len(hash_ids) x {block} tokens "
+            "(is --trace-block-size right?)",
+            file=sys.stderr,
+        )
     return requests
 
 
@@ -231,10 +250,18 @@ def check_live_args(args: argparse.Namespace) -> None:
     """What the flags cannot say alone, checked before any replay (one line, exit 2)."""
     if not args.offline and not args.frontend:
         raise ReplayError("give --frontend HOST:PORT for a live replay, or --offline to simulate")
-    try:  # the simulated model's own rules (its EOS id must be a token)
+    try:  # the simulated model's own rules (its EOS id must be a token), and the trace's token mapping's
         EngineConfig(vocab_size=args.vocab_size)
+        if args.vocab_size > MAX_VOCAB_SIZE:
+            raise ValueError(f"at most {MAX_VOCAB_SIZE} (token ids are 32-bit)")
     except ValueError as exc:
         raise ReplayError(f"--vocab-size {args.vocab_size}: {exc}") from None
+    try:
+        RouterPolicyConfig(overlap_score_weight=args.overlap_weight)
+    except ValueError as exc:
+        raise ReplayError(f"--overlap-weight: {exc}") from None
+    if args.offline and getattr(args, "duration", None) is not None:
+        raise ReplayError("--duration bounds a live replay; offline, cut the trace (--max-requests)")
     prefill, decode = getattr(args, "prefill_engines", 0), getattr(args, "decode_engines", 0)
     if (prefill or decode) and not (prefill and decode):
         raise ReplayError("a P/D fleet needs both --prefill-engines and --decode-engines (1 or more each)")
@@ -372,6 +399,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = parse_mode(args.router_mode)
         check_live_args(args)
+        json_path, plot_path = _outputs(args)
+        if plot_path is not None and plot_path != args.plot:  # made beside --json: not checked by its flag
+            try:
+                png_file(str(plot_path))
+            except argparse.ArgumentTypeError as exc:
+                raise ReplayError(f"the plot beside --json: {exc}") from None
         # Live with a plain "kv" leaves the router its own mode; anything else is sent per request.
         args.send_mode = args.offline or args.router_mode.strip() != "kv"
         requests = load_requests(args)
@@ -385,12 +418,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table([summary]))
     print(f"prefix hit rate source: {summary.hit_source}")
     _print_meta(run)
-    json_path, plot_path = _outputs(args)
-    if json_path is not None:
-        write_json(json_path, run_json(run))
-        print(f"wrote {json_path}")
-    if plot_path is not None:
-        print(f"wrote {plot_run(run, plot_path)}")
+    try:  # checked before the run; a disk that fills meanwhile is still one line
+        if json_path is not None:
+            write_json(json_path, run_json(run))
+            print(f"wrote {json_path}")
+        if plot_path is not None:
+            print(f"wrote {plot_run(run, plot_path)}")
+    except OSError as exc:
+        print(f"{PROG}: error: cannot write {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -39,6 +39,9 @@ _TABLE = (1 << 20) - 3
 _STRIDE = (1 << 19) - 1
 
 
+MAX_VOCAB_SIZE = 1 << 31  # token ids are int32
+
+
 class TokenMapper:
     """Hash ids -> token ids (see the module docstring). Deterministic for a given seed and vocabulary."""
 
@@ -47,7 +50,7 @@ class TokenMapper:
     ) -> None:
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-        if not 1 <= vocab_size <= 1 << 31:
+        if not 1 <= vocab_size <= MAX_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be in [1, 2**31], got {vocab_size}")
         self.block_tokens = block_tokens
         self.vocab_size = vocab_size
