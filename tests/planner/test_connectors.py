@@ -21,6 +21,8 @@ from kvmesh_planner.connectors.local import LocalConnector
 from kvmesh_planner.connectors.systemd import SystemdConnector
 from kvmesh_planner.connectors.virtual import VirtualConnector, ack_key, pool_sizes, targets_key
 
+from tests.support.etcd import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 UNITS = REPO / "packaging" / "systemd"
 BIN = Path(sys.executable).parent
@@ -456,5 +458,21 @@ async def test_systemd_connector_follows_a_unit_that_systemd_restarted_with_a_ne
         await conn.apply(2, {"aggregated": 1}, engines)  # the idle one goes, not the restarted busy one
         assert "stop --no-block kvmesh-worker@2.service" in calls(fake_systemctl)
         assert "stop --no-block kvmesh-worker@1.service" not in calls(fake_systemctl)
+    finally:
+        await conn.close()
+
+
+async def test_a_local_worker_does_not_inherit_the_planners_settings(tmp_path, monkeypatch):
+    """A planner configured by environment (as a systemd unit's Environment= does) passed its KVMESH_*
+    to every worker: the worker refused the planner's own (exit 2) and was respawned every tick, or would
+    have bound the planner's port."""
+    monkeypatch.setenv("KVMESH_MIN_ENGINES", "1")  # the planner's: unknown to a worker
+    monkeypatch.setenv("KVMESH_GRPC_PORT", str(free_port()))  # the planner's own port
+    url = f"file://{tmp_path / 'disc'}"
+    conn = LocalConnector("kvmesh-worker", url, "kvmesh", log_dir=str(tmp_path))
+    try:
+        await conn.apply(1, {"aggregated": 1}, [])
+        (record,) = await _wait_engines(url, 1)
+        assert not record.address.endswith(f":{os.environ['KVMESH_GRPC_PORT']}")
     finally:
         await conn.close()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.children import dies_with_parent
+from kvmesh.settings import is_setting_variable
 
 from kvmesh_planner.connectors.base import EngineRef
 from kvmesh_planner.core.model import Pool
@@ -149,7 +150,7 @@ class LocalConnector:
             out = os.open(os.path.join(self._log_dir, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *dies_with_parent(argv), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out
+                *dies_with_parent(argv), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, env=_worker_env()
             )
         finally:
             if out is not None:
@@ -189,7 +190,17 @@ class LocalConnector:
         (``kvmesh.runtime``); killing it failed what it served."""
         dead = [w for w in self._workers if not w.draining and w.proc.returncode is not None]
         for w in dead:
-            log.warning("local connector: worker %d (pid %d) exited with %s", w.number, w.proc.pid, w.proc.returncode)
+            if w.proc.returncode == 2:  # every worker started so fails the same way: say so, loudly
+                log.error(
+                    "local connector: worker %d (pid %d) refused its settings (exit 2; its log says which): "
+                    "check --worker-args",
+                    w.number,
+                    w.proc.pid,
+                )
+            else:
+                log.warning(
+                    "local connector: worker %d (pid %d) exited with %s", w.number, w.proc.pid, w.proc.returncode
+                )
             self._workers.remove(w)
         now = time.monotonic()
         for w in self._live():
@@ -238,3 +249,10 @@ def _split(flag: str, value: str) -> list[str]:
         return shlex.split(value)
     except ValueError as exc:
         raise ValueError(f"{flag}: {value!r}: {exc}") from None
+
+
+def _worker_env() -> dict[str, str]:
+    """The planner's environment without its ``KVMESH_*`` settings: they are the planner's (its own port,
+    pool bounds, certificate), and a worker refuses the ones it does not declare (exit 2, respawned every
+    tick) or would bind the planner's port. A worker's settings come from the command line."""
+    return {var: value for var, value in os.environ.items() if not is_setting_variable(var)}
