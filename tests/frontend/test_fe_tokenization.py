@@ -6,7 +6,7 @@ import json
 import random
 
 import pytest
-from kvmesh_frontend.tokenization import ChatTemplateError, ModelTokenizer, StopStrings
+from kvmesh_frontend.tokenization import ChatTemplateError, ModelTokenizer, PromptTooLong, StopStrings
 
 from tests.frontend.frontend_fakes import CHAT_TEMPLATE, tokenizer_files
 
@@ -184,3 +184,14 @@ def test_no_template_and_sandbox() -> None:
     with pytest.raises(ChatTemplateError):
         evil.render_chat([{"role": "user", "content": "x"}])
     assert CHAT_TEMPLATE  # the fixture's template is the one in tokenizer_config.json
+
+
+def test_a_prompt_certainly_over_the_bound_is_refused_before_it_is_wholly_encoded(tok: ModelTokenizer) -> None:
+    """A 2 MiB text under a 131072-token context built a 700k-token encoding before it was refused."""
+    text = "ab " * 200_000  # 600k characters, 200k tokens or so
+    with pytest.raises(PromptTooLong) as info:
+        tok.encode(text, max_tokens=50_000)
+    assert 50_000 < info.value.at_least <= len(tok.encode(text))
+    # within the bound (or no bound): the whole encoding, the same as without counting first
+    whole = tok.encode(text)
+    assert tok.encode(text, max_tokens=len(whole)) == whole

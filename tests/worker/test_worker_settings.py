@@ -32,6 +32,8 @@ def test_a_non_finite_engine_bound_in_the_config_file_is_one_line(tmp_path, caps
         (["--max-waiting-requests", "5000000000"], "--max-waiting-requests (from flag): Input should be less than"),
         # A hold's expiry time overflowed its uint64 field inside the engine loop, which died silently.
         (["--kv-hold-timeout", "1e300"], "--kv-hold-timeout (from flag): Input should be less than or equal to 86400"),
+        # 10 million engines were built for minutes, the memory growing, SIGTERM unheard
+        (["--num-engines", "10000000"], "--num-engines (from flag): Input should be less than or equal to 10000"),
     ],
 )
 def test_a_bound_the_contracts_cannot_carry_is_one_line(capsys, flags, says):

@@ -34,7 +34,7 @@ from kvmesh_frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from kvmesh_frontend.models import MODEL_VERSION, ModelEntry, ModelRegistry
 from kvmesh_frontend.prompt_tokens import PromptTokens
 from kvmesh_frontend.responses import Response, ResponseWriter
-from kvmesh_frontend.tokenization import ChatTemplateError, ModelTokenizer
+from kvmesh_frontend.tokenization import ChatTemplateError, ModelTokenizer, PromptTooLong
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +290,15 @@ class Frontend:
         else:
             text = llm.text or ""
             add_special = True
+        limit = entry.context_length
         if len(text) > _THREAD_TOKENIZE_CHARS:
-            ids = await asyncio.to_thread(tokenizer.encode, text, add_special)
+            try:
+                ids = await asyncio.to_thread(tokenizer.encode, text, add_special, max(limit - 1, 0))
+            except PromptTooLong as exc:
+                raise invalid(
+                    f"input '{llm.prompt_input}': the prompt has {exc.at_least} tokens or more; model "
+                    f"'{entry.name}' allows at most {limit - 1} (context length {limit})"
+                ) from None
         else:
             ids = tokenizer.encode(text, add_special)
         if not ids:

@@ -32,8 +32,9 @@ class Settings(DaemonSettings):
 
     engine: Annotated[str, AfterValidator(registry.engine_name)] = "mocker"
     """engine implementation: a registered name (mocker, vllm) or an import path package.module:factory"""
-    num_engines: PositiveInt = 1
-    """engines hosted by this process"""
+    num_engines: Annotated[int, Field(ge=1, le=10_000)] = 1
+    """engines hosted by this process (at most 10000: a typo's 10 million grew memory for minutes, deaf to
+    SIGTERM while the engines were built)"""
     grpc_port: Port = 0
     """gRPC port of WorkerService (0 = any free port)"""
     model_path: str | None = None
