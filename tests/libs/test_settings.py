@@ -98,6 +98,8 @@ def test_settings_are_frozen_and_keyword_only():
         (["--namespace", ""], {}, "--namespace (from flag): String should have at least 1 character"),
         (["--host", ""], {}, "--host (from flag): String should have at least 1 character"),
         (["--config", ""], {}, "--config: empty path"),
+        # a bad value is refused where it is, even under a flag that overrides it
+        (["--num-engines", "2"], {"KVMESH_NUM_ENGINES": "abc"}, "--num-engines (from KVMESH_NUM_ENGINES): "),
     ],
 )
 def test_bad_config_exits_2_with_one_line_naming_the_setting_and_source(argv, env, needle, capsys):
@@ -116,6 +118,9 @@ def test_bad_config_exits_2_with_one_line_naming_the_setting_and_source(argv, en
         # pydantic would read true as 1: TOML's types are kept
         ("[common]\nlease-ttl = true\n", "lease-ttl in [common] of {path}: true is not a number"),
         ("[common]\nnamespace = false\n", "namespace in [common] of {path}: false is not a string"),
+        ("[worker]\nnum-engines = '3'\n", "num-engines in [worker] of {path}: write the number 3 without quotes"),
+        ("[worker]\nenable-thing = 'no'\n", "enable-thing in [worker] of {path}: write true or false, not 'no'"),
+        ("[worker]\nenable-thing = 0\n", "enable-thing in [worker] of {path}: write true or false, not 0"),
         ("[common]\nlog_level = 'info'\nlog-level = 'debug'\n", "'log_level' and 'log-level' are one setting"),
         (b"\xff\xfe[worker]\n", "is not valid TOML: not UTF-8 text"),
     ],
@@ -124,6 +129,12 @@ def test_bad_config_file_exits_2_with_one_line(tmp_path, text, needle, capsys):
     path = tmp_path / "kvmesh.toml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     assert needle.format(path=path) in fails(["--config", str(path)], capsys=capsys)
+
+
+def test_a_bad_file_value_under_a_flag_is_still_refused(tmp_path, capsys):
+    path = tmp_path / "kvmesh.toml"
+    path.write_text("[common]\nlog-level = 'verbose'\n")
+    assert f"--log-level (from {path}): " in fails(["--config", str(path), "--log-level", "info"], capsys=capsys)
 
 
 def test_a_boolean_setting_takes_a_toml_boolean(tmp_path):

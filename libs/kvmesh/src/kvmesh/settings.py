@@ -7,9 +7,11 @@ the daemon's table (``[worker]`` for ``kvmesh-worker``). Precedence, highest fir
 config file (``--config`` / ``KVMESH_CONFIG``), default.
 
 Rules (each a one-line error naming the setting and its source, exit 2):
-- a value pydantic rejects, wherever it came from (no number is infinite or NaN);
-- a TOML value of the wrong TOML type: ``true`` for a number (pydantic would read it as 1), a key given
-  twice in one table (``log-level`` and ``log_level``), a file that is not UTF-8;
+- a value pydantic rejects, wherever it came from (no number is infinite or NaN), also one a higher
+  source overrides (it would lie in wait for the day the flag goes);
+- a TOML value of the wrong TOML type: ``true`` for a number (pydantic would read it as 1), anything
+  but ``true``/``false`` for a switch, a number in quotes, a key given twice in one table
+  (``log-level`` and ``log_level``), a file that is not UTF-8;
 - an unknown flag, TOML table, TOML key, or ``KVMESH_*`` variable (``KVMESH_CONFIG`` and the
   ``KVMESH_TEST_*`` variables of the test tooling are not settings).
 The environment is per process: a ``KVMESH_*`` variable for another daemon is an error here too.
@@ -138,30 +140,47 @@ class DaemonSettings(BaseModel):
             if config_flag == "":
                 raise _Problem("--config: empty path (leave the flag out for no config file)")
             raw: dict[str, tuple[Any, str]] = {}  # field -> (value, source), lowest precedence first
+            shadowed: list[tuple[str, Any, str]] = []  # values a higher source overrides: still checked
+
+            def put(name: str, value: Any, source: str) -> None:
+                if name in raw:
+                    shadowed.append((name, *raw[name]))
+                raw[name] = (value, source)
+
             if config_path:
                 for key, value in _load_toml(config_path, prog, cls).items():
-                    raw[names[key]] = (value, config_path)
+                    put(names[key], value, config_path)
             for var, value in env.items():
                 if not is_setting_variable(var):
                     continue
                 key = var.removeprefix(ENV_PREFIX).lower()
                 if key not in names:
                     raise _Problem(f"{var}: unknown setting (environment)")
-                raw[names[key]] = (value, var)
-            raw.update({names[key]: (value, "flag") for key, value in flags.items()})
-            try:
-                return cls.model_validate({name: value for name, (value, _) in raw.items()})
-            except ValidationError as exc:
-                error = exc.errors()[0]
-                loc = str(error["loc"][0]) if error["loc"] else ""
-                name = names.get(loc, loc)  # pydantic may report a field by its alias
-                if name not in cls.model_fields:
-                    raise _Problem(error["msg"].removeprefix("Value error, ")) from None
-                source = raw[name][1] if name in raw else "default"
-                flag = "--" + _key(name, cls.model_fields[name]).replace("_", "-")
-                raise _Problem(f"{flag} (from {source}): {error['msg'].removeprefix('Value error, ')}") from None
+                put(names[key], value, var)
+            for key, value in flags.items():
+                put(names[key], value, "flag")
+            settings = cls._validated(raw, names)
+            # A bad value is an error wherever it is, even where a flag overrides it: else it lies in wait
+            # in a unit's Environment= or the TOML file for the day the flag goes.
+            for name, value, source in shadowed:
+                cls._validated({**raw, name: (value, source)}, names)
+            return settings
         except _Problem as exc:
             fail(prog, str(exc))
+
+    @classmethod
+    def _validated(cls, raw: Mapping[str, tuple[Any, str]], names: Mapping[str, str]) -> Self:
+        try:
+            return cls.model_validate({name: value for name, (value, _) in raw.items()})
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            loc = str(error["loc"][0]) if error["loc"] else ""
+            name = names.get(loc, loc)  # pydantic may report a field by its alias
+            if name not in cls.model_fields:
+                raise _Problem(error["msg"].removeprefix("Value error, ")) from None
+            source = raw[name][1] if name in raw else "default"
+            flag = "--" + _key(name, cls.model_fields[name]).replace("_", "-")
+            raise _Problem(f"{flag} (from {source}): {error['msg'].removeprefix('Value error, ')}") from None
 
     @classmethod
     def variables(cls) -> frozenset[str]:
@@ -261,12 +280,23 @@ def _load_toml(path: str, prog: str, cls: type[DaemonSettings]) -> dict[str, Any
                     f"--config: {seen[normalized]!r} and {key!r} are one setting, twice in [{table}] of {path}"
                 )
             seen[normalized] = key
-            if isinstance(value, bool) and not _takes_bool(fields[normalized]):
-                raise _Problem(
-                    f"--config: {key} in [{table}] of {path}: {str(value).lower()} is not a {_kind(fields[normalized])}"
-                )
+            info = fields[normalized]
+            if isinstance(value, bool) and not _takes_bool(info):
+                raise _Problem(f"--config: {key} in [{table}] of {path}: {str(value).lower()} is not a {_kind(info)}")
+            if _takes_bool(info) and not isinstance(value, bool):
+                raise _Problem(f"--config: {key} in [{table}] of {path}: write true or false, not {value!r}")
+            if isinstance(value, str) and _kind(info) == "number" and _is_number(value):
+                raise _Problem(f"--config: {key} in [{table}] of {path}: write the number {value} without quotes")
             merged[normalized] = value
     return merged
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _takes_bool(info: FieldInfo) -> bool:
