@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -98,6 +99,44 @@ def test_a_grpc_port_in_use_exits_2_with_one_line(daemon, tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"{daemon}: error: --grpc-port {port}: cannot bind 127.0.0.1:{port} (Address already in use)"
     ]
+
+
+def test_a_bind_host_that_is_not_this_machines_exits_2_naming_it(tmp_path):
+    """With port 0 (the default of router, worker and planner) the host was not checked: gRPC's C core
+    logged a line of its own, then the error blamed --grpc-port 0."""
+    result = run_cli("kvmesh-router", "--discovery", f"file://{tmp_path}", "--bind-host", "192.0.2.1", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "kvmesh-router: error: --bind-host 192.0.2.1: cannot bind 192.0.2.1:0 (Cannot assign requested address)"
+    ]
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="no IPv6 on this machine")
+def test_an_ipv6_bind_host_serves_grpc_and_metrics(tmp_path):
+    """'::1' was no gRPC target (it needs brackets), and '[::1]' no socket address for /metrics."""
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            pass
+    except OSError:
+        pytest.skip("::1 is not configured here")
+    port, metrics = free_port(), free_port()
+    daemon = Daemon("kvmesh-router", ["--discovery", f"file://{tmp_path / 'disc'}", "--bind-host", "::1",
+                    "--grpc-port", str(port), "--metrics-port", str(metrics)], tmp_path, port)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert daemon.proc.poll() is None, daemon.log_text()
+            with grpc.insecure_channel(f"[::1]:{port}") as channel:
+                try:
+                    health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, daemon.log_text()
+            time.sleep(0.1)
+        with urllib.request.urlopen(f"http://[::1]:{metrics}/metrics", timeout=5) as reply:
+            assert b"kvmesh_router_decisions_total" in reply.read()
+    finally:
+        daemon.close()
 
 
 SHARED_CONFIG = """

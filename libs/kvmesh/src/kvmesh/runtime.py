@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import inspect
 import logging
@@ -152,15 +153,21 @@ class _Admin(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.DrainResponse(instance_id=f"{runtime.instance_id:x}", started=started)
 
 
+_IN_USE = os.strerror(errno.EADDRINUSE)
+
+
+def grpc_target(host: str, port: int) -> str:
+    """``host:port`` as gRPC reads it: an IPv6 address in brackets (``[::1]:8001``)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def _why_unbindable(host: str, port: int) -> str | None:
     """Why gRPC could bind none of ``host``'s addresses on ``port`` (in use, not this host's), or None.
 
     The same rules as gRPC's own bind: SO_REUSEADDR (a port in TIME_WAIT is free), no SO_REUSEPORT
     (``grpc.so_reuseport`` is off), and a host name is fine if any of its addresses binds.
     """
-    if port == 0:
-        return None
-    try:
+    try:  # port 0 too: it binds wherever the host is one of this machine's addresses
         addresses = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         return f"cannot resolve {host!r}: {exc.strerror}"
@@ -427,10 +434,12 @@ class DaemonRuntime:
             raise RuntimeError("the gRPC port is already bound")
         self._load_tls()
         host = bind_host or self.settings.bind_host
-        target = f"{host}:{port}"
+        target = grpc_target(host, port)
         unbindable = _why_unbindable(host, port)
         if unbindable is not None:  # said before gRPC tries: its C core logs a line of its own first
-            fail(self.name, f"--grpc-port {port}: cannot bind {target} ({unbindable})")
+            # a port in use is the port's fault; a host that is not this machine's (or no host) is the host's
+            flag = f"--grpc-port {port}" if port and unbindable == _IN_USE else f"--bind-host {host}"
+            fail(self.name, f"{flag}: cannot bind {target} ({unbindable})")
         try:
             if self.tls is not None:
                 creds = tls.server_credentials(self.tls, require_client_cert=require_client_cert)

@@ -137,7 +137,9 @@ class _SilentHandler(WSGIRequestHandler):
 
 def _serve_metrics(host: str, port: int) -> _MetricsHttpServer:
     """``/metrics`` of the default registry on a daemon thread (what ``start_http_server`` does)."""
-    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    # "[::1]" is how an IPv6 --bind-host reads in a gRPC target; a socket wants it bare
+    bare = host.strip("[]")
+    family, _, _, _, sockaddr = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
 
     class Server(_MetricsHttpServer):
         address_family = family
