@@ -32,11 +32,18 @@ _GIL_FREE_CHARS = 16_384  # longer texts are encoded with the GIL released
 _COUNT_PIECE_CHARS = 65_536  # a prompt that may be too long is counted in pieces of this many characters
 _CUT_MARGIN_TOKENS = 8  # what one cut between pieces may add to their count, at most
 _TRIM_AFTER_CHARS = 262_144  # after encoding a text this long, freed heap goes back to the system
-try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    _LIBC.malloc_trim  # noqa: B018 (glibc only)
-except (OSError, AttributeError):
-    _LIBC = None
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it has ``malloc_trim`` (glibc), else None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "malloc_trim") else None
+
+
+_LIBC = _glibc()
 
 
 class PromptTooLong(Exception):
