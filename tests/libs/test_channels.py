@@ -68,3 +68,25 @@ async def test_a_bounded_pool_closes_its_least_recently_used_channel() -> None:
     finally:
         await pool.close()
         await server.stop(None)
+
+
+async def test_a_peer_that_left_has_its_channel_closed_and_a_new_one_if_it_comes_back() -> None:
+    """A router keeps a channel per worker address: in a fleet that scales on new ports, one per worker
+    it ever saw, for good. Released when the worker's last engine leaves."""
+    pool = ChannelPool()
+    server = await _serve(port := free_port())
+    address = f"127.0.0.1:{port}"
+    try:
+        old = pool.get("worker/x", address)
+        assert await _check(old) == grpc.StatusCode.OK
+        pool.release("worker/x")
+        assert "worker/x" not in pool
+        async with asyncio.timeout(5):
+            while old.get_state() != grpc.ChannelConnectivity.SHUTDOWN:
+                await asyncio.sleep(0.01)
+        new = pool.get("worker/x", address)
+        assert new is not old and await _check(new) == grpc.StatusCode.OK
+        pool.release("worker/never-seen")  # nothing to do
+    finally:
+        await pool.close()
+        await server.stop(None)

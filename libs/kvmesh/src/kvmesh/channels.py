@@ -54,6 +54,13 @@ class ChannelPool:
         self._retiring[task] = channel
         task.add_done_callback(self._retiring.pop)
 
+    def release(self, instance_id: int | str) -> None:
+        """Forget the channel to a peer that left: it closes once its calls end (at most ``RETIRE_GRACE_S``).
+        A peer that comes back gets a new one."""
+        entry = self._channels.pop(instance_id, None)
+        if entry is not None:
+            self._retire(entry[1])
+
     async def drop(self, instance_id: int | str) -> None:
         entry = self._channels.pop(instance_id, None)
         if entry is not None:

@@ -76,10 +76,10 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
     runtime.resources.push_async_callback(pool.close)
 
     def channel_for(address: str) -> grpc.aio.Channel:
-        return pool.get(address, address, role="worker")  # with TLS: only a worker certificate answers
+        return pool.get(f"worker/{address}", address, role="worker")  # with TLS: only a worker certificate answers
 
     def replica_channel(address: str) -> grpc.aio.Channel:
-        return pool.get(address, address, role="router")
+        return pool.get(f"router/{address}", address, role="router")
 
     ingest: Ingest | None = None
     if state.kv_index is not None:
@@ -117,7 +117,11 @@ async def _serve(runtime: DaemonRuntime, settings: Settings) -> int:
     def engine_removed(engine_id: int) -> None:
         if ingest is not None:
             ingest.remove(engine_id)
+        info = state.engines.get(engine_id)
         dropped = state.remove_engine(engine_id)
+        if info is not None and not any(e.address == info.address for e in state.engines.values()):
+            # its worker left: a fleet that scales (new workers on new ports) kept a channel to each for good
+            pool.release(f"worker/{info.address}")
         if load_watch is not None:
             load_watch.sync(fleet.engines)
         if dropped:
