@@ -29,6 +29,16 @@ def test_a_matching_certificate_key_and_ca_load(pki: Path) -> None:
     assert settings.tls_enabled
 
 
+def test_a_certificate_and_key_in_the_environment_give_way_to_the_pair_in_the_flags(pki: Path) -> None:
+    """Each overridden value is checked alone: the environment's certificate is not paired with the flags'
+    key (a pair nobody configured, refused as KEY_VALUES_MISMATCH)."""
+    env = {"KVMESH_TLS_CERT": str(pki / "frontend.crt"), "KVMESH_TLS_KEY": str(pki / "frontend.key")}
+    ca = str(pki / "ca.crt")
+    argv = ["--tls-cert", str(pki / "router.crt"), "--tls-key", str(pki / "router.key"), "--tls-ca", ca]
+    settings = DaemonSettings.load("kvmesh-router", "test", argv, environ=env)
+    assert settings.tls_cert == str(pki / "router.crt")
+
+
 def test_another_daemons_key_is_refused(pki: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cert, key = pki / "router.crt", pki / "worker.key"
     err = refused(["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(pki / "ca.crt")], capsys)

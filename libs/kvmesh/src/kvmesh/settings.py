@@ -160,20 +160,30 @@ class DaemonSettings(BaseModel):
             for key, value in flags.items():
                 put(names[key], value, "flag")
             settings = cls._validated(raw, names)
+            assert settings is not None  # (only None for a check of one field)
             # A bad value is an error wherever it is, even where a flag overrides it: else it lies in wait
             # in a unit's Environment= or the TOML file for the day the flag goes.
             for name, value, source in shadowed:
-                cls._validated({**raw, name: (value, source)}, names)
+                cls._validated({**raw, name: (value, source)}, names, only=name)
             return settings
         except _Problem as exc:
             fail(prog, str(exc))
 
     @classmethod
-    def _validated(cls, raw: Mapping[str, tuple[Any, str]], names: Mapping[str, str]) -> Self:
+    def _validated(
+        cls, raw: Mapping[str, tuple[Any, str]], names: Mapping[str, str], only: str | None = None
+    ) -> Self | None:
+        """The settings of ``raw``; with ``only``, just the check of that field's own value (an overridden
+        one: how it would combine with the others, a TLS certificate with another key, does not matter)."""
         try:
             return cls.model_validate({name: value for name, (value, _) in raw.items()})
         except ValidationError as exc:
-            error = exc.errors()[0]
+            errors = exc.errors()
+            if only is not None:
+                errors = [e for e in errors if e["loc"] and names.get(str(e["loc"][0]), str(e["loc"][0])) == only]
+                if not errors:
+                    return None
+            error = errors[0]
             loc = str(error["loc"][0]) if error["loc"] else ""
             name = names.get(loc, loc)  # pydantic may report a field by its alias
             if name not in cls.model_fields:
