@@ -75,3 +75,23 @@ def test_the_default_root_is_checked_too(tmp_path: Path) -> None:
     env = {"XDG_RUNTIME_DIR": str(runtime)}
     result = run_cli("kvmesh-worker", env=env)
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a symlink to another user")
+async def test_an_ancestor_symlink_another_user_can_re_point_is_refused(tmp_path: Path) -> None:
+    """The ancestors were checked where their symlinks pointed (os.stat): a symlink in a sticky /tmp,
+    owned by another user and pointing at this user's 0700 directory, passed; its owner then re-pointed
+    it at a directory of theirs, and the running daemon wrote its lease and records there."""
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = sticky / "kvmesh-x"
+    link.symlink_to(mine)
+    os.chown(link, NOBODY, NOBODY, follow_symlinks=False)
+    with pytest.raises(DiscoveryUnavailable, match="is a symlink another user"):
+        await open_discovery(f"file://{link / 'kvmesh-discovery'}", ttl=5)
+    os.chown(link, 0, 0, follow_symlinks=False)  # root's (as /var/run -> /run is): where it leads is checked
+    discovery = await open_discovery(f"file://{link / 'kvmesh-discovery'}", ttl=5)
+    await discovery.close()

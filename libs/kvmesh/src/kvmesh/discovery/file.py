@@ -150,13 +150,24 @@ def check_root_safe(root: Path) -> None:
         raise DiscoveryRefused(
             f"discovery directory {root} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}); chmod 700 it"
         )
+    linked = False
     for parent in root.parents:
-        pst = os.stat(parent)
+        pst = os.lstat(parent)  # not stat: a symlink another user owns can be re-pointed at any time
+        if stat.S_ISLNK(pst.st_mode):
+            if pst.st_uid not in (0, uid):
+                raise DiscoveryRefused(
+                    f"discovery directory {root}: its ancestor {parent} is a symlink another user "
+                    f"(uid {pst.st_uid}) can re-point"
+                )
+            linked = True  # root's or ours: where it points is checked below
+            continue
         if pst.st_uid not in (0, uid) or (pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX):
             raise DiscoveryRefused(
                 f"discovery directory {root}: its ancestor {parent} can be changed by another user "
                 f"(owner uid {pst.st_uid}, mode {stat.S_IMODE(pst.st_mode):o})"
             )
+    if linked:  # the directories the symlinks lead through must be as safe as the path that names them
+        check_root_safe(root.resolve())
 
 
 def _tmp_name(name: str) -> str:
