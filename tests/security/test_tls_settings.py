@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -84,3 +85,35 @@ def test_a_private_key_given_instead_of_its_path_is_not_echoed(pki: Path, capsys
     err = refused(["--tls-cert", str(pki / "worker.crt"), "--tls-key", key, "--tls-ca", str(pki / "ca.crt")], capsys)
     assert "--tls-key: not a readable file (give the file's path)" in err
     assert "PRIVATE KEY" not in err and "\n" not in err.strip()
+
+
+def test_certs_init_replaces_nothing_without_force_even_with_the_ca_key_kept_offline(tmp_path: Path) -> None:
+    """Only ca.key was looked for: with the CA key moved offline (as it should be), a re-run silently
+    issued a new CA and replaced every key in use."""
+    pki = tmp_path / "pki"
+    assert run_cli("kvmesh", "certs", "init", str(pki)).returncode == 0
+    (pki / "ca.key").unlink()
+    before = (pki / "worker.key").read_bytes()
+    result = run_cli("kvmesh", "certs", "init", str(pki))
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"kvmesh certs: error: {pki / 'ca.crt'} exists (use --force to replace)"
+    )
+    assert (pki / "worker.key").read_bytes() == before
+    assert run_cli("kvmesh", "certs", "init", str(pki), "--force").returncode == 0
+    assert (pki / "worker.key").read_bytes() != before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+def test_certs_init_refuses_a_directory_another_user_may_change(tmp_path: Path) -> None:
+    """Another user's (or a world-writable) directory: they could swap ca.crt for their own CA's."""
+    writable = tmp_path / "writable"
+    writable.mkdir()
+    writable.chmod(0o777)
+    result = run_cli("kvmesh", "certs", "init", str(writable))
+    assert result.returncode == 2 and "is group- or world-writable (mode 777)" in result.stderr
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    result = run_cli("kvmesh", "certs", "init", str(theirs))
+    assert result.returncode == 2 and "is owned by uid 65534" in result.stderr
+    assert not list(writable.iterdir()) and not list(theirs.iterdir())

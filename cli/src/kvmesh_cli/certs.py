@@ -20,6 +20,7 @@ import ipaddress
 import os
 import re
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -67,8 +68,13 @@ def run_init(args: argparse.Namespace) -> int:
     if problem := _bad_argument(args):
         print(f"kvmesh certs: error: {problem}", file=sys.stderr)
         return 2
-    if not args.force and (out / "ca.key").exists():
-        print(f"kvmesh certs: error: {out}/ca.key exists (use --force to replace)", file=sys.stderr)
+    if not args.force and (existing := [f for f in _files() if (out / f).exists()]):
+        # not only ca.key: a CA key kept offline (as it should be, and as kvmesh up --tls leaves it) let a
+        # re-run silently replace the CA and every key in use
+        print(f"kvmesh certs: error: {out / existing[0]} exists (use --force to replace)", file=sys.stderr)
+        return 2
+    if problem := _unsafe_directory(out):
+        print(f"kvmesh certs: error: {problem}", file=sys.stderr)
         return 2
     try:
         init(out, days=args.days, name=args.name, extra_sans=args.san)
@@ -77,6 +83,30 @@ def run_init(args: argparse.Namespace) -> int:
         return 2
     print(f"kvmesh certs: CA and certificates for {', '.join(ROLES)} in {out}")
     return 0
+
+
+def _files() -> list[str]:
+    """What ``init`` writes."""
+    return ["ca.key", "ca.crt", *(f"{role}.{ext}" for role in ROLES for ext in ("key", "crt"))]
+
+
+def _unsafe_directory(out: Path) -> str | None:
+    """Why another local user could change what ``init`` writes into ``out`` (an existing directory), or
+    None: one they own, or may write in, could swap ca.crt for their own CA's."""
+    try:
+        st = out.lstat()
+    except FileNotFoundError:
+        return None  # made by init, 0700
+    except OSError as exc:
+        return f"{out}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+        return f"{out} is a symlink another user (uid {st.st_uid}) can re-point"
+    st = out.stat() if stat.S_ISLNK(st.st_mode) else st
+    if stat.S_ISDIR(st.st_mode) and st.st_uid != os.geteuid():
+        return f"{out} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
+    if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022:
+        return f"{out} is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o}): another user could swap ca.crt"
+    return None
 
 
 def init(out: Path, *, days: int = 365, name: str = "dev", extra_sans: list[str] | None = None) -> None:
