@@ -28,6 +28,9 @@ def test_client_certificates_cannot_be_required_without_tls(capsys: pytest.Captu
     [
         (b"\xff\xfe\x00", "--kserve-token-file: the file is not UTF-8 text"),
         (b"  \n", "--kserve-token-file: the file is empty"),
+        # no client could send these in a header: every request failed INTERNAL "Invalid metadata"
+        (b"line1\nline2\n", "--kserve-token-file: the token must be one line of RFC 6750 characters"),
+        ("t\u00f6k\u00e9n".encode(), "--kserve-token-file: the token must be one line of RFC 6750 characters"),
         (None, "--kserve-token-file: cannot read the file (No such file or directory; give the token file's path)"),
     ],
 )

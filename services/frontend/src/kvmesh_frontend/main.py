@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
@@ -82,7 +83,12 @@ def kserve_auth(config: Settings) -> tuple[BearerTokenGate, ...]:
         fail(PROG, "--kserve-token-file: the file is not UTF-8 text")
     if not token:
         fail(PROG, "--kserve-token-file: the file is empty")
+    if not _TOKEN_CHARS.fullmatch(token):  # else no client could send it: gRPC refuses such header bytes
+        fail(PROG, "--kserve-token-file: the token must be one line of RFC 6750 characters (A-Z a-z 0-9 -._~+/=)")
     return (BearerTokenGate(token),)
+
+
+_TOKEN_CHARS = re.compile(r"[A-Za-z0-9\-._~+/]+=*")  # RFC 6750 b64token
 
 
 async def serve(config: Settings) -> None:
