@@ -28,9 +28,10 @@ pytestmark = [pytest.mark.etcd, pytest.mark.skipif(not etcd_available(), reason=
 class TlsEtcd(EtcdServer):
     """``EtcdServer`` with https client URLs and ``--client-cert-auth`` (certificates from ``kvmesh certs init``)."""
 
-    def __init__(self, data_dir: Path, pki: Path) -> None:
+    def __init__(self, data_dir: Path, pki: Path, server_pki: Path | None = None) -> None:
         super().__init__(data_dir)
-        self.pki = pki
+        self.pki = pki  # the CA clients' certificates come from
+        self.server_pki = server_pki or pki  # where etcd's own certificate comes from ("its own CA")
 
     def _spawn(self) -> None:
         client, peer = f"https://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
@@ -42,12 +43,12 @@ class TlsEtcd(EtcdServer):
              "--initial-cluster", f"{self.name}={peer}", "--initial-cluster-state", "new",
              "--heartbeat-interval", "10", "--election-timeout", "100", "--logger", "zap", "--log-level", "warn",
              "--client-cert-auth", "--trusted-ca-file", str(self.pki / "ca.crt"),
-             "--cert-file", str(self.pki / "etcd.crt"), "--key-file", str(self.pki / "etcd.key")]),
+             "--cert-file", str(self.server_pki / "etcd.crt"), "--key-file", str(self.server_pki / "etcd.key")]),
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
 
     def _wait_healthy(self, timeout: float) -> None:
-        context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        context = ssl.create_default_context(cafile=str(self.server_pki / "ca.crt"))
         context.load_cert_chain(self.pki / "operator.crt", self.pki / "operator.key")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -104,3 +105,18 @@ def test_a_daemon_with_etcd_tls_serves_and_one_without_exits(etcd: TlsEtcd, pki:
     assert result.returncode == 69 and result.stderr.count("\n") == 1, result.stderr
     result = run_cli("kvmesh-worker", "--discovery", etcd.url, "--etcd-tls")
     assert result.returncode == 2 and "--etcd-tls needs" in result.stderr, result.stderr
+
+
+def test_the_operator_cli_reaches_an_etcd_with_its_own_ca(pki: Path, tmp_path: Path) -> None:
+    """The daemons took --etcd-ca; the operator's commands had no way to trust an etcd whose certificate
+    another CA issued, and read KVMESH_ETCD_TLS=yes (which the daemons take) as off."""
+    etcd_ca = pki.parent / "other"  # etcd's certificate from another CA; it trusts the mesh's clients
+    with TlsEtcd(tmp_path / "etcd", pki, server_pki=etcd_ca) as server:
+        argv = ["status", "--discovery", server.url, *tls_args(pki, "operator")]
+        env = {"KVMESH_ETCD_TLS": "yes"}
+        result = run_cli("kvmesh", *argv, "--etcd-ca", str(etcd_ca / "ca.crt"), env=env, timeout=60)
+        assert result.returncode == 0, result.stderr
+        result = run_cli("kvmesh", *argv, env={**env, "KVMESH_ETCD_CA": str(etcd_ca / "ca.crt")}, timeout=60)
+        assert result.returncode == 0, result.stderr
+        result = run_cli("kvmesh", *argv, env=env, timeout=60)  # the mesh CA does not vouch for etcd
+        assert result.returncode != 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 __all__ = ["add_mesh_flags", "configure_tls"]
 
@@ -31,8 +32,17 @@ def add_mesh_flags(p: argparse.ArgumentParser, namespace: str = "kvmesh") -> Non
     p.add_argument("--tls-key", default=env("KVMESH_TLS_KEY", ""), help="its key (env KVMESH_TLS_KEY)")
     p.add_argument("--tls-ca", default=env("KVMESH_TLS_CA", ""), help="mesh CA (env KVMESH_TLS_CA)")
     p.add_argument(
-        "--etcd-tls", action="store_true", default=env("KVMESH_ETCD_TLS", "") in ("1", "true"), help="mTLS to etcd"
+        "--etcd-tls",
+        action="store_true",
+        default=env("KVMESH_ETCD_TLS", "").strip().lower() in _TRUE,
+        help="mTLS to etcd (env KVMESH_ETCD_TLS)",
     )
+    p.add_argument(
+        "--etcd-ca", default=env("KVMESH_ETCD_CA", ""), help="etcd's CA, if not the mesh CA (env KVMESH_ETCD_CA)"
+    )
+
+
+_TRUE = frozenset({"1", "true", "t", "yes", "y", "on"})  # what the daemons' settings read as true
 
 
 def configure_tls(args: argparse.Namespace) -> str | None:
@@ -46,11 +56,12 @@ def configure_tls(args: argparse.Namespace) -> str | None:
         return "TLS needs --tls-cert, --tls-key and --tls-ca together"
     try:
         material = tls.load(*given)
+        etcd_ca = Path(args.etcd_ca).read_bytes() if args.etcd_ca else material.ca
     except OSError as exc:
         return f"cannot read {exc.filename}: {exc.strerror}"
     tls.configure_client(material)
     if args.etcd_tls:
-        tls.configure_etcd(material)
+        tls.configure_etcd(tls.TlsMaterial(material.cert, material.key, etcd_ca))
     return None
 
 
