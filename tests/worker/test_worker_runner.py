@@ -88,6 +88,21 @@ async def test_subscribing_while_a_pass_is_in_flight_gives_each_event_once():
         assert [e.event_id for e in await _drain(from_mid, end)] == list(range(in_flight, end))
 
 
+async def test_blocks_a_pull_stored_on_an_idle_engine_reach_a_live_subscriber_at_once():
+    """A decode engine's pulled blocks, then unpinned with no request to run (cancelled during the
+    transfer, or refused): they were journaled, but an idle engine runs no pass to publish them, and a
+    live subscriber (a router replica) did not hear of them until some unrelated request came."""
+    async with _running(6, 1.0) as (core, runner):
+        _, live = runner.subscribe(None)
+        local, seq = core.prompt_hashes(list(range(12)), None)
+        core.pin_new(seq, local, 0, 3)  # what MockerKv.pull does after its read
+        core.unpin(seq)  # the request went away: MockerKv.unpin_request, then its hook
+        runner._unpinned()
+        (event,) = await asyncio.wait_for(live.next(), 2)
+        assert [b.block_hash for b in event.data.blocks] == seq[:3]
+        assert not core.has_unfinished()  # no pass ran for it
+
+
 async def test_abort_frees_the_blocks_at_once_and_the_runner_goes_idle():
     async with _running(8, 0.5) as (core, runner):
         queue = _submit(runner, EngineRequest("long", list(range(10, 30)), max_tokens=200, ignore_eos=True))

@@ -283,6 +283,10 @@ class EngineRunner:
         self._load_listeners.append(listener)
 
     def _unpinned(self) -> None:
+        # A pull's stored blocks, unpinned with no request to run (cancelled mid-transfer, refused): no
+        # pass will publish them, so they go out now, in journal order (no pass is running).
+        if events := self.core.take_events():
+            self.publisher.publish(events)
         self._poke()  # a hold released or expired may let a queued request in
         for listener in self._load_listeners:  # and an idle engine runs no pass to say its blocks are free
             listener(self.engine_id)

@@ -146,7 +146,8 @@ class EngineCore:
         return n
 
     def pin_new(self, seq_hashes: list[int], local_hashes: list[int], lo: int, hi: int) -> None:
-        """Store and pin blocks ``[lo, hi)`` whose KV arrived from elsewhere (BlocksStored on the next step)."""
+        """Store and pin blocks ``[lo, hi)`` whose KV arrived from elsewhere (BlocksStored on the next step
+        that runs, or from :meth:`take_events` when none will)."""
         bm = self.block_manager
         if bm.num_missing(seq_hashes, lo, hi) > bm.free_slots:
             raise QueueFull(f"no room for {hi - lo} transferred KV blocks ({bm.num_active} of {bm.num_blocks} active)")
@@ -228,6 +229,12 @@ class EngineCore:
     def dump_cache(self) -> CacheDump:
         """The whole cached set (active + inactive full blocks) as of ``next_event_id``."""
         return CacheDump(self.block_manager.dump(), self.journal.next_event_id)
+
+    def take_events(self) -> list[KvEvent]:
+        """The events recorded outside a pass (a pull's stored blocks) not yet returned by a step: an idle
+        engine runs no step, and a subscriber would not learn of those blocks until some request came."""
+        events, self._events = self._events, []
+        return events
 
     def clear_cache(self) -> list[KvEvent]:
         """Drop every cached block that no request is using; returns the events this produced.
