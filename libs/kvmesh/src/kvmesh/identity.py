@@ -66,7 +66,13 @@ async def _check(context: grpc.aio.ServicerContext[Any, Any], method: str, allow
     if role not in allowed:
         await context.abort(
             grpc.StatusCode.PERMISSION_DENIED,
-            f"{method} needs a mesh certificate of role {sorted(allowed)}, not {role}",
+            f"{method} needs a mesh certificate of role {sorted(allowed)}, "
+            + (
+                f"not {role}"
+                if role
+                else "and none with a kvmesh role came (a frontend's KServe port asks clients for a certificate "
+                "only under --kserve-client-cert)"
+            ),
         )
 
 
