@@ -95,6 +95,22 @@ def test_input_ids_and_messages() -> None:
     assert req.messages == [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}]
 
 
+def test_tool_calls_reach_the_template_as_vllm_hands_them() -> None:
+    """Arguments as an object, not a JSON string inside the JSON; an empty list dropped ("list object has
+    no element 0" in a Llama-3 template); a malformed one in the history as {} (else every later turn fails)."""
+
+    def call(arguments: object) -> dict:
+        return {"type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    messages = [
+        {"role": "assistant", "content": None, "tool_calls": [call('{"city": "Paris"}'), call("{oops"), call("[1]")]},
+        {"role": "assistant", "content": "b", "tool_calls": []},
+    ]
+    req = parse_llm_request(llm_request(None, extra=[bytes_input("messages", json.dumps(messages))]))
+    assert [c["function"]["arguments"] for c in req.messages[0]["tool_calls"]] == [{"city": "Paris"}, {}, {}]
+    assert "tool_calls" not in req.messages[1]
+
+
 def test_requested_outputs_and_flags() -> None:
     request = llm_request("x", extra=[bool_input("return_finish_reason", True)])
     req = parse_llm_request(request)

@@ -195,3 +195,43 @@ def test_a_prompt_certainly_over_the_bound_is_refused_before_it_is_wholly_encode
     # within the bound (or no bound): the whole encoding, the same as without counting first
     whole = tok.encode(text)
     assert tok.encode(text, max_tokens=len(whole)) == whole
+
+
+def _with_template(template: str, **config: object) -> ModelTokenizer:
+    files = tokenizer_files()
+    return ModelTokenizer(files["tokenizer.json"].decode(), {"eos_token": "</s>", **config}, template)
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_templates_render_as_transformers_renders_them() -> None:
+    """Each was a real template vLLM's server renders: a `generation` tag (compile error: the model had no
+    tokenizer at all), `tools is not none` (a tool block on every request), `tojson(separators=...)`."""
+    tagged = _with_template("{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}")
+    assert tagged.render_chat(USER) == "[hi]"
+    tools = _with_template("{% if tools is not none %}TOOLS {% endif %}{{ messages[0].content }}")
+    assert tools.render_chat(USER) == "hi"
+    compact = _with_template("{{ messages[0] | tojson(separators=(',', ':')) }}")
+    assert compact.render_chat(USER) == '{"role":"user","content":"hi"}'
+
+
+def test_a_developer_message_is_a_system_one_unless_the_template_knows_the_role() -> None:
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    chat = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi"},
+        {"role": "developer", "content": "D"},
+    ]
+    assert _with_template(template).render_chat(chat) == "<system>S\n\nD<user>hi"  # merged, first (vLLM's way)
+    knows = _with_template(template + "{# 'developer' #}")
+    assert knows.render_chat(chat) == "<system>S<user>hi<developer>D"
+
+
+def test_special_tokens_of_an_older_repository_come_from_its_special_tokens_map() -> None:
+    files = {
+        "tokenizer.json": tokenizer_files()["tokenizer.json"],
+        "tokenizer_config.json": json.dumps({"chat_template": "{{ bos_token }}{{ messages[0].content }}"}).encode(),
+        "special_tokens_map.json": json.dumps({"bos_token": "<s>", "eos_token": "</s>"}).encode(),
+    }
+    assert ModelTokenizer.from_files(files).render_chat(USER) == "<s>hi"

@@ -356,6 +356,19 @@ def test_model_path_dot_is_named_after_the_directory(tmp_path, monkeypatch):
     assert load_model_files(".", "alias").name == "alias"
 
 
+def test_a_chat_template_file_and_a_special_tokens_map_are_served_when_the_model_has_them(tmp_path):
+    """A chat template saved as chat_template.jinja (transformers since 4.43), or special tokens only in
+    special_tokens_map.json, never reached a frontend: no chat at all, or a prompt without its BOS."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(BUILTIN, model_dir)
+    (model_dir / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    (model_dir / "special_tokens_map.json").write_text('{"bos_token": "<s>"}')
+    before = load_model_files(str(BUILTIN)).digest
+    model = load_model_files(str(model_dir))
+    assert set(model.files) == {*SERVED_FILES, "chat_template.jinja", "special_tokens_map.json"}
+    assert model.digest != before  # a frontend fetches the files again
+
+
 @pytest.mark.parametrize(
     ("breakage", "says"),
     [

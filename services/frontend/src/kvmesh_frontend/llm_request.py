@@ -484,7 +484,29 @@ def _parse_messages(tensor: Tensor) -> list[dict[str, Any]]:
             message["content"] = "\n".join(texts)
         elif not isinstance(content, str):
             raise invalid(f"input 'messages': message #{i} 'content' must be a string, a list of text parts or null")
+        if role == "assistant" and isinstance(message.get("tool_calls"), list):
+            _tool_call_arguments(i, message)
     return doc
+
+
+def _tool_call_arguments(i: int, message: dict[str, Any]) -> None:
+    """As vLLM hands tool calls to a template: ``arguments`` as an object (a JSON string parsed; {} when it
+    is no JSON object), and an empty ``tool_calls`` dropped (else "list has no element 0" in the template)."""
+    calls = message["tool_calls"]
+    if not calls:
+        del message["tool_calls"]
+        return
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise invalid(f'input \'messages\': message #{i} tool call #{j} is not a {{"type": "function"}} call')
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments else {}
+            except ValueError:
+                arguments = {}  # in the history, a bad one must not fail every later turn (vLLM's reasoning)
+        function["arguments"] = arguments if isinstance(arguments, dict) else {}
 
 
 def _parse_sampling_json(tensor: Tensor, sampling: SamplingParams) -> None:

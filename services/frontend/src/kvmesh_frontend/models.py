@@ -37,7 +37,7 @@ from kvmesh_frontend.tokenization import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _RETRY_FAILED_LOAD_S = 5.0
 
 

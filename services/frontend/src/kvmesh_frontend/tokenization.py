@@ -15,11 +15,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.nodes
+import jinja2.parser
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -76,8 +79,30 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson`` (its signature: templates pass these by position and keyword)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}``, transformers' marker of assistant text (for training
+    masks): rendered as its body. Without it a template that has the tag did not compile at all."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
 
 
 def _strftime_now(fmt: str) -> str:
@@ -86,7 +111,9 @@ def _strftime_now(fmt: str) -> str:
 
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile an HF chat template the way ``transformers`` does (sandboxed, trimmed blocks)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -117,17 +144,21 @@ class ModelTokenizer:
         config = tokenizer_config or {}
         self.special_tokens = {
             key: token
-            for key in ("bos_token", "eos_token", "unk_token", "pad_token")
+            for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
             if (token := _special_token(config, key)) is not None
         }
         source = chat_template if chat_template is not None else _pick_template(config.get("chat_template"))
         self.chat_template_source = source
         self._template = compile_chat_template(source) if source else None
+        # vLLM's rule: a template that never names the role gets "developer" messages as "system" ones
+        self._developer_as_system = bool(source) and "'developer'" not in source and '"developer"' not in source
 
     @classmethod
     def from_files(cls, files: dict[str, bytes]) -> ModelTokenizer:
         """Build from the files a model card serves (``tokenizer.json`` required)."""
-        config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else None
+        config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+        if "special_tokens_map.json" in files:  # an older repository's special tokens: the config's win
+            config = {**json.loads(files["special_tokens_map.json"]), **config}
         template = files["chat_template.jinja"].decode() if "chat_template.jinja" in files else None
         return cls(files["tokenizer.json"].decode(), config, template)
 
@@ -169,9 +200,17 @@ class ModelTokenizer:
         """The prompt text for chat ``messages`` (raises ChatTemplateError)."""
         if self._template is None:
             raise ChatTemplateError("the model has no chat template")
+        if self._developer_as_system and any(m.get("role") == "developer" for m in messages):
+            messages = _developer_as_system(messages)
         try:
+            # as transformers renders: tools and documents are None when not given (a template's
+            # "tools is not none" is false), and the special tokens are variables
             return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.special_tokens,
             )
         except ChatTemplateError:
             raise
@@ -184,6 +223,18 @@ class ModelTokenizer:
 
     def detokenizer(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, prompt_ids[-_CONTEXT_TOKENS:], skip_special_tokens)
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ "developer" messages as "system" ones, every system message merged into one first (vLLM's
+    ``_convert_developer_to_system`` and ``_consolidate_system_messages``: some templates take only one,
+    first)."""
+    converted = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    systems = [i for i, m in enumerate(converted) if m.get("role") == "system"]
+    if systems == [0] or not systems:
+        return converted
+    text = "\n\n".join(c for i in systems if (c := converted[i].get("content")) and isinstance(c, str))
+    return [{"role": "system", "content": text}, *(m for m in converted if m.get("role") != "system")]
 
 
 class IncrementalDetokenizer:

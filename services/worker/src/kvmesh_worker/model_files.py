@@ -18,6 +18,9 @@ from tokenizers import Tokenizer
 BUILTIN_MODELS = Path(__file__).resolve().parent / "models"
 DEFAULT_MODEL = "kvmesh-mock"
 SERVED_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")
+# Served when the directory has them: the chat template as transformers has saved it since 4.43, and
+# the special tokens of older repositories (transformers merges both into the tokenizer's config).
+OPTIONAL_FILES = ("chat_template.jinja", "special_tokens_map.json")
 
 
 class ModelFilesError(ValueError):
@@ -73,6 +76,8 @@ def load_model_files(model_path: str | None, served_name: str | None = None) -> 
     tok_config = _json(directory / "tokenizer_config.json")
     config = _json(directory / "config.json")
     eos = tok_config.get("eos_token")
+    if eos is None and (directory / "special_tokens_map.json").is_file():  # an older repository's
+        eos = _json(directory / "special_tokens_map.json").get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
     eos_id = tokenizer.token_to_id(eos) if isinstance(eos, str) else None
@@ -85,8 +90,9 @@ def load_model_files(model_path: str | None, served_name: str | None = None) -> 
     vocab_size = max(
         _count(directory / "config.json", config, "vocab_size"), tokenizer.get_vocab_size(with_added_tokens=True)
     )
-    files = {name: (directory / name).read_bytes() for name in SERVED_FILES}
-    digest = hashlib.sha256(b"".join(hashlib.sha256(files[n]).digest() for n in SERVED_FILES)).hexdigest()
+    served = [*SERVED_FILES, *(name for name in OPTIONAL_FILES if (directory / name).is_file())]
+    files = {name: (directory / name).read_bytes() for name in served}
+    digest = hashlib.sha256(b"".join(hashlib.sha256(files[n]).digest() for n in served)).hexdigest()
     max_context = _count(directory / "config.json", config, "max_position_embeddings") or _model_max_length(tok_config)
     return ModelFiles(
         name=served_name or (DEFAULT_MODEL if not model_path else directory.resolve().name),  # '.' has no name
