@@ -166,13 +166,16 @@ async def test_systemd_connector_scales_each_pool_through_its_own_template(fake_
 
 def test_the_role_units_are_the_worker_unit_plus_their_role():
     """kvmesh-worker-prefill@ / -decode@ differ from kvmesh-worker@ only in the header comment, Description,
-    and the KVMESH_ROLE line (and its comment), so a fix to one unit cannot silently miss the others."""
+    the KVMESH_ROLE line (and its comment) and their instance's env file (prefill@1 and decode@1 run side by
+    side: one worker-1.env would give both the same port), so a fix to one unit cannot miss the others."""
     base = (UNITS / "kvmesh-worker@.service").read_text().splitlines()
     for role in ("prefill", "decode"):
         unit = (UNITS / f"kvmesh-worker-{role}@.service").read_text().splitlines()
         assert f"Environment=KVMESH_ROLE={role}" in unit
         rest = [line for line in unit if not line.startswith("#") and not line.startswith("Description=")]
         rest.remove(f"Environment=KVMESH_ROLE={role}")
+        own = f"EnvironmentFile=-/etc/kvmesh/worker-{role}-%i.env"
+        rest[rest.index(own)] = "EnvironmentFile=-/etc/kvmesh/worker-%i.env"
         assert rest == [line for line in base if not line.startswith("#") and not line.startswith("Description=")]
 
 
