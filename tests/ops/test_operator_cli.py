@@ -3,12 +3,15 @@ with mTLS: only an operator certificate may drain; a drained worker deregisters 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvmesh.discovery import instance_key, open_discovery
+from kvmesh.v1 import discovery_pb2
 from kvmesh_cli import certs as certs_cli
 
 from tests.security.tlsmesh import TlsMesh, tls_args
@@ -131,3 +134,25 @@ def test_certs_init_checks_its_arguments_before_it_writes_anything(
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(f"kvmesh certs: error: {message}")
     assert not (tmp_path / "certs").exists()
+
+
+async def test_a_stale_record_of_a_dead_replica_does_not_hide_the_live_ones(mesh: TlsMesh) -> None:
+    """A replica killed keeps its record for up to a lease TTL: router dump asked only the first router (by
+    address), and planner status gave up on the first planner that did not answer, the leader's reply too."""
+    planner = mesh.wait_serving(mesh.start("kvmesh-planner", "planner", "--connector", "virtual"))
+    discovery = await open_discovery(mesh.url, ttl=30)
+    try:
+        lease = await discovery.grant_lease()
+        for component in ("router", "planner"):  # at 127.0.0.1:1, first by address, where nothing listens
+            record = discovery_pb2.InstanceRecord(
+                namespace=mesh.namespace, component=component, endpoint=component, instance_id=1, address="127.0.0.1:1"
+            )
+            await lease.put(instance_key(mesh.namespace, component, component, 1), record.SerializeToString())
+        rc, out, err = await asyncio.to_thread(kvmesh, mesh, "router", "dump")
+        assert rc == 0, err
+        assert len(json.loads(out)["engines"]) == 2
+        rc, out, err = await asyncio.to_thread(kvmesh, mesh, "planner", "status", "--json")
+        assert rc == 0 and [reply["address"] for reply in json.loads(out)] == [planner.address], err
+        assert err.startswith("kvmesh planner status: warning: planner 127.0.0.1:1: UNAVAILABLE"), err
+    finally:
+        await discovery.close()

@@ -198,16 +198,21 @@ async def _drain(args: argparse.Namespace) -> int:
 async def _dump(args: argparse.Namespace) -> int:
     from kvmesh.v1 import router_pb2
 
-    address = args.address
-    if address is None:
-        routers = [r for r in (await _fleet(args)).records if r.component == "router"]
-        if not routers:
+    if args.address is not None:
+        addresses = [args.address]
+    else:
+        addresses = [r.address for r in (await _fleet(args)).records if r.component == "router"]
+        if not addresses:
             raise _Problem(f"no router registered in namespace {args.namespace!r}")
-        address = routers[0].address
-    try:
-        reply = await _router_call(args, address, "DumpIndex", router_pb2.DumpIndexRequest())
-    except grpc.aio.AioRpcError as exc:
-        raise _Problem(f"router {address}: {exc.code().name}: {exc.details()}") from None
+    failures = []
+    for address in addresses:  # a replica killed keeps its record for up to a lease TTL: ask the next
+        try:
+            reply = await _router_call(args, address, "DumpIndex", router_pb2.DumpIndexRequest())
+            break
+        except grpc.aio.AioRpcError as exc:
+            failures.append(f"router {address}: {exc.code().name}: {exc.details()}")
+    else:
+        raise _Problem("; ".join(failures))
     engines = [
         {"engine_id": f"{e.engine_id:x}", "blocks": len(e.block_hashes), "next_event_id": e.next_event_id}
         | ({"block_hashes": [f"{h:016x}" for h in e.block_hashes]} if args.hashes else {})

@@ -95,10 +95,15 @@ def _status(args: argparse.Namespace) -> int:
         print(f"kvmesh planner status: error: {problem}", file=sys.stderr)
         return 2
     try:
-        replies = asyncio.run(_fetch(args))
+        replies, failures = asyncio.run(_fetch(args))
     except RuntimeError as exc:
         print(f"kvmesh planner status: error: {exc}", file=sys.stderr)
         return 2
+    if not replies:  # (a replica that crashed keeps its record for up to a lease TTL: the others still count)
+        print(f"kvmesh planner status: error: {'; '.join(failures)}", file=sys.stderr)
+        return 2
+    for failure in failures:
+        print(f"kvmesh planner status: warning: {failure}", file=sys.stderr)
     if args.json:
         from google.protobuf.json_format import MessageToDict
 
@@ -109,7 +114,8 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _fetch(args: argparse.Namespace) -> list[tuple[str, Any]]:
+async def _fetch(args: argparse.Namespace) -> tuple[list[tuple[str, Any]], list[str]]:
+    """Each planner's status (the leader first), and why each that did not answer did not."""
     import grpc
     from kvmesh.channels import open_channel
     from kvmesh.discovery import DiscoveryUnavailable, instance_prefix, open_discovery
@@ -133,6 +139,7 @@ async def _fetch(args: argparse.Namespace) -> list[tuple[str, Any]]:
     if not addresses:
         raise RuntimeError(f"no planner registered in namespace {args.namespace!r}")
     out = []
+    failures = []
     for address in addresses:
         async with open_channel(address, role="planner") as channel:
             try:
@@ -140,10 +147,11 @@ async def _fetch(args: argparse.Namespace) -> list[tuple[str, Any]]:
                     planner_pb2.GetStatusRequest(), timeout=3.0
                 )
             except grpc.aio.AioRpcError as exc:
-                raise RuntimeError(f"planner {address}: {exc.code().name}: {exc.details()}") from None
+                failures.append(f"planner {address}: {exc.code().name}: {exc.details()}")
+                continue
         out.append((address, reply))
     out.sort(key=lambda item: not item[1].leader)
-    return out
+    return out, failures
 
 
 def _sizes(msg: Any) -> str:

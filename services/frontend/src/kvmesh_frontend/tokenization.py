@@ -151,7 +151,7 @@ class ModelTokenizer:
         self.chat_template_source = source
         self._template = compile_chat_template(source) if source else None
         # vLLM's rule: a template that never names the role gets "developer" messages as "system" ones
-        self._developer_as_system = bool(source) and "'developer'" not in source and '"developer"' not in source
+        self._developer_as_system = source is not None and "'developer'" not in source and '"developer"' not in source
 
     @classmethod
     def from_files(cls, files: dict[str, bytes]) -> ModelTokenizer:
