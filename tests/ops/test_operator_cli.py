@@ -93,6 +93,15 @@ def test_operator_cli_refuses_half_a_tls_config(tmp_path: Path) -> None:
         assert result.stderr.endswith("error: TLS needs --tls-cert, --tls-key and --tls-ca together\n")
 
 
+def test_operator_cli_refuses_a_key_that_is_not_its_certificates(pki: Path, tmp_path: Path) -> None:
+    """Checked as a daemon checks its own: the CLI printed a screen of gRPC lines, then exited 0."""
+    key = str(pki / "worker.key")
+    tls = ["--tls-cert", str(pki / "operator.crt"), "--tls-key", key, "--tls-ca", str(pki / "ca.crt")]
+    result = run_cli("kvmesh", "status", "--discovery", f"file://{tmp_path}/d", *tls)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "not a PEM certificate and its key" in result.stderr
+
+
 @pytest.mark.parametrize(
     ("command", "prog"),
     [

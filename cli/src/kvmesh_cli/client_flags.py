@@ -54,9 +54,14 @@ def configure_tls(args: argparse.Namespace) -> str | None:
         return None
     if not all(given):
         return "TLS needs --tls-cert, --tls-key and --tls-ca together"
-    try:
+    from kvmesh.settings import check_pem
+
+    try:  # as a daemon checks its own: else gRPC logs a screen of C-core lines and every call fails UNAVAILABLE
+        check_pem(args.tls_cert, args.tls_key, args.tls_ca, args.etcd_ca)
         material = tls.load(*given)
         etcd_ca = Path(args.etcd_ca).read_bytes() if args.etcd_ca else material.ca
+    except ValueError as exc:
+        return str(exc)
     except OSError as exc:
         return f"cannot read {exc.filename}: {exc.strerror}"
     tls.configure_client(material)

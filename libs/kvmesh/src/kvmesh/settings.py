@@ -119,7 +119,7 @@ class DaemonSettings(BaseModel):
                 shown = flag if flag == "--tls-key" else f"{flag} {path}"
                 raise ValueError(f"{shown}: not a readable file (give the file's path)")
         if self.tls_cert:
-            _check_pem(self.tls_cert, self.tls_key, self.tls_ca, self.etcd_ca)
+            check_pem(self.tls_cert, self.tls_key, self.tls_ca, self.etcd_ca)
         return self
 
     @property
@@ -198,7 +198,7 @@ class DaemonSettings(BaseModel):
         return frozenset(ENV_PREFIX + _key(name, info).upper() for name, info in cls.model_fields.items())
 
 
-def _check_pem(cert: str, key: str, ca: str, etcd_ca: str) -> None:
+def check_pem(cert: str, key: str, ca: str, etcd_ca: str = "") -> None:
     """The PEM files load (gRPC would only say it cannot bind the port); ssl checks the key matches the cert."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     try:
