@@ -133,6 +133,9 @@ async def test_lease_revoked_behind_the_keepers_back_is_regranted(discovery_url:
         old_id = lease.id
         key = instance_key(ns, "worker", "generate", old_id)  # keys stay; the lease under them changes
         await lease.put(key, b"v")
+        # a leader's orders hold only while its lease does: not re-put (a new leader may have given its own)
+        orders = instance_key(ns, "planner", "targets", old_id)
+        await lease.put(orders, b"old orders", until_lost=True)
         watch = await tracker(admin, instance_prefix(ns))
         await admin._lease_revoke(old_id)
         await watch.wait_for(lambda s: key not in s, 2, "record gone with the lease")
@@ -140,6 +143,7 @@ async def test_lease_revoked_behind_the_keepers_back_is_regranted(discovery_url:
         assert len(lost) == 1 and renewed == [lease.id] and lease.id != old_id
         assert lease.alive and lease.losses == 1
         await watch.wait_for(lambda s: s.get(key) == b"v", 2, "record back under the new lease")
+        assert orders not in await admin.get_prefix(instance_prefix(ns)) and orders not in lease.records
         # the new lease really holds it: revoking it removes the record again
         await lease.revoke()
         await watch.wait_for(lambda s: key not in s, 2, "record gone after revoke")

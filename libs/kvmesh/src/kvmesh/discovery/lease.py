@@ -152,6 +152,7 @@ class Lease:
         self._gone = 0  # a lease id the backend reported gone
         self._unproven_logged = False
         self._records: dict[str, bytes] = {}
+        self._until_lost: set[str] = set()  # records forgotten when the lease is lost (see ``put``)
         self._dirty_puts: set[str] = set()
         self._dirty_deletes: set[str] = set()
         self._lock = asyncio.Lock()  # serializes record writes with re-grants
@@ -192,13 +193,22 @@ class Lease:
         state = "revoked" if self._revoked else ("alive" if self._alive else "lost")
         return f"<Lease {self._id:x} {state} ttl={self.policy.ttl:g}s records={len(self._records)}>"
 
-    async def put(self, key: str, value: bytes) -> None:
-        """Publish ``key`` under this lease and remember it, so it is re-put after a re-grant."""
+    async def put(self, key: str, value: bytes, *, until_lost: bool = False) -> None:
+        """Publish ``key`` under this lease and remember it, so it is re-put after a re-grant.
+
+        ``until_lost``: remembered (a failed write redone, someone else's value replaced) only while this
+        lease lives: not re-put after a re-grant. For what holds only while the lease does: a leader's
+        orders, since a holder that lost its lease leads no more.
+        """
         if not isinstance(value, bytes | bytearray | memoryview):
             raise TypeError(f"discovery values are bytes, got {type(value).__name__}")
         self._check_usable()
         value = bytes(value)
         async with self._lock:
+            if until_lost:
+                self._until_lost.add(key)
+            else:
+                self._until_lost.discard(key)
             self._records[key] = value
             self._dirty_deletes.discard(key)
             if not self._alive:
@@ -211,6 +221,7 @@ class Lease:
         self._check_usable()
         async with self._lock:
             self._records.pop(key, None)
+            self._until_lost.discard(key)
             self._dirty_puts.discard(key)
             if not self._alive:
                 self._dirty_deletes.add(key)  # a key not re-put dies with the old lease anyway
@@ -413,6 +424,10 @@ class Lease:
             return
         self._alive = False
         self.losses += 1
+        for key in self._until_lost:  # dead with the lease, and not to be re-put by the re-grant
+            self._records.pop(key, None)
+            self._dirty_puts.discard(key)
+        self._until_lost.clear()
         log.warning("discovery lease %x lost: %s; re-registering (still serving)", self._id, reason)
         if self._on_lost is not None:
             try:

@@ -128,7 +128,10 @@ class VirtualConnector:
 
     async def apply(self, decision_id: int, target: Mapping[Pool, int], engines: Sequence[EngineRef]) -> bool:
         msg = self.state.publish(decision_id, target, time.monotonic())
-        await self._lease.put(targets_key(self._ns), msg.SerializeToString())
+        # remembered only while the lease lives: a leader paused past its lease leads no more, and its keeper
+        # put its old targets back over the new leader's at every check (the pool drained and started an
+        # engine every few seconds for as long as both lived)
+        await self._lease.put(targets_key(self._ns), msg.SerializeToString(), until_lost=True)
         return True
 
     async def close(self) -> None:
