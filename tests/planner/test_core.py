@@ -269,6 +269,20 @@ def test_sla_scale_down_sheds_at_most_a_quarter_per_interval():
     assert d.target["aggregated"] == 12 and "1/2 intervals" in d.reason  # one low interval is not enough
     d = core.decide(Observation(10, (), {"aggregated": 12}, {}, traffic(0.5)))
     assert d.target["aggregated"] == 9
+    core = PlannerCore(sla_cfg(), load_profile(None))  # a quarter of 5 is one engine, not two (40 %)
+    for t in (0, 10):
+        d = core.decide(Observation(t, (), {"aggregated": 5}, {}, traffic(0.5)))
+    assert d.target["aggregated"] == 4
+
+
+def test_no_traffic_sizes_the_pool_at_its_minimum_even_where_no_engine_meets_the_targets():
+    """One engine's modelled capacity of 0 (targets no engine meets at this shape) sized every pool at its
+    maximum, also with no request at all: 4 idle engines for good."""
+    core = PlannerCore(sla_cfg(ttft_ms=0.001), load_profile(None))
+    busy = core.decide(obs(0, eng(1), traffic=traffic(5)))
+    assert busy.target["aggregated"] == 16 and "no engine meets the latency targets" in busy.reason
+    idle = PlannerCore(sla_cfg(ttft_ms=0.001), load_profile(None)).decide(obs(0, eng(1), traffic=traffic(0)))
+    assert idle.target["aggregated"] == 1
 
 
 def test_sla_lookahead_sizes_the_pool_for_the_rate_when_the_new_engines_arrive():

@@ -224,8 +224,15 @@ class PlannerCore:
                 per_engine = self.profile.max_rate(eff_isl, osl, ttft_goal, itl_goal, shape)
             capacity[pool] = per_engine
             inputs[f"{pool}.engine_rate"] = per_engine
-            needed = cfg.pools[pool].maximum if per_engine <= 0 else math.ceil(plan_rate / per_engine - 1e-9)
+            if plan_rate <= 0:  # no traffic: nothing to size for, whatever one engine could carry
+                needed = 0
+            elif per_engine <= 0:  # no engine meets the targets at this shape: the most there may be
+                needed = cfg.pools[pool].maximum
+            else:
+                needed = math.ceil(plan_rate / per_engine - 1e-9)
             reason = f"{pool}: predicted {rate:.3g} req/s{ahead_note} / {per_engine:.3g} req/s per engine -> {needed}"
+            if per_engine <= 0 and plan_rate > 0:
+                reason += " (no engine meets the latency targets at this load's shape)"
             want, reason = self._guard_sla(
                 pool, max(cfg.pools[pool].minimum, needed), previous[pool], obs, falling, reason
             )
@@ -271,7 +278,7 @@ class PlannerCore:
                 return n, f"{reason}; holding while engines start"
             if obs.now - state.last_change < cfg.scale_down_cooldown_s:
                 return n, f"{reason}; holding (scale-down cooldown)"
-            return max(want, n - max(1, math.ceil(0.25 * n))), reason  # shed at most a quarter per interval
+            return max(want, n - max(1, n // 4)), reason  # shed at most a quarter per interval (one at least)
         if want > n and obs.now - state.last_up < cfg.scale_up_cooldown_s:
             return n, f"{reason}; holding (scale-up cooldown)"
         return want, reason
