@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvmesh.v1 import planner_pb2, planner_pb2_grpc
 from kvmesh_bench.prometheus_text import metric_total, metrics_url
 
-from tests.support.daemons import Daemon, run_cli, running, running_pid
+from tests.support.daemons import Daemon, file_worker, run_cli, running, running_pid
 from tests.support.etcd import free_port
 
 pytestmark = pytest.mark.e2e
@@ -94,6 +94,30 @@ def test_serves_health_reflection_status_metrics_and_exits_0_on_sigterm(tmp_path
         d.wait_log(r"decision 1 mode=load aggregated=0->1 reason='aggregated: below its minimum 1'")
         d.signal(signal.SIGTERM)
         assert d.wait(20) == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_virtual_planner_starts_from_the_engines_that_run_before_any_acknowledgement(tmp_path):
+    """With no acknowledgement yet, the connector said no engine ran: the first decision went from 0 to the
+    minimum, asking a running pool of 2 for 1 with no load seen ("start adopts what runs")."""
+    with file_worker(tmp_path, "kvmesh", "--num-engines", "2", "--speedup-ratio", "0"):
+        port = free_port()
+        args = [
+            "--discovery", f"file://{tmp_path / 'discovery'}", "--grpc-port", str(port), "--interval", "0.2",
+            "--connector", "virtual", "--ack-timeout", "0.1",
+        ]  # fmt: skip
+        with running(Daemon("kvmesh-planner", args, tmp_path, port)) as (planner,):
+            planner.wait_serving()
+            with grpc.insecure_channel(planner.address) as ch:
+                stub = planner_pb2_grpc.PlannerServiceStub(ch)
+                deadline = time.monotonic() + 20
+                while True:
+                    status = stub.GetStatus(planner_pb2.GetStatusRequest(), timeout=2)
+                    if status.latest.decision_id and status.observed.aggregated == 2:
+                        break
+                    assert time.monotonic() < deadline, status
+                    time.sleep(0.1)
+            assert status.latest.previous.aggregated == 2 and status.latest.target.aggregated == 2, status.latest
 
 
 @pytest.mark.timeout(90)

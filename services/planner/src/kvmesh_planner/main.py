@@ -170,10 +170,15 @@ class Planner:
         await self.observer.poll_router()
         traffic = await self.observer.scrape_frontends(interval)
         engines = self.observer.engine_observations()
+        actual = self.connector.actual()
+        if isinstance(self.connector, VirtualConnector) and not self.connector.heard_from_orchestrator():
+            # "start adopts what runs": before any acknowledgement the orchestrator's engines are the ones
+            # registered, not none (a first decision from 0 asked a running pool of 4 for its minimum)
+            actual = {**actual, **_count(e.pool for e in engines)}
         obs = Observation(
             now=time.monotonic(),
             engines=engines,
-            actual=self.connector.actual(),
+            actual=actual,
             starting=self.connector.starting(pids),
             traffic=traffic,
         )

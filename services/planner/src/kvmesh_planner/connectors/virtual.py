@@ -117,6 +117,11 @@ class VirtualConnector:
     def actual(self) -> dict[Pool, int]:
         return {p: n for p, n in self.state.actual().items() if n or p == "aggregated"}
 
+    def heard_from_orchestrator(self) -> bool:
+        """Whether this planner has published targets or read an acknowledgement (else it knows of the
+        orchestrator's engines only what registered)."""
+        return self.state.published is not None or self.state.acked is not None
+
     def starting(self, registered_pids: set[int]) -> dict[Pool, int]:
         return {}
 
