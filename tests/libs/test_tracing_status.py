@@ -62,3 +62,33 @@ async def test_a_call_refused_with_set_code_is_an_error_span_and_an_answered_one
     assert aborted.status.description == "PERMISSION_DENIED: not for you" and not aborted.events
     assert bug.attributes["rpc.grpc.status_code"] == 2 and bug.status.description == "UNKNOWN: KeyError"
     assert [event.name for event in bug.events] == ["exception"]  # the bug's traceback, for the operator
+
+
+async def test_a_stream_closed_under_its_handler_is_a_cancelled_call_not_a_bug(spans) -> None:
+    """gRPC closes a streaming handler's generator (GeneratorExit at its yield) when the call ends early."""
+
+    async def numbers(request, context):
+        for i in range(10):
+            yield i
+
+    async def continuation(_details):
+        return grpc.unary_stream_rpc_method_handler(numbers)
+
+    details = grpc.HandlerCallDetails()
+    details.method, details.invocation_metadata = "/test.Numbers/Stream", ()
+    handler = await TracingServerInterceptor().intercept_service(continuation, details)
+
+    class Context:  # what the interceptor reads of a servicer context, for a call with no code set yet
+        def code(self):
+            return None
+
+        def details(self):
+            return None
+
+    stream = handler.unary_stream(None, Context())
+    assert await anext(stream) == 0
+    await stream.aclose()
+    (span,) = spans.get_finished_spans()
+    assert span.attributes["rpc.grpc.status_code"] == 1
+    assert span.status.description == "CANCELLED: the call was cancelled"
+    assert not span.events  # no exception recorded: nothing went wrong

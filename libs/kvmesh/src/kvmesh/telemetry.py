@@ -208,7 +208,7 @@ def _call_status(span: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Iter
     except grpc.aio.AbortError:
         _status_of(span, context)
         raise
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, GeneratorExit):  # a stream closed under its handler is a cancel, not a bug
         _set_status(span, grpc.StatusCode.CANCELLED, "the call was cancelled")
         raise
     except BaseException as exc:
