@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from kvmesh.kv_events import BlocksStored, StoredBlock
-from kvmesh.v1 import discovery_pb2, router_pb2
+from kvmesh.v1 import router_pb2
 from kvmesh_router.admission import Admission, BusyThresholds, EngineSpec
 from kvmesh_router.cost import RouterConfigOverride
 from kvmesh_router.disagg import PrefillPlace, plan_prefill
@@ -18,7 +18,8 @@ from kvmesh_router.slot_tracker import SlotTracker
 from kvmesh_router.state import RouterState
 
 from tests.router.test_admission import BS, decided, request, seq
-from tests.router.test_router_e2e_harness import ROUTED, prompt, seq_hashes
+from tests.router.test_router_e2e_harness import ROUTED
+from tests.router.test_session_bad_input import disagg_query
 
 PREFILL, PREFILL_2, DECODE = 3, 5, 4
 PROMPT = tuple("ABCDEFGHIJ")  # 10 blocks of BS tokens
@@ -96,17 +97,9 @@ def test_a_request_is_one_decision_and_its_prefill_placement_is_counted_apart():
     state = RouterState(RouterSettings(prefill_backlog_tokens=8 * 16 - 1), RouterMetrics())
     state.add_engine(EngineInfo(11, "m", "w11", 16, 1000, role="decode"))
     state.add_engine(EngineInfo(22, "m", "w22", 16, 1000, role="prefill"))
-    tokens = prompt(*"ABCDEFGH")  # 8 blocks of 16: the first booked prompt makes the prefill pool busy
     places = []
-    for rid in ("a", "b"):
-        route = router_pb2.RouteQuery(
-            request_id=rid,
-            model="m",
-            block_hashes=seq_hashes(tokens),
-            num_tokens=len(tokens),
-            overrides=router_pb2.RouterConfigOverride(role=discovery_pb2.WORKER_ROLE_DECODE),
-        )
-        route.disagg.SetInParent()
+    for rid in ("a", "b"):  # 8 blocks of 16 each: the first booked prompt makes the prefill pool busy
+        route = router_pb2.SessionRequest.FromString(disagg_query(rid)).route
         out = router_pb2.RouteDecision()
         state.route(f"s/{rid}", route, out)
         assert out.outcome == ROUTED
