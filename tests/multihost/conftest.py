@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,7 +22,16 @@ from kvmesh_bench.multihost import Cluster, missing_requirements
 
 from tests.multihost.load import MODEL
 
-pytestmark = pytest.mark.etcd
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test here needs etcd, and all share one cluster: under pytest-xdist they run on one worker, in turn
+    (``--dist loadgroup``), so the cluster is built once and its link measurements see no sibling cluster."""
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here):
+            item.add_marker(pytest.mark.etcd)
+            item.add_marker(pytest.mark.xdist_group("multihost"))
+
 
 LEASE_TTL = 5.0  # 2 s lost leases on a loaded 2-core machine with no fault at all (keepalive every T/3)
 STANDARD = {"router1", "router2", "frontend1", "frontend2", "worker1", "worker2", "worker3"}
