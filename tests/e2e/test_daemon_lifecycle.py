@@ -457,6 +457,31 @@ def test_the_frontends_health_follows_server_ready(tmp_path):
                 daemon.close()
 
 
+def test_a_frontend_is_not_ready_while_its_router_is_unreachable(tmp_path):
+    """A router killed -9 keeps its record in discovery until its lease expires (60 s here), and every
+    request meanwhile fails UNAVAILABLE: the frontend turns NOT_SERVING as soon as the replica's channel
+    fails, and SERVING again once a replica answers."""
+    url = f"file://{tmp_path / 'discovery'}"
+    worker = start("kvmesh-worker", tmp_path, url, "--speedup-ratio", "0").wait_serving()
+    router = start("kvmesh-router", tmp_path, url, "--lease-ttl", "60").wait_serving()
+    frontend = start("kvmesh-frontend", tmp_path, url).wait_started()
+    replacement = None
+    try:
+        frontend.wait_serving(30)
+        router.signal(signal.SIGKILL)
+        router.wait(10)
+        frontend.wait_health((health_pb2.HealthCheckResponse.NOT_SERVING,), 15)
+        assert not _server_ready(frontend)
+        assert "not ready: no reachable router replica" in frontend.log_text()
+        replacement = start("kvmesh-router", tmp_path, url).wait_serving()
+        frontend.wait_serving(30)
+        assert _server_ready(frontend)
+    finally:
+        for daemon in (frontend, router, replacement, worker):
+            if daemon is not None:
+                daemon.close()
+
+
 def _server_ready(frontend: Daemon) -> bool:
     with grpc.insecure_channel(frontend.address) as channel:
         stub = kserve_grpc.GRPCInferenceServiceStub(channel)

@@ -123,6 +123,28 @@ def test_a_router_that_cannot_complete_the_handshake_says_why_it_does_not_route(
         ours.close()
 
 
+def test_a_frontend_is_not_ready_while_its_router_fails_the_handshake(pki: Path, tmp_path: Path) -> None:
+    """A router restarted with another role's certificate stays in discovery, and every request through it
+    would fail UNAVAILABLE at the handshake: the frontend's health stays NOT_SERVING (a load balancer
+    sends it nothing) until a replica it can verify comes."""
+    mesh = TlsMesh(tmp_path, f"file://{tmp_path / 'discovery'}", f"m{uuid.uuid4().hex[:8]}", certs=pki)
+    try:
+        mesh.wait_serving(mesh.start("kvmesh-worker", "worker", "--num-engines", "1", "--speedup-ratio", "0"))
+        mesh.wait_serving(mesh.start("kvmesh-router", "worker"))  # the worker's certificate: no router identity
+        frontend = mesh.start("kvmesh-frontend", "frontend")
+        frontend.wait_log("router replica .* appeared", 30)
+        frontend.wait_log("tokenizer loaded", 30)  # the model is ready: only the router keeps it NOT_SERVING
+        seen = set()
+        for _ in range(30):  # 3 s: no flapping to SERVING on a handshake that keeps failing
+            seen.add(health(frontend.address, pki))
+            time.sleep(0.1)
+        assert seen == {health_pb2.HealthCheckResponse.NOT_SERVING}, mesh.logs()
+        mesh.wait_serving(mesh.start("kvmesh-router", "router"))
+        mesh.wait_serving(frontend)
+    finally:
+        mesh.close()
+
+
 def _listening_hosts(port: int) -> set[str]:
     """Local addresses listening on ``port`` (from /proc/net/tcp{,6}: no tool needed)."""
     hosts = set()

@@ -37,8 +37,8 @@ log = logging.getLogger(PROG)
 
 
 READINESS_POLL_S = 0.2
-READY = "ready: a router replica and a model with a live engine are known; health SERVING"
-NOT_READY = "not ready: no router replica or no model with a live engine yet; health NOT_SERVING"
+READY = "ready: a router replica is reachable and a model has a live engine; health SERVING"
+NOT_READY = "not ready: no reachable router replica or no model with a live engine; health NOT_SERVING"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -56,10 +56,11 @@ async def _watch(discovery: Discovery, prefix: str, apply: Callable[[WatchEvent]
 
 
 async def _follow_readiness(runtime: DaemonRuntime, server_ready: Callable[[], bool]) -> None:
-    """grpc.health.v1 says what ServerReady says, as Triton's does: NOT_SERVING while there is no router
-    replica or no model with a live engine, so a load balancer probing health sends nothing to a
+    """grpc.health.v1 says what ServerReady says, as Triton's does: NOT_SERVING while no router replica
+    is reachable or no model has a live engine, so a load balancer probing health sends nothing to a
     frontend whose every request would fail. Polled: readiness moves with discovery, with tokenizers
-    that finish loading and with router replicas, and a check is a few dictionary lookups."""
+    that finish loading and with router channels, and a check is a few dictionary lookups and a channel
+    state per replica."""
     ready: bool | None = None
     while True:
         now = server_ready()
@@ -133,7 +134,7 @@ async def _serve(runtime: DaemonRuntime, config: Settings) -> None:
         default_max_tokens=config.default_max_tokens,
         admission_factor=config.admission_factor,
     )
-    servicer = InferenceServicer(frontend, VERSION, router.has_replicas)
+    servicer = InferenceServicer(frontend, VERSION, router.has_reachable_replica)
     runtime.add_service(SERVICE, servicer, in_band=IN_BAND)
     bound = await runtime.start(
         config.grpc_port, ready=False, require_client_cert=config.kserve_client_cert, notify_before_ready=True

@@ -45,6 +45,7 @@ _SUSPECT_S = 5.0
 _FINISHED = router_pb2.LIFECYCLE_STAGE_FINISHED
 _FIRST_TOKEN = router_pb2.LIFECYCLE_STAGE_FIRST_TOKEN
 _ROUTED = router_pb2.DECISION_OUTCOME_ROUTED
+_UNREACHABLE = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
 
 class SessionBroken(Exception):
@@ -213,6 +214,7 @@ class RouterClient:
         self._sessions: dict[int, RouterSession] = {}  # replica id -> its open session
         self._turn = 0  # round-robin position
         self._suspect: dict[int, float] = {}  # replica id -> monotonic time its session broke
+        self._reachable: dict[int, bool] = {}  # replica id -> whether its channel was last READY
         self._closing: set[asyncio.Task[None]] = set()
 
     # -- discovery ------------------------------------------------------------------------------
@@ -231,6 +233,8 @@ class RouterClient:
         replica_id = record.instance_id or parsed.instance_id
         if replica_id not in self._replicas:
             log.info("router replica %x at %s appeared", replica_id, record.address)
+        elif self._replicas[replica_id] != record.address:
+            self._reachable.pop(replica_id, None)  # a new channel: no verdict yet
         self._replicas[replica_id] = record.address
         self._keys[key] = replica_id
         session = self._sessions.get(replica_id)
@@ -242,6 +246,7 @@ class RouterClient:
         if replica_id is None:
             return
         self._replicas.pop(replica_id, None)
+        self._reachable.pop(replica_id, None)
         log.info("router replica %x left discovery", replica_id)
         self._drop_session(self._sessions.get(replica_id), drop_channel=replica_id)
 
@@ -260,9 +265,22 @@ class RouterClient:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def has_replicas(self) -> bool:
-        """Whether discovery lists a router replica (the frontend is not ready without one)."""
-        return bool(self._replicas)
+    def has_reachable_replica(self) -> bool:
+        """Whether a replica in discovery is reachable: its channel's last settled state was READY (the TCP
+        connection and any TLS handshake done). The frontend is not ready without one. A replica killed
+        -9 keeps its record until its lease expires, and one whose certificate this frontend refuses
+        keeps it for good: both fail every request UNAVAILABLE, so a load balancer must not pick this
+        frontend meanwhile. A channel connecting, or idle, keeps its last verdict, so an idle channel's
+        reconnect does not flap readiness."""
+        reachable = False
+        for replica_id, address in self._replicas.items():
+            state = self._pool.get(replica_id, address, role="router").get_state(try_to_connect=True)
+            if state is grpc.ChannelConnectivity.READY:
+                self._reachable[replica_id] = True
+            elif state in _UNREACHABLE:
+                self._reachable[replica_id] = False
+            reachable = reachable or self._reachable.get(replica_id, False)
+        return reachable
 
     # -- sessions -------------------------------------------------------------------------------
     def _on_closed(self, session: RouterSession, reason: str) -> None:

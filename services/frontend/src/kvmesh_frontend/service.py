@@ -111,8 +111,8 @@ DRAINING = "kvmesh-frontend is shutting down; send new requests to another insta
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, frontend: Frontend, version: str, has_router: Callable[[], bool] = lambda: True) -> None:
-        """``has_router``: whether a router replica is known; without one nothing is ready (every request
-        would fail UNAVAILABLE)."""
+        """``has_router``: whether a router replica is reachable; without one nothing is ready (every
+        request would fail UNAVAILABLE)."""
         self._frontend = frontend
         self._registry = frontend.registry
         self._version = version
