@@ -93,6 +93,18 @@ def test_invalid_bytes_come_out_once_as_a_whole_decode_has_them(tok: ModelTokeni
     assert "".join(stream(tok, ascii_ids, [1] * len(ascii_ids), prompt=prompt)) == "abc"
 
 
+def test_an_output_that_ends_inside_a_character_drops_its_bytes_as_vllm_does(tok: ModelTokenizer) -> None:
+    """max_tokens can end the output between a character's bytes: vLLM's detokenizer (tokenizers'
+    DecodeStream) holds them and sends nothing more, so the text never ends in U+FFFD."""
+    ids = tok.encode(" ok 日", add_special_tokens=False)
+    cut = ids[:-1]  # the last byte token of 日 never came
+    assert tok.decode(cut).endswith("\ufffd")
+    for batches in ([1] * len(cut), [len(cut)]):
+        assert "".join(stream(tok, cut, batches)) == " ok "
+    lone = tok.encode("é", add_special_tokens=False)[1:]  # invalid bytes at the end: dropped too
+    assert "".join(stream(tok, ids + lone * 2, [len(ids) + 2])) == " ok 日"
+
+
 def test_stop_strings_cut_the_text_and_catch_splits() -> None:
     stops = StopStrings(["END", "\n\n"])
     assert stops.feed("hello E") == ("hello ", False)  # "E" may start "END": held

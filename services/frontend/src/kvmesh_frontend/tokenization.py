@@ -4,8 +4,9 @@
   for the chat template and special tokens), built once per ``files_digest``.
 - :class:`IncrementalDetokenizer` turns batches of output token ids into text deltas and never
   emits half of a UTF-8 character: a delta that would end in U+FFFD (an incomplete byte sequence)
-  is held until the next tokens complete it. It decodes a short sliding window (the tokens since
-  the last emitted boundary), once per engine response, not once per token.
+  is held until the next tokens complete it, and dropped if the output ends first. It decodes a
+  short sliding window (the tokens since the last emitted boundary), once per engine response, not
+  once per token.
 - :class:`StopStrings` cuts the text at the first stop string, holding back any tail that could
   be the start of one, so a stop string split across deltas is still caught and never leaks.
 """
@@ -264,8 +265,10 @@ class IncrementalDetokenizer:
         return self._emit(final=False)
 
     def flush(self) -> str:
-        """At the end of the output: whatever is still held (incomplete bytes decode as U+FFFD)."""
-        return self._emit(final=True)
+        """At the end of the output: whatever is still held, less trailing U+FFFD. An output that ends
+        inside a character (max_tokens reached mid-character) drops those bytes, as vLLM's detokenizer
+        does: it never sends text ending in U+FFFD, and sends nothing more once the output ends."""
+        return self._emit(final=True).rstrip(REPLACEMENT)
 
     def _emit(self, final: bool) -> str:
         ids = self._ids
