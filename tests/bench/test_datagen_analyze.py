@@ -119,6 +119,19 @@ def test_cli_empty_trace_is_one_line_and_exit_2(tmp_path, capsys):
     assert err == f"kvmesh datagen analyze: error: {empty}: the trace is empty (no requests)\n"
 
 
+def test_a_figure_with_no_sample_is_na_not_zero(tmp_path, capsys):
+    """One request has no inter-arrival gap: its statistics are n/a (JSON null), not a measured 0 ms."""
+    one = tmp_path / "one.jsonl"
+    write_trace(one, [req(0, 100, 5, [1])])
+    out = tmp_path / "one.json"
+    assert main(["datagen", "analyze", str(one), "--block-size", "100", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    gaps = next(line for line in text.splitlines() if "inter-arrival" in line)
+    assert gaps.split()[2:] == ["mean", "n/a", "p50", "n/a", "p90", "n/a", "p99", "n/a", "min", "n/a", "max", "n/a"]
+    arrivals = json.loads(out.read_text())["arrivals"]
+    assert arrivals["inter_arrival_ms"] == {"count": 0, **dict.fromkeys(["mean", "p50", "p90", "p99", "min", "max"])}
+
+
 def test_cli_malformed_line_names_the_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n{"timestamp": 0}\n')

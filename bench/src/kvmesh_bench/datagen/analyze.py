@@ -205,7 +205,7 @@ def _rho(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.3f}"
 
 
-def _dist_line(label: str, stats: dict[str, float], unit: str = "") -> str:
+def _dist_line(label: str, stats: dict[str, float | None], unit: str = "") -> str:
     keys = ("mean", "p50", "p90", "p99", "min", "max")
     values = "  ".join(f"{key} {_fmt(stats[key])}" for key in keys)
     return f"  {label:<24}{values}{unit}"

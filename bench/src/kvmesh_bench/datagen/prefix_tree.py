@@ -235,11 +235,12 @@ class CoreTree:
         }
 
 
-def summarize(values: Sequence[float] | np.ndarray) -> dict[str, float]:
-    """count, mean, p50, p90, p99, min and max of the values (zeros for an empty sequence)."""
+def summarize(values: Sequence[float] | np.ndarray) -> dict[str, float | None]:
+    """count, mean, p50, p90, p99, min and max of the values. An empty sequence has no statistics: None
+    (JSON null, printed n/a), never 0, which would read as a measured zero (a one-request trace has no gaps)."""
     array = np.asarray(values, dtype=float)
     if array.size == 0:
-        return {"count": 0, "mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0, "min": 0.0, "max": 0.0}
+        return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None, "min": None, "max": None}
     p50, p90, p99 = np.percentile(array, [50, 90, 99])
     return {
         "count": int(array.size),
