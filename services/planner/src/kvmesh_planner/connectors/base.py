@@ -41,7 +41,8 @@ class Connector(Protocol):
     async def apply(self, decision_id: int, target: Mapping[Pool, int], engines: Sequence[EngineRef]) -> bool:
         """Bring each pool in ``target`` to its size; ``engines`` are the registered ones, least loaded first.
 
-        Returns whether the change was carried out (virtual: acknowledged)."""
+        Returns whether the change was carried out (virtual: the targets published; the orchestrator
+        acknowledges later)."""
         ...
 
     def actual(self) -> dict[Pool, int]:
