@@ -210,6 +210,21 @@ def test_round_robin_cycles_in_id_order_and_survives_membership_changes():
     assert [rr.select(_ctx([1, 3])).engine_id for _ in range(3)] == [3, 1, 3]
 
 
+def test_round_robin_gives_each_pools_engines_their_turns_whatever_the_other_pools_traffic():
+    """One selector serves every model: model A's picks must not move model B's turn (one cursor shared by
+    the pools gave all of B's requests to one of its two engines under A, A, B traffic)."""
+    pools = {"A": [10, 20], "B": [15, 25]}
+    for pattern in ("AAB", "ABB", "AB", "AAAB"):
+        rr = RoundRobinSelector()
+        picks: dict[int, int] = {}
+        for model in pattern * 12:
+            engine = rr.select(_ctx(pools[model])).engine_id
+            picks[engine] = picks.get(engine, 0) + 1
+        for model, engines in pools.items():
+            counts = [picks.get(e, 0) for e in engines]
+            assert max(counts) - min(counts) <= 1, (pattern, model, counts)
+
+
 def test_random_is_seeded_and_covers_all_engines():
     def run(seed):
         rng = random.Random(seed)

@@ -5,8 +5,9 @@ Modes (``RouterPolicyConfig.mode``):
 - ``kv``: the cost policy (:mod:`kvmesh_router.cost`) scores every candidate; temperature 0 takes the
   argmin with a uniformly random tie-break, temperature T > 0 samples ``p_i ∝ exp(-(c_i / range) / T)``
   over the range-normalised costs (shifted by the best cost for stability; all-equal costs -> uniform).
-- ``round_robin``: the next engine id after the previous pick, in ascending id order (robust to the
-  candidate set changing between calls).
+- ``round_robin``: each candidate in turn: the one picked least recently (never-picked ones first, lowest
+  id first), so with a fixed candidate set the picks cycle in ascending id order, and the engines of
+  each model (each candidate pool) take turns whatever the traffic of the others.
 - ``random``: uniform.
 - ``power_of_two``: two distinct random candidates; the one with the lower current load wins, load =
   ``active_blocks + active_prefill_tokens / block_size`` (booked decode memory plus queued prefill, in
@@ -17,7 +18,7 @@ Modes (``RouterPolicyConfig.mode``):
 Selectors are registered by mode name in :data:`~kvmesh_router.policies.POLICIES` (one registry for
 selectors and cost policies). All randomness comes from the ``random.Random`` in the
 :class:`SelectionContext` (seed it for deterministic tests and simulations). The only state a selector
-keeps is round robin's cursor.
+keeps is round robin's record of when it last picked each engine.
 
 A selector whose choice never depends on the prefix index or the bookings (``round_robin``, ``random``)
 says so with ``reads_cache = False``; one without the attribute is taken to read them. The router daemon
@@ -26,7 +27,6 @@ feeds its index either way; the offline replay skips feeding an index that nothi
 
 from __future__ import annotations
 
-import bisect
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence, Set
@@ -250,19 +250,28 @@ class KvSelector:
 
 
 class RoundRobinSelector:
+    """The candidate picked least recently. Per engine, not one cursor: a cursor after the last pick,
+    shared by every model's candidate pool, let one model's picks move it past another's engines, and
+    under A, A, B traffic one of B's two engines got no request at all."""
+
     name = "round_robin"
     reads_cache = False
+    _FORGET_AT = 65536  # engines remembered; past it the half picked longest ago are forgotten
 
     def __init__(self) -> None:
-        self._last: int | None = None
+        self._picked: dict[int, int] = {}  # engine id -> pick number of its last pick
+        self._picks = 0
 
     def select(self, ctx: SelectionContext) -> Choice:
-        engines = sorted(ctx.engines)
-        if not engines:
+        if not ctx.engines:
             raise ValueError("no candidates")
-        i = 0 if self._last is None else bisect.bisect_right(engines, self._last)
-        engine = engines[i % len(engines)]
-        self._last = engine
+        picked = self._picked
+        engine = min(sorted(ctx.engines), key=lambda e: picked.get(e, 0))  # ties: the lowest id
+        self._picks += 1
+        picked[engine] = self._picks
+        if len(picked) > self._FORGET_AT:  # engines that left the fleet long ago
+            recent = sorted(picked.items(), key=lambda item: item[1])[len(picked) // 2 :]
+            self._picked = dict(recent)
         return Choice(engine)
 
 
