@@ -76,6 +76,28 @@ def test_bad_flag_exits_2_with_one_line(daemon):
     assert result.stderr.strip().splitlines() == [f"{daemon}: error: unrecognized arguments: --definitely-not-a-flag"]
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "why"),
+    [
+        ("--overlap-weight", "1e7", "Input should be less than or equal to 1000000"),  # was a traceback, exit 1
+        ("--busy-requests", "0", "Input should be greater than 0"),  # was every engine busy, idle or not
+    ],
+)
+def test_a_router_policy_value_that_cannot_work_exits_2_with_one_line(tmp_path, flag, value, why):
+    """Checked with the other settings, from every source, before anything starts."""
+    name = flag.removeprefix("--").replace("-", "_")
+    config = tmp_path / "kvmesh.toml"
+    config.write_text(f"[router]\n{name} = {value}\n")
+    for args, env, source in (
+        ([flag, value], {}, "flag"),
+        ([], {f"KVMESH_{name.upper()}": value}, f"KVMESH_{name.upper()}"),
+        (["--config", str(config)], {}, f"{config}"),
+    ):
+        result = run_cli("kvmesh-router", "--discovery", f"file://{tmp_path / 'disc'}", *args, env=env)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [f"kvmesh-router: error: {flag} (from {source}): {why}"]
+
+
 @pytest.mark.parametrize("daemon", DAEMONS)
 def test_unreachable_discovery_exits_69_with_one_line(daemon):
     """EX_UNAVAILABLE, not 2: the units restart on it (etcd may come up later), never on a bad setting."""

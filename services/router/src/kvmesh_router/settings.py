@@ -10,6 +10,7 @@ from kvmesh.settings import DaemonSettings, Port, Seconds
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PositiveFloat, PositiveInt
 
 from kvmesh_router.admission import BusyThresholds
+from kvmesh_router.cost import MAX_WEIGHT
 from kvmesh_router.indexer import DEFAULT_MAX_ENTRIES
 from kvmesh_router.policies import DEFAULT_COST_POLICY, POLICIES
 
@@ -32,6 +33,7 @@ def _zero_is_none(value: Any) -> Any:
 
 MaxBlocks = Annotated[PositiveInt | None, BeforeValidator(_zero_is_none)]
 OptionalFraction = Annotated[Annotated[float, Field(ge=0)] | None, BeforeValidator(_off_is_none)]
+OptionalPositiveFraction = Annotated[Annotated[float, Field(gt=0)] | None, BeforeValidator(_off_is_none)]
 
 
 class RouterSettings(BaseModel):
@@ -44,7 +46,7 @@ class RouterSettings(BaseModel):
     cost_policy: Annotated[str, AfterValidator(_registered_cost_policy)] = DEFAULT_COST_POLICY
     """kv cost function: 'affinity' (kvmesh's, backlog-discounted prefix affinity) or 'dynamo' (Dynamo's
     overlap-weighted prefill + decode blocks); see docs/benchmarks.md for the measured difference"""
-    overlap_weight: Annotated[float, Field(ge=0)] = 1.0
+    overlap_weight: Annotated[float, Field(ge=0, le=MAX_WEIGHT)] = 1.0
     """weight of prefill blocks against decode blocks in the kv cost"""
     temperature: Annotated[float, Field(ge=0)] = 0.0
     """softmax temperature of kv selection (0 = cheapest engine)"""
@@ -57,10 +59,11 @@ class RouterSettings(BaseModel):
     busy_kv_usage: OptionalFraction = 0.95
     """busy above this fraction of the engine's KV blocks in use ('none' = off); a query is REJECTED
     (RESOURCE_EXHAUSTED, at once) only when every eligible engine is busy"""
-    busy_requests: OptionalFraction = 1.0
+    busy_requests: OptionalPositiveFraction = 1.0
     """busy when the engine's booked requests reach this fraction of what it holds (max_num_seqs +
-    max_waiting_requests, from its card; engines with an unbounded queue never are; 'none' = off): at 1.0 no
-    request is sent to an engine whose waiting queue would refuse it"""
+    max_waiting_requests, from its card; engines with an unbounded queue never are; 'none' = off; above 0:
+    at 0 every engine, idle or not, would be busy): at 1.0 no request is sent to an engine whose waiting
+    queue would refuse it"""
     kv_events: bool = True
     """follow the engines' KV events (--no-kv-events: approximate mode, the router's own decisions become
     predicted cached blocks with a TTL)"""
