@@ -60,6 +60,25 @@ def test_router_stops_routing_to_a_killed_worker_long_before_its_lease_expires(t
         mesh.close()
 
 
+def test_a_killed_workers_engines_leave_the_fleet_without_it_being_called_reachable(tmp_path):
+    """Once the killed worker's lease expires (2 s here) its engines leave the fleet, and the router forgets
+    its verdict on them: silently, not with "worker ... is reachable again", the opposite of the truth."""
+    mesh = Mesh(tmp_path)
+    try:
+        dead = mesh.worker(engines=2)
+        router = mesh.router()
+        wait_until(lambda: router.metrics().get("kvmesh_router_engines") == 2, 10, "both engines known")
+        dead.daemon.signal(signal.SIGKILL)
+        log = router.daemon.log_text
+        wait_until(lambda: f":{dead.daemon.port} is unreachable" in log(), 10, "the dead worker noticed")
+        wait_until(lambda: log().count("left the fleet") == 2, 15, "its engines gone with its lease")
+        time.sleep(0.5)
+        assert "is reachable again" not in log(), log()[-3000:]
+        assert router.metrics().get("kvmesh_router_engines") == 0
+    finally:
+        mesh.close()
+
+
 def test_a_worker_restarted_on_its_address_leaves_its_old_engines_out_long_before_their_lease_expires(tmp_path):
     """What ``Restart=on-failure`` with a fixed port does: the new process answers on the old address, so
     the address is reachable again, but it hosts new engines. The old ones' records outlive them (TTL 30 s)

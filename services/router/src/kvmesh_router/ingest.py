@@ -260,8 +260,11 @@ class Ingest:
         if feed is not None:
             feed.stop()
             down = self.down.get(feed.address)
-            if down is not None and engine_id in down:  # nothing left to judge: forget the verdict
-                self._up(feed.address, down, engine_id)
+            if down is not None and engine_id in down:  # nothing left to judge: forget the verdict, quietly
+                down.discard(engine_id)  # (its worker did not come back: no "reachable again")
+                if not down:
+                    del self.down[feed.address]
+                self.on_routable((engine_id,), True)
 
     def _link(self, feed: EngineFeed, up: bool | None) -> None:
         """A feed's news (see :class:`EngineFeed`): runs for every message, so the usual case returns at once."""
