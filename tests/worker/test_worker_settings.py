@@ -32,6 +32,8 @@ def test_a_non_finite_engine_bound_in_the_config_file_is_one_line(tmp_path, caps
         (["--max-waiting-requests", "5000000000"], "--max-waiting-requests (from flag): Input should be less than"),
         # A hold's expiry time overflowed its uint64 field inside the engine loop, which died silently.
         (["--kv-hold-timeout", "1e300"], "--kv-hold-timeout (from flag): Input should be less than or equal to 86400"),
+        # under 1 s every hold is born expired (a pull needs 0.5 s of it left): every remote prefill failed
+        (["--kv-hold-timeout", "0.4"], "--kv-hold-timeout (from flag): Input should be greater than or equal to 1"),
         # 10 million engines were built for minutes, the memory growing, SIGTERM unheard
         (["--num-engines", "10000000"], "--num-engines (from flag): Input should be less than or equal to 10000"),
     ],

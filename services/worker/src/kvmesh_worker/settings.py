@@ -100,5 +100,6 @@ class Settings(DaemonSettings):
     kv_transfer_gbps: Annotated[float, Field(ge=0)] = 0.0
     """modelled KV transfer bandwidth, GB/s: decode starts after max(real NIXL time, model-true bytes / this);
     0 = real time only"""
-    kv_hold_timeout: Annotated[float, Field(gt=0, le=86400)] = 30.0
-    """seconds a prefill engine holds a prompt's KV for a decode engine that never releases it"""
+    kv_hold_timeout: Annotated[float, Field(ge=1, le=86400)] = 30.0
+    """seconds a prefill engine holds a prompt's KV for a decode engine that never releases it (at least 1: a
+    decode engine starts no pull of a hold with under 0.5 s left, so a shorter one made every pull fail)"""

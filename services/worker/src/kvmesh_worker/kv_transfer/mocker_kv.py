@@ -43,7 +43,8 @@ CORRUPT_ENV = "KVMESH_TEST_CORRUPT_KV"
 # test can kill the prefill worker between its hold and the pull (the "mid-transfer" fault).
 PULL_DELAY_ENV = "KVMESH_TEST_PULL_DELAY_S"
 PULL_TIMEOUT_S = 10.0
-# A pull starts only while the source's hold has at least this long to run (its wall clock against ours).
+# A pull starts only while the source's hold has at least this long to run (its wall clock against ours);
+# --kv-hold-timeout is at least twice this (the worker's settings), else every hold is born expired.
 HOLD_EXPIRY_MARGIN_S = 0.5
 
 
