@@ -161,6 +161,27 @@ def test_a_corrupted_block_fails_the_request_with_data_loss(tmp_path):
         assert wait_no_active_blocks(decode.address, dcard.engine_id).active_blocks == 0
 
 
+def test_only_a_prefill_engine_holds_kv_or_answers_a_release(tmp_path):
+    """A decode engine asked to hold a prompt's KV pinned its blocks for the hold's whole lease (30 s), and
+    answered ReleaseKv as if it held transfers: both are a prefill engine's alone."""
+    discovery, prefill, decode = _pair(tmp_path)
+    with running(prefill, decode):
+        prefill.wait_serving(30)
+        decode.wait_serving(30)
+        _, dcard = _engines(discovery)
+        with grpc.insecure_channel(decode.address) as dch:
+            dstub = worker_pb2_grpc.WorkerServiceStub(dch)
+            with pytest.raises(RequestFailed) as refused:
+                _prefill(dstub, dcard.engine_id, PROMPT, "h1", decode.address)
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.message.endswith("is decode: only --role prefill holds KV for a transfer")
+            assert load(decode.address, dcard.engine_id).active_blocks == 0
+            with pytest.raises(grpc.RpcError) as release:
+                dstub.ReleaseKv(worker_pb2.ReleaseKvRequest(engine_id=dcard.engine_id, transfer_id="h1-0"), timeout=5)
+            assert release.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "only --role prefill holds KV for transfers" in release.value.details()
+
+
 def test_an_unreleased_hold_expires_with_its_lease(tmp_path):
     discovery = f"file://{tmp_path / 'disc'}"
     prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0", "--kv-hold-timeout", "1")

@@ -295,8 +295,10 @@ class EngineRunner:
     def submit(self, request: EngineRequest, sink: OutputSink) -> None:
         """Queue a request whose outputs go to ``sink``; raises the core's InvalidRequest / QueueFull."""
         kv = self.kv
-        if request.hold_kv and kv is None:
-            raise InvalidRequest(f"engine {self.engine_id:x} is aggregated: it cannot hold KV for a transfer")
+        if request.hold_kv and self.spec.role != "prefill":  # a decode engine's hold would pin blocks for 30 s
+            raise InvalidRequest(
+                f"engine {self.engine_id:x} is {self.spec.role}: only --role prefill holds KV for a transfer"
+            )
         try:
             if request.request_id in self._streams:  # running, or finished with its last output not delivered yet
                 raise DuplicateRequest(f"request id {request.request_id!r} is already in the engine")
@@ -339,8 +341,10 @@ class EngineRunner:
         self._wakeup.set()
 
     def release_kv(self, transfer_id: str) -> bool:
-        if self.kv is None:
-            raise KvNotHeld(f"engine {self.engine_id:x} is aggregated: it holds no KV for transfers")
+        if self.kv is None or self.spec.role != "prefill":
+            raise KvNotHeld(
+                f"engine {self.engine_id:x} is {self.spec.role}: only --role prefill holds KV for transfers"
+            )
         return self.kv.release(transfer_id)
 
     @property

@@ -414,8 +414,10 @@ class VllmEngine:
 
     def release_kv(self, transfer_id: str) -> bool:
         """Ends kvmesh's view of a hold; vLLM frees the blocks on the decode side's read notice or its lease."""
-        if self.spec.role == "aggregated":
-            raise KvNotHeld(f"engine {self.engine_id:x} is aggregated: it holds no KV for transfers")
+        if self.spec.role != "prefill":
+            raise KvNotHeld(
+                f"engine {self.engine_id:x} (vLLM) is {self.spec.role}: only --role prefill holds KV for transfers"
+            )
         now = time.monotonic()
         for expired in [t for t, until in self._holds.items() if until <= now]:
             del self._holds[expired]
