@@ -9,6 +9,8 @@ exactly the tokens an aggregated engine would produce, pulls only what it lacks,
 from __future__ import annotations
 
 import asyncio
+import glob
+import time
 
 import grpc
 import pytest
@@ -159,6 +161,46 @@ def test_a_corrupted_block_fails_the_request_with_data_loss(tmp_path):
             assert "failed verification" in failed.message
         assert wait_no_active_blocks(prefill.address, pcard.engine_id).active_blocks == 0
         assert wait_no_active_blocks(decode.address, dcard.engine_id).active_blocks == 0
+
+
+@pytest.mark.parametrize("offset", ["+60s", "-60s"])
+def test_a_hold_is_timed_on_the_decode_hosts_own_clock_not_by_comparing_wall_clocks(tmp_path, offset):
+    """The decode worker's wall clock is a minute off (libfaketime; its monotonic clock is true). Its pull of
+    a fresh hold (30 s) must go through: compared with the source's wall clock, a decode host ahead took
+    every hold for expired and prefilled every prompt again. And a hold past its timeout (1 s here) is
+    still refused on a host whose clock is behind: counted on its own clock from receipt."""
+    libs = sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    assert libs, "libfaketime is missing (Debian: apt-get install faketime; make setup-dev)"
+    skewed = {"LD_PRELOAD": libs[0], "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+    discovery = f"file://{tmp_path / 'disc'}"
+    prefill = worker(tmp_path, discovery, "xfer", "prefill", "--speedup-ratio", "0")
+    short = worker(tmp_path, discovery, "short", "prefill", "--speedup-ratio", "0", "--kv-hold-timeout", "1")
+    decode = worker(tmp_path, discovery, "xfer", "decode", "--speedup-ratio", "0", env=skewed)
+    with running(prefill, short, decode):
+        for daemon in (prefill, short, decode):
+            daemon.wait_serving(30)
+        (scard,) = cards_sync(discovery, "short", 1)
+        pcard, dcard = _engines(discovery)
+        with (
+            grpc.insecure_channel(prefill.address) as pch,
+            grpc.insecure_channel(short.address) as sch,
+            grpc.insecure_channel(decode.address) as dch,
+        ):
+            pstub, sstub = worker_pb2_grpc.WorkerServiceStub(pch), worker_pb2_grpc.WorkerServiceStub(sch)
+            dstub = worker_pb2_grpc.WorkerServiceStub(dch)
+            params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
+            request = worker_pb2.GenerateRequest(
+                request_id="d1", engine_id=dcard.engine_id, token_ids=PROMPT, sampling=_sampling(4)
+            )
+            request.prefill_result.CopyFrom(params)
+            report = generate_sync(dstub, request)[0].kv_report
+            assert (report.transferred_blocks, report.recomputed_because) == (10, "")
+            stale = _prefill(sstub, scard.engine_id, PROMPT, "p2", short.address)
+            time.sleep(1.1)  # its hold timed out on the source; a relay that kept the params says so:
+            stale.hold_remaining_ms -= 1100
+            failed = _failed_decode(dstub, dcard.engine_id, stale)
+            assert failed.code == grpc.StatusCode.ABORTED and "expired" in failed.message
+        assert wait_no_active_blocks(prefill.address, pcard.engine_id, timeout=10).active_blocks == 0
 
 
 def test_only_a_prefill_engine_holds_kv_or_answers_a_release(tmp_path):
@@ -414,7 +456,8 @@ def test_a_pull_of_a_hold_that_has_expired_is_aborted_at_once_for_a_local_prefil
 
     async def scenario(pstub, dstub, pcard, dcard) -> None:
         params = _prefill(pstub, pcard.engine_id, PROMPT, "p1", prefill.address)
-        await asyncio.sleep(1.1)  # the hold expired
+        await asyncio.sleep(1.1)  # the hold expired; a relay that kept the params says so:
+        params.hold_remaining_ms -= 1100
         failed = await asyncio.to_thread(_failed_decode, dstub_sync, dcard.engine_id, params)
         assert failed.code == grpc.StatusCode.ABORTED
         assert "expired" in failed.message

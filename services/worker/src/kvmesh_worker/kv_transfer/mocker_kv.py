@@ -43,8 +43,9 @@ CORRUPT_ENV = "KVMESH_TEST_CORRUPT_KV"
 # test can kill the prefill worker between its hold and the pull (the "mid-transfer" fault).
 PULL_DELAY_ENV = "KVMESH_TEST_PULL_DELAY_S"
 PULL_TIMEOUT_S = 10.0
-# A pull starts only while the source's hold has at least this long to run (its wall clock against ours);
-# --kv-hold-timeout is at least twice this (the worker's settings), else every hold is born expired.
+# A pull starts only while the source's hold has at least this long to run (counted on this host's monotonic
+# clock from receipt); --kv-hold-timeout is at least twice this (the worker's settings), else every hold is
+# born expired.
 HOLD_EXPIRY_MARGIN_S = 0.5
 
 
@@ -118,6 +119,7 @@ class MockerKv:
             model_bytes_per_block=cfg.model_bytes_per_block,
             arena_address=self.arena.address,
             hold_expires_unix_ms=int((time.time() + timeout) * 1000),
+            hold_remaining_ms=int(timeout * 1000),
         )
 
     def release(self, transfer_id: str) -> bool:
@@ -143,6 +145,7 @@ class MockerKv:
 
     # -- decode side ------------------------------------------------------------------------------
     async def pull(self, request: EngineRequest, params: KvTransferParams) -> KvTransferReport:
+        hold_ends = _hold_ends(params)
         core, arena, cfg = self.core, self.arena, self.config
         source = params.source_engine_id
         local, seq = core.prompt_hashes(request.prompt, request.cache_salt)
@@ -165,7 +168,7 @@ class MockerKv:
             )
         if request.request_id in self._pins:
             raise KvPullFailed("INVALID_ARGUMENT", f"request {request.request_id!r} already pulled KV")
-        if _expired(params):  # its blocks may hold another prompt's KV by now: a local prefill, at once
+        if _expired(hold_ends):  # its blocks may hold another prompt's KV by now: a local prefill, at once
             raise KvPullFailed("ABORTED", f"the KV hold of prefill engine {source:x} expired (--kv-hold-timeout)")
         have = core.pin_cached_prefix(seq, local, n)
         pinned = have
@@ -199,7 +202,7 @@ class MockerKv:
                     self.reading_blocks -= missing
                 for k, slot in enumerate(slots):
                     if not verify_block(arena.view(slot), seq[have + k]):
-                        if _expired(params):  # the source reused the blocks as the read ran: no corruption
+                        if _expired(hold_ends):  # the source reused the blocks as the read ran: no corruption
                             raise KvPullFailed(
                                 "ABORTED", f"the KV hold of prefill engine {source:x} expired during the read"
                             )
@@ -247,6 +250,13 @@ class MockerKv:
             self.on_unpinned()
 
 
-def _expired(params: KvTransferParams, margin_s: float = HOLD_EXPIRY_MARGIN_S) -> bool:
+def _hold_ends(params: KvTransferParams) -> float | None:
+    """When the source's hold ends on this host's monotonic clock, counted from now (None: no timeout given).
+    Never the source's wall clock (``hold_expires_unix_ms``): a decode host 30 s ahead refused every pull,
+    and one behind read blocks the source had already reused."""
+    return time.monotonic() + params.hold_remaining_ms / 1000 if params.HasField("hold_remaining_ms") else None
+
+
+def _expired(hold_ends: float | None, margin_s: float = HOLD_EXPIRY_MARGIN_S) -> bool:
     """Whether the source's hold ends within ``margin_s`` (then it may free and reuse its blocks)."""
-    return bool(params.hold_expires_unix_ms) and time.time() * 1000 > params.hold_expires_unix_ms - margin_s * 1000
+    return hold_ends is not None and time.monotonic() > hold_ends - margin_s

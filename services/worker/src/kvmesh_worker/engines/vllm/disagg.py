@@ -109,6 +109,7 @@ def held_params(
         block_hashes=sequence[: len(first)],
         block_size=block_size,
         hold_expires_unix_ms=int((time.time() + lease_seconds(hold_timeout_s)) * 1000),
+        hold_remaining_ms=int(lease_seconds(hold_timeout_s) * 1000),
     )
 
 
