@@ -395,6 +395,36 @@ def test_etcd_outage_keeps_serving_and_keeps_the_registration(tmp_path):
             worker.close()
 
 
+def test_an_etcd_freeze_while_a_worker_publishes_its_engines_does_not_stop_it(tmp_path):
+    """Caught publishing its records at start-up by an etcd that stopped answering, a worker exited with a
+    traceback: an etcd blip became an outage. It serves on, queues the records etcd did not take (one
+    write timeout, not one per record) and publishes them once etcd answers again."""
+    engines = 1000
+    with EtcdServer(tmp_path / "etcd") as etcd:
+        worker = start_worker(tmp_path, etcd.url, "--num-engines", str(engines), ttl=10.0)
+        try:
+            deadline = time.monotonic() + 90
+            while not (records := worker_records(etcd.url)):
+                assert time.monotonic() < deadline and worker.proc.poll() is None, worker.log_text()[-3000:]
+                time.sleep(0.01)
+            etcd.freeze()
+            try:
+                time.sleep(7)  # past the write timeout (5 s)
+                assert worker.proc.poll() is None, worker.log_text()[-3000:]
+                assert worker.health() == health_pb2.HealthCheckResponse.SERVING
+            finally:
+                etcd.thaw()
+            assert len(records) < engines, "all published before etcd froze: nothing was tested"
+            deadline = time.monotonic() + 60
+            while len(worker_records(etcd.url)) < engines:
+                assert time.monotonic() < deadline, "the queued records were not published after etcd came back"
+                time.sleep(0.2)
+            assert worker.proc.poll() is None
+            assert worker.log_text().count("those after it are kept and published once discovery answers") == 1
+        finally:
+            worker.close()
+
+
 @pytest.mark.parametrize("backend", ["etcd", "file"])
 def test_a_frozen_daemon_is_dropped_by_others_then_re_registers_under_its_old_id(tmp_path, backend):
     """Not a zombie: SIGSTOP for 2xTTL, its record vanishes for everyone; on SIGCONT it is back, same key."""

@@ -267,6 +267,7 @@ class DaemonRuntime:
             admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
         ]
         self._records: dict[str, discovery_pb2.InstanceRecord] = {}
+        self._publish_failing = False  # a publish failed and none has succeeded since: warned once
         self._draining = False
         self._ready = True
         self._stop = asyncio.Event()
@@ -510,12 +511,24 @@ class DaemonRuntime:
         """Publish an instance record under the lease; it lives exactly as long as the lease."""
         key = instance_key(record.namespace, record.component, record.endpoint, record.instance_id)
         self._records[key] = record
-        await self.lease.put(key, record.SerializeToString())
+        await self.put(key, record.SerializeToString())
         return key
 
     async def put(self, key: str, value: bytes) -> None:
-        """Publish any other record (e.g. a model card) under the lease."""
-        await self.lease.put(key, value)
+        """Publish any other record (e.g. a model card) under the lease.
+
+        A write discovery does not take now (etcd frozen or down, a directory refusing writes) is not
+        the daemon's end: the lease remembers the record and its keeper writes it once discovery answers
+        again. Raising here stopped a serving daemon that an etcd blip caught publishing at start-up."""
+        try:
+            await self.lease.put(key, value)
+        except DiscoveryUnavailable as exc:
+            if not self._publish_failing:
+                log.warning("%s: publishing %s failed (%s); it and those after it are kept and published once "
+                            "discovery answers", self.name, key, exc)  # fmt: skip
+            self._publish_failing = True
+        else:
+            self._publish_failing = False
 
     def is_serving(self) -> bool:
         """Not draining. Deliberately not "lease alive": see the module docstring."""

@@ -32,7 +32,8 @@ Let ``T`` be the lease TTL (default 10 s), ``K`` the keepalive interval (default
   backend answering, or it has exited: it never serves unregistered for longer than that.
 * **Records.** ``put``/``delete`` are remembered (the desired state) and written at once while
   alive. A write that fails raises DiscoveryUnavailable, stays remembered and is retried after the
-  next successful beat. While lost, writes are only remembered (published by the re-grant).
+  next successful beat; until then a later put is queued behind it at once (and raises too), without a
+  write of its own. While lost, writes are only remembered (published by the re-grant).
 * **Records are checked.** Every ``T`` while the lease is proven, the keeper reads its remembered
   records back and puts any the backend no longer holds (or holds with another value): a record
   deleted behind a live lease (``etcdctl del``, a wiped record directory) would otherwise leave a
@@ -214,6 +215,12 @@ class Lease:
             if not self._alive:
                 self._dirty_puts.discard(key)  # published by the re-grant
                 return
+            if self._dirty_puts or self._dirty_deletes:
+                # An earlier write failed and the keeper has not redone it: discovery is not taking writes.
+                # Queued behind it rather than waiting out a timeout of its own (a worker publishing 3000
+                # records into a frozen etcd waited 5 s for each).
+                self._dirty_puts.add(key)
+                raise DiscoveryUnavailable(f"put {key!r} deferred: an earlier write is still to be redone")
             await self._write("put", key, self._disc._put(key, value, self._id), self._dirty_puts)
 
     async def delete(self, key: str) -> None:
