@@ -468,11 +468,13 @@ def start(name: str, tmp_path, url: str, *extra: str) -> Daemon:
 
 @pytest.mark.parametrize("daemon", DAEMONS)
 def test_every_daemon_answers_health_and_lists_its_services(tmp_path, daemon):
-    proc = start(daemon, tmp_path, f"file://{tmp_path / 'discovery'}").wait_started()
+    proc = start(daemon, tmp_path, f"file://{tmp_path / 'discovery'}")
     try:
-        # a frontend alone is not ready (no router, no engine), and says so (see the test below)
+        # a frontend alone is not ready (no router, no engine), and says so (see the test below); a router
+        # answers NOT_SERVING until its warm restart is done, which on a loaded machine outlasts its first answer
         status = health_pb2.HealthCheckResponse
         alone = status.NOT_SERVING if daemon == "kvmesh-frontend" else status.SERVING
+        proc.wait_health((alone,), 60)
         assert proc.health() == alone
         assert proc.health(SERVICES[daemon]) == alone
         with grpc.insecure_channel(proc.address) as channel:
