@@ -144,6 +144,28 @@ async def test_failover_to_next_endpoint(tmp_path, ns: str, tracker):
             await on_b.close()
 
 
+async def test_a_prefix_over_grpcs_default_4_mib_is_listed_and_watched(shared_etcd: EtcdServer, ns: str):
+    """A prefix is listed in one etcd response: 5000 records of 1 KB (a worker's 5000 engines' model cards)
+    went past gRPC's default 4 MiB receive limit, get_prefix failed and a watch never gave its Snapshot."""
+    prefix = instance_prefix(ns)
+    value = b"x" * 1024
+    raw = aetcd.Client("127.0.0.1", shared_etcd.client_port)
+    disc = await open_discovery(shared_etcd.url, ttl=TTL)
+    try:
+        for start in range(0, 5000, 500):
+            await asyncio.gather(*(raw.put(f"{prefix}{i:05d}".encode(), value) for i in range(start, start + 500)))
+        listed = await disc.get_prefix(prefix)
+        assert len(listed) == 5000 and set(listed.values()) == {value}
+        events = disc.list_and_watch(prefix)
+        first = await asyncio.wait_for(events.__anext__(), 10)
+        assert isinstance(first, Snapshot) and len(first.records) == 5000
+        await events.aclose()
+    finally:
+        await raw.delete_prefix(prefix.encode())
+        await raw.close()
+        await disc.close()
+
+
 async def test_first_reachable_endpoint_is_used(shared_etcd: EtcdServer):
     dead = free_port()
     disc = await open_discovery(f"etcd://127.0.0.1:{dead},{shared_etcd.endpoint}", connect_timeout=2)

@@ -75,6 +75,7 @@ T = TypeVar("T")
 # gRPC reconnect backoff starts at 0.1 s and is capped at 1 s (default cap: 120 s). Note that gRPC
 # uses min_reconnect_backoff as the *connect timeout* of one attempt: 2 s bounds an attempt against
 # a black-holed host without failing a slow-but-alive handshake.
+MAX_LISTING_BYTES = 256 * 1024 * 1024  # about 10000 engines' records and cards, with room to spare
 CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.initial_reconnect_backoff_ms": 100,
     "grpc.min_reconnect_backoff_ms": 2000,
@@ -84,6 +85,9 @@ CHANNEL_OPTIONS: dict[str, Any] = {
     "grpc.http2.max_pings_without_data": 0,
     # Own subchannels per client: a new client must not inherit another one's reconnect backoff.
     "grpc.use_local_subchannel_pool": 1,
+    # A prefix is listed in one response: past gRPC's default 4 MiB (5000 records of 1 KB, a worker's
+    # 5000 engines' model cards) it could never be listed, and its watch never delivered a snapshot.
+    "grpc.max_receive_message_length": MAX_LISTING_BYTES,
 }
 _CONNECTIVITY = (
     etcd_errors.ConnectionFailedError,
