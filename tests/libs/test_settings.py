@@ -84,6 +84,9 @@ def test_settings_are_frozen_and_keyword_only():
             "--discovery (from flag): discovery URL 'etcd://h:99999': etcd port out",
         ),
         (["--discovery", "file:///d?poll=abc"], {}, "discovery URL 'file:///d?poll=abc': poll must be seconds"),
+        # a parameter nothing reads: a typo ran with the default (?pol=1), or an etcd URL's query was dropped
+        (["--discovery", "file:///d?pol=1"], {}, "file:///d?pol=1': unknown parameter 'pol' (file URLs take only"),
+        (["--discovery", "etcd://h:2379?x=1"], {}, "etcd URLs take no path or parameters, only host:port"),
         ([], {"KVMESH_DISCOVERY": "file:///d\u0000"}, "--discovery (from KVMESH_DISCOVERY): discovery URL"),
         (["--lease-ttl", "1e10"], {}, "--lease-ttl (from flag): Input should be less than or equal to 9000000000"),
         ([], {"KVMESH_ENABLE_THING": "maybe"}, "--enable-thing (from KVMESH_ENABLE_THING): Input should be a valid"),

@@ -23,6 +23,8 @@ def parse_etcd_endpoints(url: str) -> list[tuple[str, int]]:
     """``etcd://h1:p1,h2:p2`` -> [(h1, p1), (h2, p2)]; port defaults to 2379; IPv6 as ``[::1]:2379``."""
     rest = url.removeprefix("etcd://")
     netloc = rest.split("/", 1)[0].split("?", 1)[0]
+    if rest[len(netloc) :].strip("/"):  # a path or a query: nothing reads them, so a typo there would pass
+        raise ValueError(f"discovery URL {url!r}: etcd URLs take no path or parameters, only host:port[,host:port]")
     if not netloc:
         raise ValueError(f"discovery URL {url!r}: etcd:// needs host:port[,host:port]")
     endpoints: list[tuple[str, int]] = []
@@ -59,7 +61,9 @@ def parse_file_url(url: str) -> tuple[Path | None, float]:
         if not root.is_absolute():
             raise ValueError(f"discovery URL {url!r}: file URLs need an absolute path, e.g. file:///var/lib/kvmesh")
     poll = DEFAULT_POLL_INTERVAL
-    query = parse_qs(parts.query)
+    query = parse_qs(parts.query, keep_blank_values=True)
+    if unknown := sorted(set(query) - {"poll"}):  # a typo (?pol=1) silently ran with the default
+        raise ValueError(f"discovery URL {url!r}: unknown parameter {unknown[0]!r} (file URLs take only ?poll=S)")
     if "poll" in query:
         try:
             poll = float(query["poll"][-1])
