@@ -16,6 +16,7 @@ from kvmesh_cli import certs as certs_cli
 
 from tests.security.tlsmesh import TlsMesh, tls_args
 from tests.support.daemons import run_cli
+from tests.support.faulty_etcd import FaultyEtcd
 
 pytestmark = pytest.mark.e2e
 
@@ -123,6 +124,17 @@ def test_a_file_discovery_directory_that_does_not_exist_is_an_error_not_an_empty
         == f"{prog}: error: --discovery file://{tmp_path}/typo: no such directory: no daemon on this machine uses it"
     )
     assert not (tmp_path / "typo").exists() and not (tmp_path / "o").exists()
+
+
+def test_a_discovery_listing_that_fails_after_connecting_is_one_line() -> None:
+    """etcd answered the connect probe, then refused the listing (a response over the client's limit): kvmesh
+    status printed a traceback instead of what it prints when the connection itself fails."""
+    with FaultyEtcd() as etcd:
+        result = run_cli("kvmesh", "status", "--discovery", etcd.url, "--timeout", "3")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"kvmesh: error: --discovery {etcd.url}: etcd get_prefix failed: grpc: received message larger than max"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,7 @@ class _Fleet:
 
 
 async def _fleet(args: argparse.Namespace) -> _Fleet:
-    from kvmesh.discovery import DiscoveryUnavailable, instance_prefix, model_prefix, open_discovery
+    from kvmesh.discovery import DiscoveryError, DiscoveryUnavailable, instance_prefix, model_prefix, open_discovery
     from kvmesh.settings import default_discovery_url
     from kvmesh.v1 import discovery_pb2
 
@@ -85,6 +85,8 @@ async def _fleet(args: argparse.Namespace) -> _Fleet:
     try:
         raw_records = await discovery.get_prefix(instance_prefix(args.namespace))
         raw_cards = await discovery.get_prefix(model_prefix(args.namespace))
+    except DiscoveryError as exc:  # connected, then a read failed (timed out, refused): one line, as above
+        raise _Problem(f"--discovery {url}: {exc}") from None
     finally:
         await discovery.close()
     records = [discovery_pb2.InstanceRecord.FromString(v) for v in raw_records.values()]
