@@ -558,8 +558,11 @@ async def test_model_infer_errors_are_statuses(mesh) -> None:
         grpc.StatusCode.INVALID_ARGUMENT,
         "min_tokens (100) must not exceed max_tokens (16, the default here): set max_tokens",
     )
-    await expect_status(stub.ModelInfer(llm_request("x", params={"kvmesh.worker_id": 99})),
-                        grpc.StatusCode.NOT_FOUND, "engine 99 does not serve model 'fake-model'")  # fmt: skip
+    await expect_status(
+        stub.ModelInfer(llm_request("x", params={"kvmesh.worker_id": 99})),
+        grpc.StatusCode.NOT_FOUND,
+        "engine 0x63 does not serve model 'fake-model' (its engines: 0x",
+    )
     router.outcome = router_pb2.DECISION_OUTCOME_REJECTED
     await expect_status(stub.ModelInfer(llm_request("x")), grpc.StatusCode.RESOURCE_EXHAUSTED, "every engine is busy")
     router.outcome = router_pb2.DECISION_OUTCOME_NO_ENGINE

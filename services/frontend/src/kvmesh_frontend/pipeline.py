@@ -328,10 +328,11 @@ class Frontend:
                 f"'{entry.name}' (at most {limit - num_prompt} new tokens)"
             )
         if llm.pinned_engine_id is not None and llm.pinned_engine_id not in entry.cards:
-            engines = ", ".join(str(e) for e in sorted(entry.cards))
+            # hex, as kvmesh status and the router show them; the parameter takes the "0x..." strings back
+            engines = ", ".join(f"{e:#x}" for e in sorted(entry.cards))
             raise not_found(
-                f"parameter '{PARAM_WORKER_ID}': engine {llm.pinned_engine_id} does not serve model '{entry.name}' "
-                f"(its engines: {engines})"
+                f"parameter '{PARAM_WORKER_ID}': engine {llm.pinned_engine_id:#x} does not serve model "
+                f"'{entry.name}' (its engines: {engines})"
             )
         options = worker_pb2.SamplingOptions(
             max_tokens=max_tokens,
