@@ -101,6 +101,34 @@ async def test_frontend_relays_the_engines_tokens_exactly(deployment) -> None:
     assert via_frontend == direct and len(direct) == 24
 
 
+async def test_the_eos_that_stops_the_engine_is_left_out_of_the_text_as_vllm_does(deployment) -> None:
+    """With skip_special_tokens false, the EOS that ended the output came out as "</s>"; vLLM leaves out the
+    text of whichever token stopped the engine (EOS or a stop token id), as with stop_token_ids here."""
+    import numpy as np
+    from kvmesh_worker.engine.generation import generation_key, sample_tokens
+
+    dep, _, frontend = deployment
+    card = await dep.card()
+    prompt = [10, 11, 12]
+    key = lambda seed: generation_key(np.array(prompt, np.uint32), seed)  # noqa: E731
+    seed = next(s for s in range(100_000) if list(sample_tokens(key(s), 0, 3, card.vocab_size))[2:] == [2]
+                and 2 not in sample_tokens(key(s), 0, 2, card.vocab_size))  # fmt: skip
+    async with grpc.aio.insecure_channel(frontend.address) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        await wait_ready(stub)
+        texts = []
+        for stop_ids in ([], [2]):
+            sampling = {"max_tokens": 6, "seed": seed, "skip_special_tokens": False, "stop_token_ids": stop_ids}
+            request = llm_request(None, model=MODEL, sampling=sampling,
+                                  extra=[ids_input(prompt), bool_input("return_output_ids", True)])  # fmt: skip
+            request.outputs.add(name="text_output")
+            request.outputs.add(name="output_ids")
+            reply = await stub.ModelInfer(request)
+            assert output_values(reply, "output_ids")[-1] == 2  # the EOS id stays in output_ids
+            texts.append(output_values(reply, "text_output")[0])
+    assert texts[0] == texts[1] and b"</s>" not in texts[0], texts
+
+
 async def test_chat_request_with_the_models_own_template(deployment) -> None:
     _, _, frontend = deployment
     async with grpc.aio.insecure_channel(frontend.address) as channel:

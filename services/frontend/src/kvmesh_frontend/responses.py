@@ -108,9 +108,10 @@ class ResponseWriter:
             and ids
             and engine.finish_reason == worker_pb2.FINISH_REASON_STOP
             and not sampling.include_stop_str_in_output
-            and ids[-1] in sampling.stop_token_ids
         ):
-            text_ids = ids[:-1]  # as vLLM: a stop token's text is left out (its id stays in output_ids)
+            # As vLLM: the text of the token that stopped the engine (EOS, or one of stop_token_ids) is left
+            # out, and its id stays in output_ids. The EOS's text showed with skip_special_tokens false.
+            text_ids = ids[:-1]
         if self._stops is not None:
             text, stopped, kept = self._until_stop(text_ids, final)
             if kept < len(text_ids):  # the tokens after the one that completed the stop string are not output
