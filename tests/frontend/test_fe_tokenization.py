@@ -105,6 +105,22 @@ def test_an_output_that_ends_inside_a_character_drops_its_bytes_as_vllm_does(tok
     assert "".join(stream(tok, ids + lone * 2, [len(ids) + 2])) == " ok 日"
 
 
+def test_a_stop_string_may_begin_in_text_sent_unsearched_as_in_vllm() -> None:
+    """The first min_tokens tokens go out unsearched, but vLLM's search of each new token reaches back
+    len(stop) - 1 characters: "t de" that began in "object" and ends in " deal" stops the output there."""
+    stops = StopStrings(["t de"])
+    stops.seen("objec")
+    stops.seen("t")
+    assert stops.feed(" deal") == ("", True)  # it began in text already sent: nothing more goes out
+    stops = StopStrings(["t de"], include_in_output=True)
+    stops.seen("object")
+    assert stops.feed(" d") == ("", False)  # " d" may go on into the stop string: held
+    assert stops.feed("eal") == (" de", True)
+    stops = StopStrings(["t de"])
+    stops.seen("xt dex")  # a stop string wholly inside unsearched text is not a match
+    assert stops.feed("y") == ("y", False)
+
+
 def test_stop_strings_cut_the_text_and_catch_splits() -> None:
     stops = StopStrings(["END", "\n\n"])
     assert stops.feed("hello E") == ("hello ", False)  # "E" may start "END": held

@@ -149,7 +149,8 @@ class ResponseWriter:
         Token by token, so that a response carrying several tokens (a stream interval, or deltas merged
         behind a slow client) ends where one token at a time would: at the token that completes the stop
         string, whose successors are dropped (vLLM stops generating there). As in vLLM, the text of the
-        first ``min_tokens`` tokens is not searched: it goes out as it is.
+        first ``min_tokens`` tokens is not searched: it goes out as it is, but a stop string may begin in it
+        and end in a later token.
         """
         detok, stops = self._detok, self._stops
         assert detok is not None and stops is not None  # the constructor makes stops only with a detokenizer
@@ -157,7 +158,9 @@ class ResponseWriter:
         unchecked = self._llm.sampling.min_tokens - self.num_output_tokens
         for i, token in enumerate(ids):
             if i < unchecked:
-                parts.append(detok.add((token,)))
+                piece = detok.add((token,))
+                stops.seen(piece)
+                parts.append(piece)
                 continue
             piece, stopped = stops.feed(detok.add((token,)))
             parts.append(piece)

@@ -338,54 +338,78 @@ def _failure_function(pattern: str) -> list[int]:
 class StopStrings:
     """Cuts output text at the first stop string; holds back tails that may begin one.
 
-    Cost per delta: a search of each stop in the held tail + delta, from where a new match could start
-    (C speed), and a KMP automaton per stop over the delta's characters, whose state is the longest prefix
-    of that stop ending the text so far: the tail to hold is the longest of them. Testing every prefix of
-    every stop against the tail instead cost O(total stop length squared) per delta, and one request with
-    64 long stop strings stalled the frontend's event loop for seconds (10 s of CPU for 1000 deltas).
-    Stop strings are never empty (the request parser refuses them).
+    Cost per delta: a search of each stop in the context, held tail and delta, from where a new match could
+    start (C speed), and a KMP automaton per stop over the delta's characters, whose state is the longest
+    prefix of that stop ending the text so far: the tail to hold is the longest of them. Testing every
+    prefix of every stop against the tail instead cost O(total stop length squared) per delta, and one
+    request with 64 long stop strings stalled the frontend's event loop for seconds (10 s of CPU for 1000
+    deltas). Stop strings are never empty (the request parser refuses them).
+
+    The context is the end of the text already sent (its last ``longest stop - 1`` characters): as in vLLM,
+    a stop string may begin there and end in a new delta, and text sent unsearched (:meth:`seen`: the first
+    ``min_tokens`` tokens) can begin one too. A match that began in sent text cuts nothing more out of it.
     """
 
-    __slots__ = ("_fail", "_held", "_include", "_states", "_stops")
+    __slots__ = ("_context", "_fail", "_held", "_include", "_keep", "_states", "_stops")
 
     def __init__(self, stops: Sequence[str], include_in_output: bool = False) -> None:
         self._stops = tuple(stops)
         self._include = include_in_output
         self._held = ""
+        self._context = ""
+        self._keep = max(map(len, self._stops), default=1) - 1
         self._fail = tuple(_failure_function(stop) for stop in self._stops)
         self._states = [0] * len(self._stops)
 
+    def seen(self, text: str) -> None:
+        """``text`` went out unsearched (vLLM checks no stop string within the first ``min_tokens`` tokens);
+        a stop string that begins in it and ends in a later delta still counts."""
+        if not text:
+            return
+        self._advance(text)
+        self._context = (self._context + self._held + text)[-self._keep :] if self._keep else ""
+        self._held = ""
+
     def feed(self, delta: str) -> tuple[str, bool]:
         """(text safe to emit now, whether a stop string was hit)."""
-        held = self._held
-        text = held + delta if held else delta
+        context, held = self._context, self._held
+        text = context + held + delta if context or held else delta
         if not text:
             return "", False
+        base = len(context)
+        done = base + len(held)  # a match ending before here would have been found before
         best, best_stop = -1, ""
-        for stop in self._stops:  # a match inside the held tail alone would have been found before
-            at = text.find(stop, max(0, len(held) - len(stop) + 1))
+        for stop in self._stops:
+            at = text.find(stop, max(0, done - len(stop) + 1))
             if at != -1 and (best == -1 or at < best):
                 best, best_stop = at, stop
         if best != -1:
-            self._held = ""
-            return text[: best + len(best_stop)] if self._include else text[:best], True
+            self._held = self._context = ""
+            end = best + len(best_stop) if self._include else best
+            return text[base:end] if end > base else "", True
+        hold = min(self._advance(delta), len(text) - base)
+        cut = len(text) - hold
+        self._held = text[cut:]
+        self._context = text[:cut][-self._keep :] if self._keep else ""
+        return text[base:cut], False
+
+    def _advance(self, delta: str) -> int:
+        """Run each stop's automaton over ``delta``; the longest stop prefix now ending the text."""
         hold = 0
         states = self._states
         for i, stop in enumerate(self._stops):
             q, fail = states[i], self._fail[i]
             for c in delta:
+                if q == len(stop):  # a whole stop inside unsearched text (seen): go on as after a match
+                    q = fail[q - 1]
                 while q and stop[q] != c:
                     q = fail[q - 1]
                 if stop[q] == c:
-                    q += 1  # never the whole stop: the search above found none
+                    q += 1
             states[i] = q
             if q > hold:
                 hold = q
-        if hold:
-            self._held = text[-hold:]
-            return text[:-hold], False
-        self._held = ""
-        return text, False
+        return hold
 
     def flush(self) -> str:
         """At the end of the output: the held tail was not a stop string after all."""
