@@ -134,11 +134,21 @@ def test_every_output_named_gives_only_the_flagged_ones() -> None:
     assert all(parse_llm_request(flagged).wants(name) for name in OUTPUTS)
 
 
-@pytest.mark.parametrize(("value", "expected"), [(16, 16), ("16", 16), (16.0, 16), (16.9, 16), (" 7 ", 7)])
+@pytest.mark.parametrize(
+    ("value", "expected"), [(16, 16), ("16", 16), (16.0, 16), (16.9, 16), (" 7 ", 7), ("016", 16), ("+16", 16)]
+)
 def test_max_tokens_as_vllm_backend_reads_it(value: object, expected: int) -> None:
     """The vLLM backend applies int() to max_tokens: strings and floats (truncated) are accepted."""
     request = llm_request("x", extra=[bytes_input("sampling_parameters", json.dumps({"max_tokens": value}))])
     assert parse_llm_request(request).sampling.max_tokens == expected
+
+
+@pytest.mark.parametrize("value", ["0x10", "0b1", "16.0", "sixteen"])
+def test_max_tokens_that_int_refuses_is_refused(value: str) -> None:
+    """int() reads no base prefix: "0x10" was taken as 16 here while "016" was refused, the reverse of int()."""
+    request = llm_request("x", extra=[bytes_input("sampling_parameters", json.dumps({"max_tokens": value}))])
+    with pytest.raises(FrontendError, match=r"max_tokens.* must be an integer, got"):
+        parse_llm_request(request)
 
 
 def test_logprob_flags_and_key() -> None:

@@ -261,7 +261,7 @@ def _as_int(where: str, value: Any) -> int:
         return int(value)
     if isinstance(value, str):
         try:
-            return int(value.strip(), 0)
+            return int(value)  # as the vLLM backend reads it: base 10, "016" is 16, "0x10" is refused
         except ValueError:
             pass
     raise invalid(f"{where} must be an integer, got {_shown(value)}")
