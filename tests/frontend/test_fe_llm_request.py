@@ -151,6 +151,26 @@ def test_max_tokens_that_int_refuses_is_refused(value: str) -> None:
         parse_llm_request(request)
 
 
+def test_what_triton_does_to_outputs_and_kvmesh_cannot_is_refused_not_ignored() -> None:
+    """tritonclient's class_count and shared-memory outputs and inputs came back as plain text, or as a count
+    of raw contents that named no cause."""
+    classify = llm_request("x")
+    classify.outputs.add(name="text_output").parameters["classification"].int64_param = 3
+    with pytest.raises(FrontendError, match="output 'text_output': classification"):
+        parse_llm_request(classify)
+    shared_out = llm_request("x")
+    shared_out.outputs.add(name="text_output").parameters["shared_memory_region"].string_param = "r"
+    with pytest.raises(FrontendError, match="output 'text_output': kvmesh writes no shared memory"):
+        parse_llm_request(shared_out)
+    shared_in = llm_request("x")
+    shared_in.inputs[0].parameters["shared_memory_region"].string_param = "r"
+    with pytest.raises(FrontendError, match=r"input 'text_input' is in a shared memory region"):
+        parse_llm_request(shared_in)
+    plain = llm_request("x")
+    plain.outputs.add(name="text_output").parameters["classification"].int64_param = 0  # 0: no classification
+    assert parse_llm_request(plain).requested_outputs == ("text_output",)
+
+
 def test_logprob_flags_and_key() -> None:
     sampling = bytes_input("sampling_parameters", json.dumps({"logprobs": 2}))
     flags = [bool_input("return_logprobs", True), bool_input("return_cumulative_logprob", True)]

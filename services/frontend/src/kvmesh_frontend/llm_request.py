@@ -54,7 +54,7 @@ from kvmesh.v1 import router_pb2
 
 from kvmesh_frontend.errors import MAX_ECHO_CHARS, clip, invalid
 from kvmesh_frontend.prompt_tokens import PromptTokens
-from kvmesh_frontend.tensors import Tensor, TensorLimit, decode_inputs
+from kvmesh_frontend.tensors import SHARED_MEMORY_REGION, Tensor, TensorLimit, decode_inputs
 
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")
 
@@ -299,6 +299,7 @@ def _vllm_int(where: str, value: Any) -> int:
     return _as_int(where, value)
 
 
+_NO_PARAMETER = pb.InferParameter()
 U32_MAX = 2**32 - 1  # the largest a uint32 field of the worker contract (SamplingOptions) holds
 
 
@@ -658,6 +659,14 @@ def parse_llm_request(
             if out.name not in OUTPUTS:
                 raise invalid(
                     f"output '{clip(out.name)}' is not an output of this model (outputs: {', '.join(OUTPUTS)})"
+                )
+            # What Triton would do to an output and kvmesh cannot: refused, never silently ignored.
+            if out.parameters.get("classification", _NO_PARAMETER).int64_param:
+                raise invalid(f"output '{out.name}': classification (class_count) is not supported by this model")
+            if SHARED_MEMORY_REGION in out.parameters:
+                raise invalid(
+                    f"output '{out.name}': kvmesh writes no shared memory (registering one is UNIMPLEMENTED); "
+                    "take the output from the response"
                 )
             names.append(out.name)
         req.requested_outputs = tuple(names)

@@ -150,6 +150,9 @@ def element_count(name: str, shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
+SHARED_MEMORY_REGION = "shared_memory_region"  # KServe's parameter naming an input's or output's region
+
+
 def decode_inputs(request: pb.ModelInferRequest, limits: Mapping[str, TensorLimit] | None = None) -> dict[str, Tensor]:
     """Decode every input of a request (typed or raw), checking datatypes, shapes and sizes.
 
@@ -158,6 +161,12 @@ def decode_inputs(request: pb.ModelInferRequest, limits: Mapping[str, TensorLimi
     """
     inputs = request.inputs
     raw = request.raw_input_contents
+    for tensor in inputs:  # before the count below, which such an input breaks: say what is wrong
+        if SHARED_MEMORY_REGION in tensor.parameters:
+            raise invalid(
+                f"input '{clip(tensor.name)}' is in a shared memory region: kvmesh takes no shared memory "
+                "(registering one is UNIMPLEMENTED); send the data in the request"
+            )
     if raw and len(raw) != len(inputs):
         raise invalid(
             f"raw_input_contents has {len(raw)} entries but the request has {len(inputs)} inputs; "
