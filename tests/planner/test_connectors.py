@@ -219,6 +219,38 @@ async def test_virtual_connector_publishes_targets_and_waits_for_the_ack(tmp_pat
         await orchestrator.close()
 
 
+async def test_a_malformed_ack_is_ignored_and_the_next_one_heard(tmp_path, caplog):
+    """Bytes that are no PlannerTargetsAck ended the ack watch: every later ack went unheard and the
+    planner held until --ack-timeout (30 min by default)."""
+    url = f"file://{tmp_path / 'disc'}"
+    disc = await open_discovery(url, ttl=5.0)
+    orchestrator = await open_discovery(url, ttl=5.0)
+    try:
+        lease = await disc.grant_lease()
+        conn = VirtualConnector(disc, lease, "ns", ack_timeout=60)
+        await conn.start()
+        await conn.apply(1, {"aggregated": 2}, [])
+        olease = await orchestrator.grant_lease()
+        await olease.put(ack_key("ns"), b"\xff\xff\xff")
+        for _ in range(50):
+            if "holds no PlannerTargetsAck" in caplog.text:
+                break
+            await asyncio.sleep(0.1)
+        assert "holds no PlannerTargetsAck; ignored" in caplog.text and conn.pending()
+        ack = planner_pb2.PlannerTargetsAck(decision_id=1, actual=pool_sizes({"aggregated": 2}))
+        await olease.put(ack_key("ns"), ack.SerializeToString())
+        for _ in range(50):
+            if not conn.pending():
+                break
+            await asyncio.sleep(0.1)
+        assert not conn.pending() and conn.actual() == {"aggregated": 2}
+        await conn.close()
+        await lease.revoke()
+    finally:
+        await disc.close()
+        await orchestrator.close()
+
+
 async def _engines(url: str) -> list[discovery_pb2.InstanceRecord]:
     disc = await open_discovery(url, ttl=5.0)
     try:

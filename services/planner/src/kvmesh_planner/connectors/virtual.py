@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from google.protobuf.message import DecodeError
 from kvmesh.discovery import Added, Discovery, Lease, Snapshot
 from kvmesh.v1 import planner_pb2
 
@@ -109,7 +110,12 @@ class VirtualConnector:
             elif isinstance(ev, Added) and ev.key == ack_key(self._ns):
                 values = [ev.value]
             for value in values:
-                ack = planner_pb2.PlannerTargetsAck.FromString(value)
+                try:
+                    ack = planner_pb2.PlannerTargetsAck.FromString(value)
+                except DecodeError:  # one bad record must not end the watch: every later ack would go unheard
+                    log.warning("virtual connector: %s holds no PlannerTargetsAck; ignored (the orchestrator's "
+                                "next ack replaces it)", ack_key(self._ns))  # fmt: skip
+                    continue
                 self.state.acknowledge(ack)
                 log.info("virtual connector: decision %d acknowledged", ack.decision_id)
                 self._acked.set()
