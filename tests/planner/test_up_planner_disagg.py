@@ -4,6 +4,7 @@ shows both pools at their minimums; the demo request is served disaggregated; Ct
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -11,6 +12,8 @@ import subprocess
 import time
 
 import pytest
+from kvmesh.discovery import model_prefix, open_discovery
+from kvmesh.v1 import discovery_pb2
 
 from tests.support.daemons import script
 from tests.support.etcd import free_port
@@ -56,11 +59,13 @@ def test_kvmesh_up_planner_manages_the_prefill_and_decode_pools(tmp_path):
 def test_kvmesh_up_planner_under_tls_observes_its_engines_and_the_printed_commands_work(tmp_path):
     """Under --tls the planner got no certificate: its watches of the workers failed the handshake, it saw
     no engine and never scaled, and its own port was plaintext. The commands up prints (the planner status,
-    the tokenizer download) carry the operator certificate, and work pasted as they are."""
+    the tokenizer download) carry the operator certificate, and work pasted as they are. The operator's own
+    --worker-args (docs/planner.md) add to up's worker flags: they replaced them, TLS included, and no
+    worker the planner started could talk to the mesh."""
     port, disc = free_port(), f"file://{tmp_path / 'disc'}"
     with KvmeshUp(
-        ["--planner", "--tls", "--max-engines", "2", "--planner-args", "--interval 1", "--grpc-port", str(port),
-         "--discovery", disc, "--speedup-ratio", "0", "--no-demo"],
+        ["--planner", "--tls", "--max-engines", "2", "--planner-args", "--interval 1 --worker-args '--max-num-seqs 4'",
+         "--grpc-port", str(port), "--discovery", disc, "--speedup-ratio", "0", "--no-demo"],
     ) as up:  # fmt: skip
         up.wait_for("kvmesh is up", 180)
         watch = up.wait_for("Watch the planner: ", 30).removeprefix("Watch the planner: ").strip()
@@ -75,6 +80,8 @@ def test_kvmesh_up_planner_under_tls_observes_its_engines_and_the_printed_comman
                 break
             assert time.monotonic() < deadline, f"the planner observes no engine: {leader}"
             time.sleep(1)
+        cards = [discovery_pb2.ModelCard.FromString(v) for v in asyncio.run(_cards(disc)).values()]
+        assert [card.max_num_seqs for card in cards] == [4]  # the operator's worker flag, beside up's TLS
         files = up.wait_for("Benchmark it", 30).split(": ", 1)[1].split(" && ")[0]
         assert "--tls-cert" in files, files
         out = tmp_path / "tok"
@@ -83,3 +90,11 @@ def test_kvmesh_up_planner_under_tls_observes_its_engines_and_the_printed_comman
             capture_output=True, text=True, timeout=60)  # fmt: skip
         assert fetched.returncode == 0 and (out / "tokenizer.json").exists(), fetched.stdout + fetched.stderr
         assert up.stop() == 0
+
+
+async def _cards(url: str) -> dict[str, bytes]:
+    disc = await open_discovery(url, ttl=5.0)
+    try:
+        return await disc.get_prefix(model_prefix("kvmesh-local"))
+    finally:
+        await disc.close()

@@ -69,15 +69,14 @@ def planner_argv(args: argparse.Namespace, common: list[str], worker_args: list[
         pools += ["--pools", "prefill,decode" if args.prefill_workers else "decode"]
     else:
         pools += ["--min-engines", str(args.min_engines), "--max-engines", str(args.max_engines)]
-    return [
-        *common,
-        "--connector",
-        "local",
-        *pools,
-        "--worker-args",
-        shlex.join(extra),
-        *shlex.split(args.planner_args),
-    ]
+    # The operator's own --worker-args (docs/planner.md) add to these: the planner keeps the last
+    # --worker-args it is given, so passed on as they were they replaced kvmesh up's (TLS included).
+    theirs = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    theirs.add_argument("--worker-args", action="append", default=[])
+    known, rest = theirs.parse_known_args(shlex.split(args.planner_args))
+    for words in known.worker_args:
+        extra += shlex.split(words)
+    return [*common, "--connector", "local", *pools, "--worker-args", shlex.join(extra), *rest]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
