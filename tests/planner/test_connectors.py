@@ -11,10 +11,12 @@ import asyncio
 import os
 import stat
 import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kvmesh.discovery import instance_prefix, open_discovery
+from kvmesh.discovery import Discovery, Lease, instance_prefix, open_discovery
 from kvmesh.v1 import discovery_pb2, planner_pb2
 from kvmesh_planner.connectors.base import EngineRef
 from kvmesh_planner.connectors.local import LocalConnector
@@ -188,7 +190,28 @@ def test_the_worker_unit_drains_on_stop():
     assert "--drain-timeout" not in worker  # the daemon's default, 30 s < 45 s
 
 
-async def test_virtual_connector_publishes_targets_and_waits_for_the_ack(tmp_path):
+@dataclass
+class Virtual:
+    """A virtual connector that leads namespace "ns", and an orchestrator on the same discovery."""
+
+    conn: VirtualConnector
+    lease: Lease
+    orchestrator: Discovery
+    olease: Lease
+
+    async def ack(self, value: bytes) -> None:
+        await self.olease.put(ack_key("ns"), value)
+
+    async def acknowledged(self) -> bool:
+        for _ in range(50):
+            if not self.conn.pending():
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+
+@pytest.fixture
+async def virtual(tmp_path) -> AsyncIterator[Virtual]:
     url = f"file://{tmp_path / 'disc'}"
     disc = await open_discovery(url, ttl=5.0)
     orchestrator = await open_discovery(url, ttl=5.0)
@@ -196,59 +219,45 @@ async def test_virtual_connector_publishes_targets_and_waits_for_the_ack(tmp_pat
         lease = await disc.grant_lease()
         conn = VirtualConnector(disc, lease, "ns", ack_timeout=60)
         await conn.start()
-        await conn.apply(4, {"aggregated": 3}, [])
-        got = await orchestrator.get_prefix(targets_key("ns"))
-        msg = planner_pb2.PlannerTargets.FromString(got[targets_key("ns")])
-        assert msg.decision_id == 4 and msg.target.aggregated == 3
-        assert conn.pending() and conn.actual() == {"aggregated": 3}
-        olease = await orchestrator.grant_lease()
-        # The orchestrator could bring up only 2 of the 3: the planner's next decision starts from 2.
-        ack = planner_pb2.PlannerTargetsAck(decision_id=4, actual=pool_sizes({"aggregated": 2}))
-        await olease.put(ack_key("ns"), ack.SerializeToString())
-        for _ in range(50):
-            if not conn.pending():
-                break
-            await asyncio.sleep(0.1)
-        assert not conn.pending()
-        assert conn.actual() == {"aggregated": 2}
+        yield Virtual(conn, lease, orchestrator, await orchestrator.grant_lease())
         await conn.close()
         await lease.revoke()
-        assert await orchestrator.get_prefix(targets_key("ns")) == {}  # the targets die with the planner
     finally:
         await disc.close()
         await orchestrator.close()
 
 
-async def test_a_malformed_ack_is_ignored_and_the_next_one_heard(tmp_path, caplog):
+async def test_virtual_connector_publishes_targets_and_waits_for_the_ack(virtual: Virtual):
+    await virtual.conn.apply(4, {"aggregated": 3}, [])
+    got = await virtual.orchestrator.get_prefix(targets_key("ns"))
+    msg = planner_pb2.PlannerTargets.FromString(got[targets_key("ns")])
+    assert msg.decision_id == 4 and msg.target.aggregated == 3
+    assert virtual.conn.pending() and virtual.conn.actual() == {"aggregated": 3}
+    # The orchestrator could bring up only 2 of the 3: the planner's next decision starts from 2.
+    await virtual.ack(
+        planner_pb2.PlannerTargetsAck(decision_id=4, actual=pool_sizes({"aggregated": 2})).SerializeToString()
+    )
+    assert await virtual.acknowledged()
+    assert virtual.conn.actual() == {"aggregated": 2}
+    await virtual.conn.close()
+    await virtual.lease.revoke()
+    assert await virtual.orchestrator.get_prefix(targets_key("ns")) == {}  # the targets die with the planner
+
+
+async def test_a_malformed_ack_is_ignored_and_the_next_one_heard(virtual: Virtual, caplog):
     """Bytes that are no PlannerTargetsAck ended the ack watch: every later ack went unheard and the
     planner held until --ack-timeout (30 min by default)."""
-    url = f"file://{tmp_path / 'disc'}"
-    disc = await open_discovery(url, ttl=5.0)
-    orchestrator = await open_discovery(url, ttl=5.0)
-    try:
-        lease = await disc.grant_lease()
-        conn = VirtualConnector(disc, lease, "ns", ack_timeout=60)
-        await conn.start()
-        await conn.apply(1, {"aggregated": 2}, [])
-        olease = await orchestrator.grant_lease()
-        await olease.put(ack_key("ns"), b"\xff\xff\xff")
-        for _ in range(50):
-            if "holds no PlannerTargetsAck" in caplog.text:
-                break
-            await asyncio.sleep(0.1)
-        assert "holds no PlannerTargetsAck; ignored" in caplog.text and conn.pending()
-        ack = planner_pb2.PlannerTargetsAck(decision_id=1, actual=pool_sizes({"aggregated": 2}))
-        await olease.put(ack_key("ns"), ack.SerializeToString())
-        for _ in range(50):
-            if not conn.pending():
-                break
-            await asyncio.sleep(0.1)
-        assert not conn.pending() and conn.actual() == {"aggregated": 2}
-        await conn.close()
-        await lease.revoke()
-    finally:
-        await disc.close()
-        await orchestrator.close()
+    await virtual.conn.apply(1, {"aggregated": 2}, [])
+    await virtual.ack(b"\xff\xff\xff")
+    for _ in range(50):
+        if "holds no PlannerTargetsAck" in caplog.text:
+            break
+        await asyncio.sleep(0.1)
+    assert "holds no PlannerTargetsAck; ignored" in caplog.text and virtual.conn.pending()
+    await virtual.ack(
+        planner_pb2.PlannerTargetsAck(decision_id=1, actual=pool_sizes({"aggregated": 2})).SerializeToString()
+    )
+    assert await virtual.acknowledged() and virtual.conn.actual() == {"aggregated": 2}
 
 
 async def _engines(url: str) -> list[discovery_pb2.InstanceRecord]:
