@@ -99,6 +99,8 @@ def test_port_in_use_is_refused_before_anything_starts(tmp_path: Path, listener:
         (["--tls", "{tmp}/nowhere"], "--tls {tmp}/nowhere: not a directory (make one with kvmesh certs init DIR)"),
         (["--tls", "{tmp}"], "--tls {tmp}: no ca.crt, frontend.crt"),
         (["--log-dir", "/proc/kvmesh-logs"], "--log-dir /proc/kvmesh-logs: No such file or directory"),
+        # a directory that takes no file: a traceback at the first daemon's log, then "stopping..."
+        (["--log-dir", "/proc/self"], "--log-dir /proc/self: cannot write there (No such file or directory)"),
         # flags the layout would ignore: one engine per worker process under the planner or P/D workers
         (["--planner", "--num-engines", "3"], "--num-engines: with --planner or --decode-workers every worker"),
         (["--decode-workers", "2", "--num-engines", "3"], "--num-engines: with --planner or --decode-workers"),

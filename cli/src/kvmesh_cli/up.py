@@ -349,6 +349,12 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvmesh up: error: --log-dir {log_dir}: {exc.strerror}", file=sys.stderr)
         return 2
+    try:  # a directory that exists but takes no file (/sys/..., /proc/...) failed at the first daemon's log
+        with tempfile.TemporaryFile(dir=log_dir):
+            pass
+    except OSError as exc:
+        print(f"kvmesh up: error: --log-dir {log_dir}: cannot write there ({exc.strerror})", file=sys.stderr)
+        return 2
     common = ["--discovery", args.discovery or default_discovery_url(), "--namespace", args.namespace]
     common += ["--bind-host", "127.0.0.1"]  # a local mesh is reachable from this machine only
     if args.config:
