@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 
 import pytest
@@ -91,3 +92,19 @@ def test_a_config_files_model_name_and_engine_count_are_what_up_serves_and_shows
         engines = [row for row in json.loads(status.stdout) if row["component"] == "worker/engine"]
         assert len(engines) == 3, status.stdout + status.stderr
         assert up.stop() == 0
+
+
+def test_the_printed_commands_work_pasted_as_they_are_with_a_space_in_the_discovery_path(tmp_path):
+    """The "Benchmark it" command is printed to be pasted into a shell; an unquoted path with a space split in two
+    ("unrecognized arguments: e")."""
+    port = free_port()
+    with KvmeshUp(
+        ["--grpc-port", str(port), "--discovery", f"file://{tmp_path / 'd e'}", "--speedup-ratio", "0", "--no-demo"]
+    ) as up:
+        line = up.wait_for("Benchmark it", 120)
+        files = line.split(": ", 1)[1].split(" && ")[0].replace("./tok", shlex.quote(str(tmp_path / "tok")))
+        fetched = subprocess.run([script("kvmesh"), *shlex.split(files)[1:]], capture_output=True, text=True,
+                                 timeout=60)  # fmt: skip
+        assert fetched.returncode == 0, fetched.stdout + fetched.stderr
+        assert (tmp_path / "tok" / "tokenizer.json").exists()
+        assert up.stop() == 0, up.text

@@ -490,8 +490,9 @@ def run(args: argparse.Namespace) -> int:
                 ")\ninputs", f", ssl=True, root_certificates={str(tls_dir / 'ca.crt')!r})\ninputs", 1
             )
         print("\nTry it with tritonclient:\n" + example + "\n", flush=True)
-        where = "" if args.namespace == "kvmesh-local" else f" --namespace {args.namespace}"
-        where += f" --discovery {args.discovery}" if args.discovery else ""
+        # quoted: the commands are printed to be pasted into a shell (a discovery path with a space broke them)
+        where = "" if args.namespace == "kvmesh-local" else f" --namespace {shlex.quote(args.namespace)}"
+        where += f" --discovery {shlex.quote(args.discovery)}" if args.discovery else ""
         operator = perf_tls = ""
         if tls_dir is not None:  # the operator certificate for the mesh's ports, the CA for the frontend's
             cert, key, ca = (str(tls_dir / name) for name in ("operator.crt", "operator.key", "ca.crt"))
@@ -504,7 +505,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         if args.planner:
-            flags = f" --namespace {args.namespace}" + (f" --discovery {args.discovery}" if args.discovery else "")
+            flags = f" --namespace {shlex.quote(args.namespace)}"
+            flags += f" --discovery {shlex.quote(args.discovery)}" if args.discovery else ""
             print(f"Watch the planner: kvmesh planner status{flags}{operator}\n", flush=True)
         if not args.no_demo:
             # ServerReady means an engine is live; the router may still be warming up for a moment.
