@@ -71,8 +71,8 @@ class KvmeshUp:
                 continue
 
     def stop(self, timeout: float = 90.0) -> int:
-        """Ctrl-C, and the exit status (``kvmesh up`` SIGKILLs a daemon after 15 s; the rest is process exit
-        on a loaded machine)."""
+        """Ctrl-C, and the exit status (``kvmesh up`` SIGKILLs a daemon after its drain and 15 s; the rest is
+        process exit on a loaded machine)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGINT)
         return self.proc.wait(timeout)

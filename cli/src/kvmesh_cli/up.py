@@ -9,6 +9,8 @@ everything on Ctrl-C (or when the terminal closes).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 import shlex
 import shutil
@@ -227,10 +229,20 @@ def _spawn(
     return proc
 
 
+def _drain_wait_s() -> float:
+    """How long the daemons may take to stop: their drain (``KVMESH_DRAIN_TIMEOUT``, else the default) and
+    15 s to leave after it. A fixed 15 s cut a request that the daemons' 30 s drain was finishing."""
+    drain = DaemonSettings.model_fields["drain_timeout"].default
+    with contextlib.suppress(ValueError):  # a bad value is refused by the daemons themselves
+        drain = float(os.environ.get("KVMESH_DRAIN_TIMEOUT", drain))
+    return drain + 15.0 if math.isfinite(drain) else 45.0
+
+
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     """SIGTERM: each daemon drains. A second Ctrl-C sends SIGTERM again, on which each daemon cancels
     what it still serves and leaves at once, its lease revoked (a SIGKILL would leave it to expire).
-    SIGKILL whatever still runs after 15 s, 5 s after a second Ctrl-C, or at once on a third.
+    SIGKILL whatever still runs after its drain and 15 s (:func:`_drain_wait_s`), 5 s after a second
+    Ctrl-C, or at once on a third; saying which.
 
     Ctrl-C only counts here (no KeyboardInterrupt): one raised inside ``Popen.wait`` could leave its
     internal lock taken, and every later wait then hung for good (seen once in five double Ctrl-Cs)."""
@@ -238,14 +250,16 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     previous = signal.signal(signal.SIGINT, lambda *_: presses.__setitem__(0, presses[0] + 1))
     try:
         _signal(procs, signal.SIGTERM)
-        if not _wait(procs, 15, presses):
+        if not _wait(procs, _drain_wait_s(), presses):
             print("kvmesh up: second Ctrl-C: cancelling what the daemons still serve", file=sys.stderr, flush=True)
             _signal(procs, signal.SIGTERM)
             if not _wait(procs, 5, presses):
                 print("kvmesh up: third Ctrl-C: killing the daemons", file=sys.stderr, flush=True)
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+        if left := [proc for proc in procs if proc.poll() is None]:
+            names = ", ".join(_SPAWNED.get(proc.pid, (str(proc.pid),))[0] for proc in left)
+            print(f"kvmesh up: killing what has not stopped: {names}", file=sys.stderr, flush=True)
+        for proc in left:
+            proc.kill()
         _wait(procs, 5, [0])
     finally:
         signal.signal(signal.SIGINT, previous)
