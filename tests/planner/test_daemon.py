@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from kvmesh.v1 import planner_pb2, planner_pb2_grpc
+from kvmesh.v1 import planner_pb2, planner_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvmesh_bench.prometheus_text import metric_total, metrics_url
 
 from tests.support.daemons import Daemon, file_worker, run_cli, running, running_pid
@@ -94,6 +97,50 @@ def test_serves_health_reflection_status_metrics_and_exits_0_on_sigterm(tmp_path
         d.wait_log(r"decision 1 mode=load aggregated=0->1 reason='aggregated: below its minimum 1'")
         d.signal(signal.SIGTERM)
         assert d.wait(20) == 0
+
+
+def test_a_virtual_pool_holds_while_the_engines_it_asked_for_have_not_registered(tmp_path):
+    """The orchestrator never brings up (nor acknowledges) the engine asked for: the pool grew 1 -> 2 -> 3 -> 4,
+    one step per ack timeout, on the one engine's load. The missing engine is starting: the pool holds
+    ("no scaling on stale capacity"), and the ack timeout is said once."""
+    with file_worker(tmp_path, "kvmesh", "--num-gpu-blocks", "64", "--block-size", "16", "--speedup-ratio", "1") as w:
+        port = free_port()
+        args = [
+            "--discovery", f"file://{tmp_path / 'discovery'}", "--grpc-port", str(port), "--interval", "0.5",
+            "--connector", "virtual", "--ack-timeout", "1", "--load-profile", "latency", "--max-engines", "4",
+        ]  # fmt: skip
+        with (
+            running(Daemon("kvmesh-planner", args, tmp_path, port)) as (planner,),
+            grpc.insecure_channel(w.address) as wch,
+        ):
+            planner.wait_serving()
+            worker = worker_pb2_grpc.WorkerServiceStub(wch)
+            engine = next(worker.WatchLoad(worker_pb2.WatchLoadRequest(), timeout=10)).loads[0].engine_id
+            request = worker_pb2.GenerateRequest(  # 600 prompt tokens in a 1024-token cache, decoding for a while
+                request_id="load", engine_id=engine, token_ids=list(range(1, 600)),
+                sampling=worker_pb2.SamplingOptions(max_tokens=400, ignore_eos=True),
+            )  # fmt: skip
+            load = worker.GenerateStream(iter([worker_pb2.GenerateStreamRequest(requests=[request])]), timeout=60)
+            threading.Thread(target=_drain_stream, args=(load,), daemon=True).start()
+            targets = []
+            with grpc.insecure_channel(planner.address) as ch:
+                stub = planner_pb2_grpc.PlannerServiceStub(ch)
+                deadline = time.monotonic() + 8  # several ack timeouts
+                while time.monotonic() < deadline:
+                    latest = stub.GetStatus(planner_pb2.GetStatusRequest(), timeout=2).latest
+                    targets.append(latest.target.aggregated)
+                    time.sleep(0.2)
+            load.cancel()
+            assert max(targets) == 2, targets  # asked for one more, then held while it never came
+            assert "engine(s) still starting, holding" in latest.reason, latest
+            assert planner.log_text().count("not acknowledged within --ack-timeout") == 1
+
+
+def _drain_stream(call: Any) -> None:
+    """Read a response stream to its end, or to its cancel (a sync gRPC stream sends nothing unread)."""
+    with contextlib.suppress(grpc.RpcError):
+        for _ in call:
+            pass
 
 
 @pytest.mark.timeout(90)

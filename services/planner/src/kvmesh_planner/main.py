@@ -81,6 +81,13 @@ class Planner:
         self._core_term = 0  # the election term the core was built in
         self._desired: dict[Pool, int] = {}
 
+    def _starting(self, pids: set[int]) -> dict[Pool, int]:
+        """Engines per pool started but not registered yet. The virtual connector starts none itself: the
+        engines its targets ask for, or the orchestrator says it runs, that have not registered are."""
+        if isinstance(self.connector, VirtualConnector):
+            return self.connector.awaited(_count(o.pool for o in self.observer.engine_observations()))
+        return self.connector.starting(pids)
+
     def status(self) -> planner_pb2.GetStatusResponse:
         reply = planner_pb2.GetStatusResponse(
             observed=pool_sizes(_count(o.pool for o in self.observer.engine_observations())),
@@ -88,7 +95,7 @@ class Planner:
             leader=self.election.is_leader,
             mode=self.cfg.effective_mode,
             desired=pool_sizes(self._desired),
-            starting=pool_sizes(self.connector.starting(self.observer.registered_pids())),
+            starting=pool_sizes(self._starting(self.observer.registered_pids())),
             draining=pool_sizes(self.connector.draining()),
             pools=list(self.cfg.managed_pools),
             minimum=pool_sizes({p: self.cfg.pool_bounds(p)[0] for p in self.cfg.managed_pools}),
@@ -179,7 +186,7 @@ class Planner:
             now=time.monotonic(),
             engines=engines,
             actual=actual,
-            starting=self.connector.starting(pids),
+            starting=self._starting(pids),
             traffic=traffic,
         )
         decision = self.core.decide(obs)
@@ -203,7 +210,7 @@ class Planner:
         self._desired = dict(decision.target)
         msg = decision_message(decision, self.runtime.instance_id, applied, int(time.time() * 1000))
         self.servicer.publish(msg)
-        self.metrics.observe(decision, self.connector.starting(pids), self.connector.draining())
+        self.metrics.observe(decision, dict(obs.starting), self.connector.draining())
         (log.info if decision.changed else log.debug)("%s applied=%s", decision.log_line(), applied)
 
 

@@ -73,8 +73,10 @@ class VirtualState:
         """The latest published decision is neither acknowledged nor timed out."""
         if self.published is None:
             return False
-        done = self.acked is not None and self.acked.decision_id >= self.published.decision_id
-        return not done and now - self.published_at < timeout
+        return not self.acknowledged(self.published.decision_id) and now - self.published_at < timeout
+
+    def acknowledged(self, decision_id: int) -> bool:
+        return self.acked is not None and self.acked.decision_id >= decision_id
 
     def desired(self) -> dict[Pool, int]:
         return from_pool_sizes(self.published.target) if self.published is not None else dict(self._actual)
@@ -96,6 +98,7 @@ class VirtualConnector:
         self._ack_timeout = ack_timeout
         self._watch: asyncio.Task[None] | None = None
         self._acked = asyncio.Event()
+        self._timed_out: int | None = None  # the decision whose ack timeout was logged
 
     async def start(self) -> None:
         """Watch the acknowledgements; called at every leadership term, so a previous watch ends first."""
@@ -129,13 +132,31 @@ class VirtualConnector:
         return self.state.published is not None or self.state.acked is not None
 
     def starting(self, registered_pids: set[int]) -> dict[Pool, int]:
-        return {}
+        return {}  # no process of its own: see awaited
+
+    def awaited(self, registered: Mapping[Pool, int]) -> dict[Pool, int]:
+        """Engines the targets ask for (unacknowledged) or the orchestrator says it runs, per pool, that have
+        not registered: they count as starting, so the pool neither grows again nor shrinks on the capacity
+        of the engines already there (a pool asked for engines that never came grew 1 -> 2 -> 3 -> 4, one
+        step per ack timeout, on one engine's load)."""
+        return {p: n - registered.get(p, 0) for p, n in self.actual().items() if n > registered.get(p, 0)}
 
     def draining(self) -> dict[Pool, int]:
         return {}
 
     def pending(self) -> bool:
-        return self.state.pending(time.monotonic(), self._ack_timeout)
+        waiting = self.state.pending(time.monotonic(), self._ack_timeout)
+        published = self.state.published
+        timed_out = not waiting and published is not None and not self.state.acknowledged(published.decision_id)
+        if timed_out and published is not None and self._timed_out != published.decision_id:
+            self._timed_out = published.decision_id
+            log.warning(
+                "virtual connector: decision %d not acknowledged within --ack-timeout %gs; deciding on, its "
+                "engines counted as starting until they register",
+                published.decision_id,
+                self._ack_timeout,
+            )
+        return waiting
 
     async def apply(self, decision_id: int, target: Mapping[Pool, int], engines: Sequence[EngineRef]) -> bool:
         msg = self.state.publish(decision_id, target, time.monotonic())
