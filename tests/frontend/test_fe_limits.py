@@ -327,7 +327,11 @@ async def test_a_model_at_its_bound_is_refused_at_entry_and_reaches_no_router_no
     assert sorted(shed) == ["over-unary", "over0", "over1", "over2"]
     assert all(status.description.startswith("RESOURCE_EXHAUSTED: model") for status in shed.values())
 
-    # the slots are given back as requests end: the next one is admitted
+    # the slots are given back as requests end (each as its task ends, just after its final response went
+    # out): the next one is admitted
+    deadline = asyncio.get_running_loop().time() + 5
+    while fe.frontend.admission.inflight(MODEL) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.01)
     assert fe.frontend.admission.inflight(MODEL) == 0
     await call.write(llm_request("hello world", request_id="after", sampling={"max_tokens": 2}))
     while True:
