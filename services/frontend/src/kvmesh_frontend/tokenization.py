@@ -345,9 +345,10 @@ class StopStrings:
     request with 64 long stop strings stalled the frontend's event loop for seconds (10 s of CPU for 1000
     deltas). Stop strings are never empty (the request parser refuses them).
 
-    The context is the end of the text already sent (its last ``longest stop - 1`` characters): as in vLLM,
-    a stop string may begin there and end in a new delta, and text sent unsearched (:meth:`seen`: the first
-    ``min_tokens`` tokens) can begin one too. A match that began in sent text cuts nothing more out of it.
+    The context is the end of the text sent unsearched (:meth:`seen`: the first ``min_tokens`` tokens; its
+    last ``longest stop - 1`` characters), kept while a stop string may be under way in it: as in vLLM, a
+    stop string may begin there and end in a new delta. A match that began in sent text cuts nothing more
+    out of it.
     """
 
     __slots__ = ("_context", "_fail", "_held", "_include", "_keep", "_states", "_stops")
@@ -387,10 +388,13 @@ class StopStrings:
             self._held = self._context = ""
             end = best + len(best_stop) if self._include else best
             return text[base:end] if end > base else "", True
-        hold = min(self._advance(delta), len(text) - base)
+        longest = self._advance(delta)
+        hold = min(longest, len(text) - base)
         cut = len(text) - hold
         self._held = text[cut:]
-        self._context = text[:cut][-self._keep :] if self._keep else ""
+        # Sent text stays context only while a stop string under way began in it (in seen text): one that
+        # began in searched text is all held. So the usual delta pays for no context.
+        self._context = text[:cut][-self._keep :] if longest > hold and self._keep else ""
         return text[base:cut], False
 
     def _advance(self, delta: str) -> int:
