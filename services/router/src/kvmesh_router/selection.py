@@ -266,7 +266,7 @@ class RoundRobinSelector:
         if not ctx.engines:
             raise ValueError("no candidates")
         picked = self._picked
-        engine = min(sorted(ctx.engines), key=lambda e: picked.get(e, 0))  # ties: the lowest id
+        engine = min(ctx.engines, key=lambda e: (picked.get(e, 0), e))  # ties: the lowest id
         self._picks += 1
         picked[engine] = self._picks
         if len(picked) > self._FORGET_AT:  # engines that left the fleet long ago
